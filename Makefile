@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  `make train` (main job)  and  `make test` (test suite).
+# Both set up .venv first. The venv sees the system's packages, so a GPU machine keeps the CUDA
+# torch it already has; a machine with no torch gets the CPU build pinned below (on this
+# workplace's machines it is a wheel already on disk; elsewhere point pip at a CPU index with
+# PIP_EXTRA_INDEX_URL). Nothing here pulls CUDA wheels onto a CPU machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup train test bench-quant clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "setup: keeping the installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	else \
+		echo "setup: no torch found, installing the CPU build $(TORCH_CPU)"; \
+		$(BIN)/python -m pip install -q "$(TORCH_CPU)"; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $@
+
+# Main job. Until the training loop lands (issue 6) this runs the quantization benchmark on the
+# default device (the GPU if there is one, else small shapes on the CPU reference path).
+train: setup
+	$(BIN)/python tools/bench_quant.py
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench-quant: setup
+	$(BIN)/python tools/bench_quant.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

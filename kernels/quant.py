@@ -1,0 +1,424 @@
+"""FP8 quantization kernels (DESIGN.md §1): Triton kernel -> public wrapper -> `_ref` twin.
+
+Every public function takes ``impl=None|"triton"|"ref"``: by default CUDA tensors go to the
+Triton kernel and CPU tensors to the pure-PyTorch reference (Triton also runs on CPU tensors
+under ``TRITON_INTERPRET=1``, which the tests use). The reference follows the kernel's order of
+operations in fp32, so on a GPU the two agree bit for bit (FP8 bytes and scales).
+
+Layouts and the scale formats are described in `moefp8.fp8`. All kernels use 128-wide tiles
+along the quantized dimension; the other dimension is masked, so M need not be a multiple
+of 128 (the last "128x1" tile along M is partial).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from torch import Tensor
+
+from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, FP8_MAX, TILE, Fp8Tensor, check_scale_fmt
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Triton kernels read module globals only as constexprs.
+# The interpreter has no libdevice; there tl.exp is numpy's (precise) exp anyway.
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_MIN = tl.constexpr(AMAX_MIN)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared Triton helpers
+
+
+@triton.jit
+def _scale_from_amax(amax, POW2: tl.constexpr):
+    """amax fp32 (NaN-free) -> (scale, 1/scale); inverse only meaningful for POW2.
+
+    pow2: s = 2**ceil(log2(amax/448)) computed exactly from amax's bits, no division or log:
+    with amax = m * 2**ea (m in [1, 2)) and 448 = 1.75 * 2**8, ceil(log2(amax/448)) is
+    ea - 8, plus one when m > 1.75 (mantissa bits > 0x600000).
+    """
+    amax = tl.maximum(amax, _AMAX_MIN)
+    if POW2:
+        bits = amax.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
+        inv = scale  # unused: fp32 scales divide (IEEE), like the reference
+    is_inf = amax == float("inf")  # an Inf in the tile: scale Inf, the tile dequantizes to NaN
+    scale = tl.where(is_inf, float("inf"), scale)
+    inv = tl.where(is_inf, 0.0, inv)
+    return scale, inv
+
+
+@triton.jit
+def _to_fp8(x, scale, inv, POW2: tl.constexpr):
+    """x / scale rounded to E4M3 (RNE), saturated to +-448, NaN kept."""
+    if POW2:
+        q = x * inv  # exact: inv is a power of two
+    else:
+        q = tl.math.div_rn(x, scale)
+    q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_rows_store(x, rm, rk, M, q_ptr, s_ptr, stride_qm, stride_sm, pid_g, POW2: tl.constexpr):
+    """x [BLOCK_M, 128] fp32 (rows rm, cols rk) -> FP8 rows + one scale per row at column pid_g."""
+    amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=1)
+    scale, inv = _scale_from_amax(amax, POW2)
+    q = _to_fp8(x, scale[:, None], inv[:, None], POW2)
+    row_ok = rm < M
+    tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], q, mask=row_ok[:, None])
+    tl.store(s_ptr + rm * stride_sm + pid_g, scale, mask=row_ok)
+
+
+@triton.jit
+def _quant_cols_store(x, rm, rk, M, K, q_ptr, s_ptr, stride_qk, stride_sk, pid_m, POW2: tl.constexpr):
+    """x [128, BLOCK_K] fp32 (rows rm of one 128-row tile, cols rk; masked rows must be 0)
+    -> one scale per column, FP8 stored transposed: q[k, m], s[k, pid_m]."""
+    amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=0)
+    scale, inv = _scale_from_amax(amax, POW2)
+    q = tl.trans(_to_fp8(x, scale[None, :], inv[None, :], POW2))  # [BLOCK_K, 128]
+    col_ok = rk < K
+    mask = col_ok[:, None] & (rm[None, :] < M)
+    tl.store(q_ptr + rk[:, None] * stride_qk + rm[None, :], q, mask=mask)
+    tl.store(s_ptr + rk * stride_sk + pid_m, scale, mask=col_ok)
+
+
+@triton.jit
+def _swiglu(g, u):
+    """silu(g) * u in fp32, written as torch's CUDA silu (x / (1 + exp(-x))), precise exp/div."""
+    if _INTERPRET:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)  # expf, as torch's CUDA silu; tl.exp is the ex2.approx path
+    return tl.math.div_rn(g, 1.0 + e) * u
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
+                          POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_g = tl.program_id(0)  # 128-wide column group: fastest, neighbours read neighbouring bytes
+    pid_m = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_g * 128 + tl.arange(0, 128)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0)
+    _quant_rows_store(x.to(tl.float32), rm, rk, M, q_ptr, s_ptr, stride_qm, stride_sm, pid_g, POW2)
+
+
+@triton.jit
+def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, stride_sk,
+                          POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
+    _quant_cols_store(x.to(tl.float32), rm, rk, M, K, q_ptr, s_ptr, stride_qk, stride_sk, pid_m, POW2)
+
+
+@triton.jit
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                         POW2: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_e = tl.program_id(2).to(tl.int64)
+    rn = pid_n * 128 + tl.arange(0, 128)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    offs = pid_e * stride_we + rn[:, None] * stride_wn + rk[None, :]
+    mask = (rn < N)[:, None]
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.where(w == w, tl.abs(w), 0.0), axis=1), axis=0)
+    scale, inv = _scale_from_amax(amax, POW2)
+    tl.store(q_ptr + offs, _to_fp8(w, scale, inv, POW2), mask=mask)
+    tl.store(s_ptr + pid_e * stride_se + pid_n * stride_sn + pid_k, scale)
+
+
+@triton.jit
+def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride_sm, stride_ok, stride_osk,
+                            POW2: tl.constexpr):
+    pid_k = tl.program_id(0)  # 128 columns: exactly one row-wise scale per row
+    pid_m = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    row_ok = rm < M
+    q = tl.load(q_ptr + rm[:, None] * stride_qm + rk[None, :], mask=row_ok[:, None], other=0.0)
+    s = tl.load(s_ptr + rm * stride_sm + pid_k, mask=row_ok, other=0.0)
+    x = q.to(tl.float32) * s[:, None]
+    _quant_cols_store(x, rm, rk, M, K, o_ptr, os_ptr, stride_ok, stride_osk, pid_m, POW2)
+
+
+@triton.jit
+def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride_sm,
+                         POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_g * 128 + tl.arange(0, 128)
+    offs = rm[:, None] * stride_hm + rk[None, :]
+    mask = (rm < M)[:, None]
+    g = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + offs + I, mask=mask, other=0.0).to(tl.float32)
+    _quant_rows_store(_swiglu(g, u), rm, rk, M, q_ptr, s_ptr, stride_qm, stride_sm, pid_g, POW2)
+
+
+@triton.jit
+def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_hsm,
+                                         stride_qk, stride_sk, POW2: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    row_ok = rm < M
+    offs = rm[:, None] * stride_hm + rk[None, :]
+    sg = tl.load(hs_ptr + rm * stride_hsm + pid_k, mask=row_ok, other=0.0)
+    su = tl.load(hs_ptr + rm * stride_hsm + I // 128 + pid_k, mask=row_ok, other=0.0)
+    g = tl.load(h_ptr + offs, mask=row_ok[:, None], other=0.0).to(tl.float32) * sg[:, None]
+    u = tl.load(h_ptr + offs + I, mask=row_ok[:, None], other=0.0).to(tl.float32) * su[:, None]
+    a = tl.where(row_ok[:, None], _swiglu(g, u), 0.0)  # padded rows must not enter the amax
+    _quant_cols_store(a, rm, rk, M, I, q_ptr, s_ptr, stride_qk, stride_sk, pid_m, POW2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers: validate, allocate, launch. Kernels assume valid input.
+
+
+def _use_triton(x: Tensor, impl: str | None) -> bool:
+    if impl is None:
+        return x.is_cuda
+    if impl not in ("triton", "ref"):
+        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
+    return impl == "triton"
+
+
+def _check_input(name: str, x: Tensor, k_multiple_of_128: bool = True) -> None:
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{name}: dtype {x.dtype} not supported, expected one of {_IN_DTYPES}")
+    if x.dim() < 1:
+        raise ValueError(f"{name}: expected at least 1 dimension, got a scalar")
+    if k_multiple_of_128 and x.shape[-1] % TILE:
+        raise ValueError(
+            f"{name}: last dimension {x.shape[-1]} is not divisible by {TILE} "
+            f"(the FP8 recipe quantizes in 1x{TILE} tiles along it)")
+
+
+def _check_fp8(name: str, q: Fp8Tensor, layout: str) -> None:
+    if not isinstance(q, Fp8Tensor) or q.layout != layout:
+        got = q.layout if isinstance(q, Fp8Tensor) else type(q).__name__
+        raise ValueError(f"{name}: expected an Fp8Tensor with layout {layout!r}, got {got!r}")
+    if q.data.dim() != 2 or q.data.shape[-1] % TILE:
+        raise ValueError(f"{name}: expected data [M, K] with K % {TILE} == 0, got {tuple(q.data.shape)}")
+
+
+def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+    """x [..., K] bf16|fp16|fp32, K % 128 == 0 -> "1x128": q [..., K] e4m3, s [..., K/128] fp32."""
+    _check_input("quant_rowwise", x)
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(x, impl):
+        return quant_rowwise_ref(x, scale_fmt)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(M, K // TILE, dtype=torch.float32, device=x.device)
+    if M:
+        BLOCK_M = 32
+        grid = (K // TILE, triton.cdiv(M, BLOCK_M))
+        _quant_rowwise_kernel[grid](x2, q, s, M, x2.stride(0), q.stride(0), s.stride(0),
+                                    POW2=pow2, BLOCK_M=BLOCK_M, num_warps=4)
+    return Fp8Tensor(q.view(x.shape), s.view(*x.shape[:-1], K // TILE), "1x128")
+
+
+def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+    """x [M, K] -> "128x1" (128 tokens per tile along M): q = [K, M] e4m3 (transposed, M
+    contiguous, the K-major operand of the wgrad GEMM), s [K, ceil(M/128)] fp32. Any M."""
+    _check_input("quant_colwise", x)
+    if x.dim() != 2:
+        raise ValueError(f"quant_colwise: expected x [M, K], got shape {tuple(x.shape)}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(x, impl):
+        return quant_colwise_ref(x, scale_fmt)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(K, M, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=x.device)
+    if M:
+        BLOCK_K = 64
+        grid = (triton.cdiv(K, BLOCK_K), triton.cdiv(M, TILE))
+        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+                                    POW2=pow2, BLOCK_K=BLOCK_K, num_warps=4)
+    return Fp8Tensor(q, s, "128x1")
+
+
+def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+    """w [N, K] or a stack [E, N, K], K % 128 == 0 -> "128x128": q like w (e4m3),
+    s [(E,) ceil(N/128), K/128] fp32. The same blocks serve fprop and dgrad."""
+    _check_input("quant_weight", w)
+    if w.dim() not in (2, 3):
+        raise ValueError(f"quant_weight: expected w [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(w, impl):
+        return quant_weight_ref(w, scale_fmt)
+    w3 = w.unsqueeze(0) if w.dim() == 2 else w
+    if w3.stride(-1) != 1 or w3.stride(0) != w3.shape[1] * w3.stride(1):
+        w3 = w3.contiguous()
+    E, N, K = w3.shape
+    q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(E, triton.cdiv(N, TILE), K // TILE, dtype=torch.float32, device=w.device)
+    if E and N:
+        grid = (K // TILE, triton.cdiv(N, TILE), E)
+        _quant_weight_kernel[grid](w3, q, s, N, K, w3.stride(0), w3.stride(1), s.stride(0), s.stride(1),
+                                   POW2=pow2, num_warps=8)
+    if w.dim() == 2:
+        q, s = q[0], s[0]
+    return Fp8Tensor(q, s, "128x128")
+
+
+def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+    """"1x128" [M, K] -> "128x1" ([K, M] data) in one pass: dequantize in registers, requantize
+    along M. With pow2 scales this equals `quant_colwise` of the original except where a value
+    was subnormal in one of the two quantizations (tested)."""
+    _check_fp8("requant_colwise", q, "1x128")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(q.data, impl):
+        return requant_colwise_ref(q, scale_fmt)
+    data, sc = q.data, q.scale
+    M, K = data.shape
+    out = torch.empty(K, M, dtype=FP8_DTYPE, device=data.device)
+    out_s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
+    if M:
+        grid = (K // TILE, triton.cdiv(M, TILE))
+        _requant_colwise_kernel[grid](data, sc, out, out_s, M, K, data.stride(0), sc.stride(0),
+                                      out.stride(0), out_s.stride(0), POW2=pow2, num_warps=8)
+    return Fp8Tensor(out, out_s, "128x1")
+
+
+def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+    """h [M, 2I] = [gate | up], I % 128 == 0 -> a = silu(gate) * up as "1x128" FP8 [M, I]."""
+    _check_input("swiglu_quant", h)
+    if h.dim() != 2 or h.shape[1] % (2 * TILE):
+        raise ValueError(f"swiglu_quant: expected h [M, 2I] with I % {TILE} == 0, got shape {tuple(h.shape)}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(h, impl):
+        return swiglu_quant_ref(h, scale_fmt)
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    M, I = h.shape[0], h.shape[1] // 2
+    q = torch.empty(M, I, dtype=FP8_DTYPE, device=h.device)
+    s = torch.empty(M, I // TILE, dtype=torch.float32, device=h.device)
+    if M:
+        BLOCK_M = 32
+        grid = (I // TILE, triton.cdiv(M, BLOCK_M))
+        _swiglu_quant_kernel[grid](h, q, s, M, I, h.stride(0), q.stride(0), s.stride(0),
+                                   POW2=pow2, BLOCK_M=BLOCK_M, num_warps=4)
+    return Fp8Tensor(q, s, "1x128")
+
+
+def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+    """Backward recompute: cached "1x128" h [M, 2I] -> a = silu(gate) * up -> "128x1" FP8
+    ([I, M] data, for the fc2 wgrad), in one pass."""
+    _check_fp8("dequant_swiglu_quant_colwise", h8, "1x128")
+    if h8.data.shape[1] % (2 * TILE):
+        raise ValueError(f"dequant_swiglu_quant_colwise: 2I={h8.data.shape[1]} is not divisible by {2 * TILE}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(h8.data, impl):
+        return dequant_swiglu_quant_colwise_ref(h8, scale_fmt)
+    data, sc = h8.data, h8.scale
+    M, I = data.shape[0], data.shape[1] // 2
+    q = torch.empty(I, M, dtype=FP8_DTYPE, device=data.device)
+    s = torch.empty(I, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
+    if M:
+        grid = (I // TILE, triton.cdiv(M, TILE))
+        _dequant_swiglu_quant_colwise_kernel[grid](data, sc, q, s, M, I, data.stride(0), sc.stride(0),
+                                                   q.stride(0), s.stride(0), POW2=pow2, num_warps=8)
+    return Fp8Tensor(q, s, "128x1")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-PyTorch reference twins: same clamp and order of operations as the kernels, in fp32.
+
+
+def scale_from_amax_ref(amax: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """amax fp32 (NaN-free) -> (scale, inverse scale), as `_scale_from_amax`."""
+    amax = amax.float().clamp_min(AMAX_MIN)
+    if pow2:
+        bits = amax.view(torch.int32)
+        e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+        scale = ((e + 127) << 23).view(torch.float32)
+        inv = ((127 - e) << 23).view(torch.float32)
+    else:
+        scale = amax / FP8_MAX
+        inv = scale
+    is_inf = torch.isinf(amax)
+    scale = torch.where(is_inf, torch.full_like(scale, float("inf")), scale)
+    inv = torch.where(is_inf, torch.zeros_like(inv), inv)
+    return scale, inv
+
+
+def to_fp8_ref(x32: Tensor, scale: Tensor, inv: Tensor, pow2: bool) -> Tensor:
+    q = x32 * inv if pow2 else x32 / scale
+    return q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # clamp keeps NaN
+
+
+def _quant_lastdim_ref(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """x [..., L] (any L) -> q [..., L] e4m3, s [..., ceil(L/128)]: 1x128 tiles, last one zero-padded."""
+    L = x.shape[-1]
+    G = -(-L // TILE)
+    x32 = torch.nn.functional.pad(x.float(), (0, G * TILE - L)).reshape(*x.shape[:-1], G, TILE)
+    amax = torch.where(torch.isnan(x32), 0.0, x32.abs()).amax(dim=-1)
+    scale, inv = scale_from_amax_ref(amax, pow2)
+    q = to_fp8_ref(x32, scale[..., None], inv[..., None], pow2)
+    return q.reshape(*x.shape[:-1], G * TILE)[..., :L], scale
+
+
+def quant_rowwise_ref(x: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+    _check_input("quant_rowwise", x)
+    return Fp8Tensor(*_quant_lastdim_ref(x, check_scale_fmt(scale_fmt)), "1x128")
+
+
+def quant_colwise_ref(x: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+    q, s = _quant_lastdim_ref(x.t(), check_scale_fmt(scale_fmt))
+    return Fp8Tensor(q.contiguous(), s.contiguous(), "128x1")
+
+
+def quant_weight_ref(w: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+    pow2 = check_scale_fmt(scale_fmt)
+    N, K = w.shape[-2:]
+    Nb = -(-N // TILE)
+    w32 = torch.nn.functional.pad(w.float(), (0, 0, 0, Nb * TILE - N))
+    blocks = w32.reshape(*w.shape[:-2], Nb, TILE, K // TILE, TILE)
+    amax = torch.where(torch.isnan(blocks), 0.0, blocks.abs()).amax(dim=(-3, -1))  # [..., Nb, K/128]
+    scale, inv = scale_from_amax_ref(amax, pow2)
+    q = to_fp8_ref(blocks, scale[..., :, None, :, None], inv[..., :, None, :, None], pow2)
+    return Fp8Tensor(q.reshape(w32.shape)[..., :N, :], scale, "128x128")
+
+
+def requant_colwise_ref(q: Fp8Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+    return quant_colwise_ref(q.dequantize(torch.float32), scale_fmt)
+
+
+def swiglu_ref(h: Tensor) -> Tensor:
+    """h [M, 2I] -> silu(h[:, :I]) * h[:, I:] in fp32, as the kernels compute it."""
+    g, u = h.float().chunk(2, dim=-1)
+    return g / (1.0 + torch.exp(-g)) * u
+
+
+def swiglu_quant_ref(h: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+    return Fp8Tensor(*_quant_lastdim_ref(swiglu_ref(h), check_scale_fmt(scale_fmt)), "1x128")
+
+
+def dequant_swiglu_quant_colwise_ref(h8: Fp8Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+    return quant_colwise_ref(swiglu_ref(h8.dequantize(torch.float32)), scale_fmt)

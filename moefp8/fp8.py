@@ -1,0 +1,99 @@
+"""The FP8 tensor format of the recipe (DESIGN.md §1).
+
+Elements are E4M3 (``torch.float8_e4m3fn``, max 448) for activations, weights and gradients.
+Each 128-element tile carries one fp32 scale, ``x ~= q * s``. Three tile layouts:
+
+=========  =====================  ==================================  ==============================
+layout     logical x              data (stored)                       scale (fp32)
+=========  =====================  ==================================  ==============================
+"1x128"    [..., K]               [..., K]            row-wise        [..., K/128]
+"128x1"    [M, K]                 [K, M] = xᵀ, so the contraction     [K, ceil(M/128)]
+                                  dim M is contiguous (K-major for
+                                  the wgrad GEMM, as FP8 wgmma needs)
+"128x128"  [..., N, K]            [..., N, K]                         [..., ceil(N/128), K/128]
+=========  =====================  ==================================  ==============================
+
+A "128x1" tensor is the "1x128" quantization of xᵀ; the last tile along M may be partial (the
+tiles are padded with zeros for the amax, nothing is stored past M).
+
+Scale formats (one switch for the whole recipe): ``"pow2"`` (default) stores
+``s = 2**ceil(log2(amax/448))`` so ``x/s`` is exact and only the FP8 cast rounds; ``"fp32"``
+stores ``s = amax/448``. amax is clamped to >= 1e-4. Where bytes matter (dispatch payloads,
+cached activations) pow2 scales travel as UE8M0 bytes (``exponent + 127``): see
+`pack_ue8m0` / `unpack_ue8m0`.
+
+Non-finite input (both formats): NaN elements are ignored by the tile's amax and stay NaN;
+an Inf makes its tile's scale Inf, so the whole tile dequantizes to NaN. Non-finite input
+never turns into finite output.
+"""
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+TILE = 128  # quantization tile length along the contraction dimension
+AMAX_MIN = 1e-4
+SCALE_FMTS = ("pow2", "fp32")
+LAYOUTS = ("1x128", "128x1", "128x128")
+
+
+class Fp8Tensor(NamedTuple):
+    """FP8 data + fp32 scales + tile layout (see the module docstring for shapes)."""
+
+    data: Tensor  # float8_e4m3fn
+    scale: Tensor  # float32, one per tile
+    layout: str  # "1x128" | "128x1" | "128x128"
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape of the quantized tensor (for "128x1", that of x, not of data)."""
+        return self.data.t().shape if self.layout == "128x1" else self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """q * s with the logical shape; for "128x1" a transposed view of the stored order."""
+        if self.layout == "1x128":
+            x = self.data.float() * _expand_last(self.scale, self.data.shape[-1])
+        elif self.layout == "128x1":
+            x = (self.data.float() * _expand_last(self.scale, self.data.shape[-1])).t()
+        elif self.layout == "128x128":
+            n, k = self.data.shape[-2:]
+            s = _expand_last(self.scale, k)
+            s = _expand_last(s.transpose(-1, -2), n).transpose(-1, -2)
+            x = self.data.float() * s
+        else:
+            raise ValueError(f"unknown FP8 layout {self.layout!r}, expected one of {LAYOUTS}")
+        return x.to(dtype)
+
+
+def _expand_last(s: Tensor, n: int) -> Tensor:
+    """[..., ceil(n/128)] -> [..., n] by repeating each scale over its tile."""
+    return s.repeat_interleave(TILE, dim=-1)[..., :n]
+
+
+def check_scale_fmt(scale_fmt: str) -> bool:
+    """Validates the recipe's scale format; returns True for power-of-two scales."""
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt={scale_fmt!r}: expected one of {SCALE_FMTS}")
+    return scale_fmt == "pow2"
+
+
+def pack_ue8m0(scale: Tensor) -> Tensor:
+    """fp32 power-of-two scales -> uint8 biased exponents (UE8M0: byte = exponent + 127).
+
+    Raises if a scale is not a positive power of two (fp32-format scales cannot be packed).
+    Inf packs to 255 and unpacks to Inf.
+    """
+    bits = scale.float().contiguous().view(torch.int32)
+    bad = (bits & 0x807FFFFF) != 0  # sign bit or mantissa set: not a positive power of two
+    if bool(bad.any()):
+        v = scale.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+        raise ValueError(f"pack_ue8m0: scale {v!r} is not a positive power of two (use scale_fmt='pow2')")
+    return (bits >> 23).to(torch.uint8)
+
+
+def unpack_ue8m0(e8: Tensor) -> Tensor:
+    """uint8 biased exponents -> fp32 scales 2**(e8 - 127) (byte 0 maps to 0.0, never produced)."""
+    return (e8.to(torch.int32) << 23).view(torch.float32)

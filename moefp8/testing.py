@@ -1,0 +1,122 @@
+"""Helpers shared by the tests and the benchmark tools: error metrics, timing, results JSON."""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def calc_diff(x: Tensor, y: Tensor) -> float:
+    """DeepGEMM's similarity error: 1 - 2<x,y>/(|x|^2+|y|^2) in float64; 0 means identical.
+    Below 1e-3 is DeepGEMM's bar for an FP8 GEMM against its dequantized reference."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def rel_err(out: Tensor, ref: Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf (NaN never passes)."""
+    out, ref = out.double(), ref.double()
+    if not (torch.isfinite(out).all() and torch.isfinite(ref).all()):
+        return float("inf")
+    n = ref.norm()
+    return float((out - ref).norm() / n) if n > 0 else float((out - ref).norm())
+
+
+def sqnr(x: Tensor, ref: Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB of x against ref."""
+    ref = ref.double()
+    noise = (x.double() - ref).pow(2).sum()
+    return float(10 * torch.log10(ref.pow(2).sum() / noise)) if noise > 0 else float("inf")
+
+
+def bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of fn() in milliseconds (CUDA: triton's do_bench with L2 flush; CPU: wall clock)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    import time
+
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000
+    while time.perf_counter() < deadline or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth, GB/s counting bytes read + written."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def results_path(name: str, ep: int | None = None) -> Path:
+    """bench/results/<name>-<device>[-ep<N>].json (DESIGN.md §6); CPU runs go to outputs/."""
+    dev = device_name().replace(" ", "-")
+    folder = REPO / ("bench/results" if torch.cuda.is_available() else "outputs")
+    return folder / f"{name}-{dev}{f'-ep{ep}' if ep else ''}.json"
+
+
+def save_results(tool: str, rows: list[dict], peak: dict, path: Path | None = None, **extra) -> Path:
+    """Writes the DESIGN.md §6 results JSON and returns its path."""
+    path = Path(path) if path else results_path(tool.removeprefix("bench_"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "tool": tool,
+        "device": device_name(),
+        "gpus": torch.cuda.device_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+        "peak": peak,
+        **extra,
+        "rows": rows,
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    """Plain fixed-width table (the last thing a benchmark prints)."""
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
