@@ -1,0 +1,175 @@
+"""Dense FP8 blockwise GEMMs (DESIGN.md §1): the three GEMMs of a linear layer.
+
+* fprop `Y = X · Wᵀ`: X "1x128" [M, K], W "128x128" [N, K] -> BF16 [M, N]
+* dgrad `dX = dY · W`: dY "1x128" [M, N], W "128x128" [N, K] -> BF16 [M, K]
+* wgrad `dW = dYᵀ · X`: dY "128x1" (data [N, M]), X "128x1" (data [K, M]) -> FP32 [N, K],
+  optionally accumulated into an FP32 main grad
+
+``impl``: None (default: cuBLAS blockwise ``torch._scaled_mm`` where it supports the case, else
+the Triton kernels of `moefp8.kernels.grouped_gemm` run with one group), "cublas", "triton" or
+"ref" (dequantize, multiply in fp32). CPU tensors default to "ref".
+
+cuBLAS blockwise on sm90 (torch 2.11) takes A row-major [M, K] with scale_a [M, K/128]
+column-major, B column-major (Wᵀ of a row-major W) with the 128x128 scale grid as
+[K/128, N/128] whose column stride is K/128 rounded up to 4 (`_cublas_weight_scale`;
+measured with tools/bench_gemm.py --probe, K = 384 and 640 included). Hopper's FP8 tensor
+cores need both operands K-major, so cuBLAS dgrad needs Wᵀ in memory: `transpose_weight`
+copies the FP8 bytes and transposes the scale grid (no requantization: a 128x128 tile is the
+same tile transposed). The Triton dgrad reads W's blocks transposed in the kernel instead.
+"""
+
+import torch
+from torch import Tensor
+
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+from moefp8.kernels.grouped_gemm import check_fp8, launch_kgrouped, launch_mgrouped
+
+_IMPLS = (None, "cublas", "triton", "ref")
+
+
+def _pick(x: Tensor, impl: str | None, cublas_ok: bool) -> str:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {_IMPLS}")
+    if impl is None:
+        if not x.is_cuda:
+            return "ref"
+        return "cublas" if cublas_ok else "triton"
+    if impl == "cublas" and not cublas_ok:
+        raise ValueError("impl='cublas': this case is not supported by blockwise torch._scaled_mm "
+                         "(needs CUDA, M % 16 == 0 and N % 128 == 0)")
+    return impl
+
+
+def transpose_weight(w: Fp8Tensor) -> Fp8Tensor:
+    """ "128x128" W [N, K] -> "128x128" Wᵀ [K, N] (data copied, scale grid transposed), the
+    K-major operand of the cuBLAS dgrad. Needs N % 128 == 0 (N becomes the contraction dim)."""
+    check_fp8("transpose_weight: w", w, "128x128", 2)
+    if w.data.shape[0] % TILE:
+        raise ValueError(f"transpose_weight: N={w.data.shape[0]} is not divisible by {TILE}")
+    return Fp8Tensor(w.data.t().contiguous(), w.scale.t().contiguous(), "128x128")
+
+
+def _cublas_weight_scale(s: Tensor) -> Tensor:
+    """[N/128, K/128] -> the [K/128, N/128] view cuBLAS reads, column stride round_up(K/128, 4)."""
+    nb, kb = s.shape
+    l4 = -(-kb // 4) * 4
+    pad = torch.zeros(nb, l4, dtype=torch.float32, device=s.device)
+    pad[:, :kb] = s
+    return pad[:, :kb].t()
+
+
+def _col_major(s: Tensor) -> Tensor:
+    return s.t().contiguous().t()
+
+
+def _cublas_nt(a: Fp8Tensor, b: Fp8Tensor) -> Tensor:
+    """A [M, K] "1x128" · B [N, K] "128x128"ᵀ through blockwise torch._scaled_mm -> BF16."""
+    return torch._scaled_mm(a.data, b.data.t(), _col_major(a.scale), _cublas_weight_scale(b.scale),
+                            out_dtype=torch.bfloat16)
+
+
+def _triton_nt(a: Fp8Tensor, b_data: Tensor, b_scale: Tensor, n_out: int, transpose_b: bool) -> Tensor:
+    M, K = a.data.shape
+    off = torch.tensor([0, M], dtype=torch.int32, device=a.data.device)
+    out = torch.empty(M, n_out, dtype=torch.bfloat16, device=a.data.device)
+    a = Fp8Tensor(a.data, a.scale.contiguous(), a.layout)
+    return launch_mgrouped(a, b_data.unsqueeze(0), b_scale.contiguous().unsqueeze(0), off, n_out, K,
+                           transpose_b, out)
+
+
+def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str | None = None) -> Tensor:
+    """Dense FP8 GEMM, chosen by the operands' layouts:
+
+    * a "1x128" [M, K], b "128x128" [N, K] -> BF16 [M, N] = A · Bᵀ (fprop; dgrad when b is
+      `transpose_weight(W)`, see also `fp8_gemm_dgrad`). `out` is not supported here.
+    * a "128x1" of dY [M, N] (data [N, M]), b "128x1" of X [M, K] (data [K, M]) -> FP32
+      [N, K] = dYᵀ · X (wgrad), any M; accumulated into `out` (FP32 [N, K]) when given.
+    """
+    if isinstance(a, Fp8Tensor) and a.layout == "128x1":
+        return _fp8_wgrad(a, b, out, impl)
+    check_fp8("fp8_gemm: a", a, "1x128", 2)
+    check_fp8("fp8_gemm: b", b, "128x128", 2)
+    if out is not None:
+        raise ValueError("fp8_gemm: out= is only supported for the FP32 wgrad (two '128x1' operands)")
+    M, K = a.data.shape
+    N, Kb = b.data.shape
+    if K != Kb:
+        raise ValueError(f"fp8_gemm: a has K={K} columns, b has K={Kb}")
+    which = _pick(a.data, impl, a.data.is_cuda and M % 16 == 0 and N % TILE == 0)
+    if which == "ref":
+        return fp8_gemm_ref(a, b)
+    if M == 0 or N == 0:
+        return torch.zeros(M, N, dtype=torch.bfloat16, device=a.data.device)
+    if which == "cublas":
+        return _cublas_nt(a, b)
+    return _triton_nt(a, b.data, b.scale, N, transpose_b=False)
+
+
+def fp8_gemm_dgrad(dy: Fp8Tensor, w: Fp8Tensor, *, w_t: Fp8Tensor | None = None,
+                   impl: str | None = None) -> Tensor:
+    """dX = dY · W: dy "1x128" [M, N], w "128x128" [N, K] (N % 128 == 0) -> BF16 [M, K].
+
+    cuBLAS path: multiplies by `w_t` = transpose_weight(w) (made here when not given).
+    Triton path: reads w's blocks transposed in the kernel, no copy.
+    """
+    check_fp8("fp8_gemm_dgrad: dy", dy, "1x128", 2)
+    check_fp8("fp8_gemm_dgrad: w", w, "128x128", 2)
+    M, N = dy.data.shape
+    Nw, K = w.data.shape
+    if N != Nw:
+        raise ValueError(f"fp8_gemm_dgrad: dy has {N} columns, w has N={Nw} rows")
+    which = _pick(dy.data, impl, dy.data.is_cuda and M % 16 == 0 and K % TILE == 0)
+    if which == "ref":
+        return fp8_gemm_dgrad_ref(dy, w)
+    if M == 0 or K == 0:
+        return torch.zeros(M, K, dtype=torch.bfloat16, device=dy.data.device)
+    if which == "cublas":
+        return _cublas_nt(dy, w_t if w_t is not None else transpose_weight(w))
+    return _triton_nt(dy, w.data, w.scale, K, transpose_b=True)
+
+
+def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None) -> Tensor:
+    check_fp8("fp8_gemm (wgrad): a", dy, "128x1", 2)
+    check_fp8("fp8_gemm (wgrad): b", x, "128x1", 2)
+    N, M = dy.data.shape
+    K, Mx = x.data.shape
+    if M != Mx:
+        raise ValueError(f"fp8_gemm (wgrad): a has {M} tokens (rows of dY), b has {Mx}")
+    if out is not None and (out.shape != (N, K) or out.dtype != torch.float32 or out.stride(-1) != 1):
+        raise ValueError(f"fp8_gemm (wgrad): out must be float32 [{N}, {K}] with a contiguous last dim, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if impl == "cublas":
+        raise ValueError("fp8_gemm (wgrad): impl='cublas' is not used for the wgrad (Triton kernel)")
+    which = _pick(dy.data, impl, False)
+    if which == "ref":
+        return fp8_gemm_wgrad_ref(dy, x, out)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(N, K, dtype=torch.float32, device=dy.data.device)
+    off = torch.tensor([0, M], dtype=torch.int32, device=dy.data.device)
+    launch_kgrouped(dy, x, off, out.unsqueeze(0), accumulate, mask_t=M % TILE != 0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-PyTorch reference twins: dequantize both operands, multiply in fp32.
+
+
+def fp8_gemm_ref(a: Fp8Tensor, b: Fp8Tensor) -> Tensor:
+    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(torch.bfloat16)
+
+
+def fp8_gemm_dgrad_ref(dy: Fp8Tensor, w: Fp8Tensor) -> Tensor:
+    return (dy.dequantize(torch.float32) @ w.dequantize(torch.float32)).to(torch.bfloat16)
+
+
+def fp8_gemm_wgrad_ref(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None = None) -> Tensor:
+    res = dy.dequantize(torch.float32).t() @ x.dequantize(torch.float32)
+    if out is None:
+        return res
+    out += res
+    return out
+
+
+__all__ = ["fp8_gemm", "fp8_gemm_dgrad", "transpose_weight", "fp8_gemm_ref", "fp8_gemm_dgrad_ref",
+           "fp8_gemm_wgrad_ref"]

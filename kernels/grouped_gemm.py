@@ -1,0 +1,415 @@
+"""FP8 blockwise grouped GEMMs for the experts (DESIGN.md §1): Triton kernel -> public wrapper
+-> `_ref` twin.
+
+Two shapes, both with per-128-K "promotion": every 128-wide block of the contraction is
+multiplied in a fresh tensor-core accumulator, scaled by its two tile scales and added to a
+running fp32 total, so Hopper's ~14-bit FP8 accumulator never sums more than 128 products.
+
+* m-grouped (experts fprop and dgrad), `fp8_grouped_gemm`: the rows of all local experts are
+  stacked in one "1x128" tensor A [M, K]; rows [offsets[e], offsets[e+1]) are multiplied by
+  expert e's "128x128" weight B[e] [N, K]: out[m] = A[m] · B[e]ᵀ (fprop) or, with
+  ``transpose_b=True``, A[m] [M, N] · B[e] [N, K] (dgrad; B's blocks read transposed in the
+  kernel, no copy). BF16 out.
+* k-grouped (experts wgrad), `fp8_grouped_gemm_wgrad`: dW[e] = dYᵀ·X over the rows of expert
+  e, both operands "128x1" (data stored [N, M] and [K, M], tokens contiguous). FP32 out,
+  optionally accumulated into an existing buffer.
+
+``group_offsets`` contract (both kernels): an int32/int64 tensor [E+1] on the operands' device
+(a CPU tensor or a list is copied there), non-decreasing, ``offsets[0] == 0``, every entry a
+multiple of 128 and ``offsets[E] <= M``. Segment e is rows (tokens) [offsets[e], offsets[e+1]);
+an empty segment is an expert with no tokens. Rows inside a segment past the expert's real
+tokens (padding) are computed like any row: callers fill them with zeros (they must be finite,
+or they poison the expert's wgrad). m-grouped: output rows >= offsets[E] are written as zeros.
+k-grouped: rows >= offsets[E] are ignored; an empty expert gives exact zeros (or leaves `out`
+unchanged). ``validate=True`` checks the contract on the host (one device sync); the MoE layer,
+which builds the offsets itself, passes ``validate=False``.
+
+The dense GEMMs (`moefp8.kernels.gemm`) reuse these kernels with one group and any M.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row tiles sweep all column tiles together (A and B reuse in L2)."""
+    per_group = GROUP_M * num_n
+    group = tile // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mgrouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
+                          M, N, K, E, M_HINT,
+                          stride_am, stride_asm,
+                          stride_be, stride_bn, stride_bk,
+                          stride_bse, stride_bsn, stride_bsk,
+                          stride_cm,
+                          NUM_SMS: tl.constexpr, E_POW2: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Persistent: each program walks tiles pid, pid + NUM_SMS, ... of the [M, N] output.
+
+    a [M, K] e4m3 (K contiguous), as [M, K/128] fp32; b[e] element (n, k) at
+    b_ptr + e*stride_be + n*stride_bn + k*stride_bk, its block scale at
+    bs_ptr + e*stride_bse + (n//128)*stride_bsn + (k//128)*stride_bsk (fprop: K-major rows of
+    W; dgrad: the same W with n and k swapped). BLOCK_M divides 128 so that a row tile never
+    spans two experts; BLOCK_N <= 128 so that one b scale covers a tile's columns per K block.
+    """
+    BLOCK_K: tl.constexpr = 128
+    pid = tl.program_id(0)
+    m_end = tl.load(off_ptr + E)  # rows >= m_end belong to no expert: written as zeros
+    # Expert lookup without a loop: e(row) = #{i in 1..E-1 : offsets[i] <= row}.
+    ie = tl.arange(0, E_POW2)
+    inner = tl.load(off_ptr + 1 + ie, mask=ie < E - 1, other=2147483647)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = K // BLOCK_K
+    rk = tl.arange(0, BLOCK_K)
+    for tile in tl.range(pid, num_m * num_n, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if row0 < m_end:
+            e = tl.sum((inner <= row0).to(tl.int32), axis=0).to(tl.int64)
+            # Clamped indices instead of masks keep the loads unpredicated (pipelines better);
+            # rows/cols past the end are computed on repeated data and never stored.
+            rm_l = (rm % M).to(tl.int64)
+            rn_l = rn % N
+            a_ptrs = a_ptr + rm_l[:, None] * stride_am + rk[None, :]
+            b_ptrs = b_ptr + e * stride_be + rn_l[None, :] * stride_bn + rk[:, None] * stride_bk
+            as_ptrs = as_ptr + rm_l * stride_asm
+            bs_ptrs = bs_ptr + e * stride_bse + (pid_n * BLOCK_N // 128) * stride_bsn
+            for kb in tl.range(0, k_tiles):
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+                sa = tl.load(as_ptrs + kb)
+                sb = tl.load(bs_ptrs + kb * stride_bsk)
+                d = tl.dot(a, b)  # fresh accumulator: at most 128 FP8 products per partial sum
+                acc += d * (sa * sb)[:, None]
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K * stride_bk
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _kgrouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
+                          N, K, M_HINT,
+                          stride_an, stride_asn, stride_bk, stride_bsk,
+                          stride_ce, stride_cn,
+                          ACCUMULATE: tl.constexpr, MASK_T: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    """Grid (tiles of [N, K], E). a = dY col-wise: data [N, M] (tokens contiguous), as [N, M/128];
+    b = X col-wise: data [K, M], bs [K, M/128]. c[e] [N, K] fp32 (+= when ACCUMULATE).
+    MASK_T: the segment end may be inside a 128-token tile (dense wgrad, any M)."""
+    BLOCK_T: tl.constexpr = 128
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_n, pid_k = _tile_coords(pid, num_n, num_k, GROUP_N)
+    t_start = tl.load(off_ptr + e)
+    t_end = tl.load(off_ptr + e + 1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rt = tl.arange(0, BLOCK_T)
+    rn_l = (rn % N).to(tl.int64)
+    rk_l = (rk % K).to(tl.int64)
+    a_ptrs = a_ptr + rn_l[:, None] * stride_an + (t_start + rt)[None, :]
+    b_ptrs = b_ptr + rk_l[:, None] * stride_bk + (t_start + rt)[None, :]
+    as_ptrs = as_ptr + rn_l * stride_asn + t_start // BLOCK_T
+    bs_ptrs = bs_ptr + rk_l * stride_bsk + t_start // BLOCK_T
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t0 in tl.range(t_start, t_end, BLOCK_T):
+        if MASK_T:
+            t_ok = (t0 + rt) < t_end  # masked tokens load 0: a stray FP8 byte can be NaN
+            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=t_ok[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        sa = tl.load(as_ptrs)
+        sb = tl.load(bs_ptrs)
+        d = tl.dot(a, tl.trans(b))  # both operands token-major (K-major for wgmma)
+        acc += d * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_T
+        b_ptrs += BLOCK_T
+        as_ptrs += 1
+        bs_ptrs += 1
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn + rk[None, :]
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=mask)
+
+
+def _mgrouped_configs():
+    cfgs = []
+    for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 5), (128, 128, 8, 3),
+                         (64, 128, 4, 5), (128, 64, 4, 5)]:
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+def _kgrouped_configs():
+    cfgs = []
+    for bn, bk, w, s in [(128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3),
+                         (256, 128, 8, 3), (64, 128, 4, 4)]:
+        cfgs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s))
+    return cfgs
+
+
+# Autotuned entry points (GPU). Keys: the GEMM's N and K plus a power-of-two bucket of M, so
+# that per-step changes in token counts do not retune. Under the interpreter the plain kernels
+# are launched with small fixed blocks.
+_mgrouped_tuned = triton.autotune(_mgrouped_configs(), key=["N", "K", "M_HINT", "E"])(_mgrouped_gemm_kernel)
+_kgrouped_tuned = triton.autotune(_kgrouped_configs(), key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"],
+                                  restore_value=["c_ptr"])(_kgrouped_gemm_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers: validate, allocate, launch.
+
+
+def _use_triton(x: Tensor, impl: str | None) -> bool:
+    if impl is None:
+        return x.is_cuda
+    if impl not in ("triton", "ref"):
+        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
+    return impl == "triton"
+
+
+def check_fp8(name: str, q, layout: str, dims: int) -> None:
+    """Raises ValueError unless q is an Fp8Tensor of `layout` with `dims`-D data whose contraction
+    (last stored) dimension is a multiple of 128 and whose scale has the layout's shape."""
+    if not isinstance(q, Fp8Tensor):
+        raise ValueError(f"{name}: expected an Fp8Tensor, got {type(q).__name__}")
+    if q.layout != layout:
+        raise ValueError(f"{name}: expected layout {layout!r}, got {q.layout!r}")
+    if q.data.dtype != FP8_DTYPE or q.scale.dtype != torch.float32:
+        raise ValueError(f"{name}: expected {FP8_DTYPE} data and float32 scales, got {q.data.dtype}, {q.scale.dtype}")
+    if q.data.dim() != dims:
+        raise ValueError(f"{name}: expected {dims}-D data, got shape {tuple(q.data.shape)}")
+    if q.data.stride(-1) != 1:
+        raise ValueError(f"{name}: data must be contiguous along its last dimension, strides {q.data.stride()}")
+    *lead, r, c = q.data.shape
+    if layout == "1x128":
+        want = (*lead, r, -(-c // TILE))
+        if c % TILE:
+            raise ValueError(f"{name}: contraction dim {c} is not divisible by {TILE}")
+    elif layout == "128x1":
+        want = (r, -(-c // TILE))  # data [K, M]: tiles of 128 tokens along M, last may be partial
+    else:
+        want = (*lead, -(-r // TILE), -(-c // TILE))
+        if c % TILE:
+            raise ValueError(f"{name}: contraction dim {c} is not divisible by {TILE}")
+    if tuple(q.scale.shape) != want:
+        raise ValueError(f"{name}: scale shape {tuple(q.scale.shape)} does not match data "
+                         f"{tuple(q.data.shape)} for layout {layout!r} (expected {want})")
+
+
+def prepare_offsets(group_offsets, E: int, M: int, device, validate: bool) -> Tensor:
+    """group_offsets (tensor or list, [E+1]) -> int32 contiguous tensor on `device`; with
+    validate, checks the contract of the module docstring (one host sync)."""
+    off = torch.as_tensor(group_offsets)
+    if off.dim() != 1 or off.numel() != E + 1:
+        raise ValueError(f"group_offsets: expected shape [{E + 1}] (E + 1 for E={E} experts), got {tuple(off.shape)}")
+    if off.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"group_offsets: expected int32 or int64, got {off.dtype}")
+    if validate:
+        h = off.cpu().tolist()
+        if h[0] != 0:
+            raise ValueError(f"group_offsets[0] = {h[0]}: must be 0")
+        for i in range(E):
+            if h[i + 1] < h[i]:
+                raise ValueError(f"group_offsets not non-decreasing: offsets[{i}]={h[i]} > offsets[{i + 1}]={h[i + 1]}")
+        for i, v in enumerate(h):
+            if v % TILE:
+                raise ValueError(f"group_offsets[{i}] = {v} is not a multiple of {TILE} (segments start 128-aligned)")
+        if h[E] > M:
+            raise ValueError(f"group_offsets[{E}] = {h[E]} exceeds the {M} rows of the operands")
+    return off.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _num_sms(device) -> int:
+    if _INTERPRET or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _m_hint(M: int) -> int:
+    return 1 << max(M - 1, 1).bit_length()
+
+
+def launch_mgrouped(a: Fp8Tensor, b_data: Tensor, b_scale: Tensor, off: Tensor, N: int, K: int,
+                    transpose_b: bool, out: Tensor) -> Tensor:
+    """Launches the m-grouped kernel; b_data [E, N, K] ([E, K_contr... ] see kernel), validated."""
+    M = a.data.shape[0]
+    E = off.numel() - 1
+    if M == 0 or N == 0:
+        return out
+    if transpose_b:  # b[e] stored [Kc, N] (N contiguous): element (n, k) at k*N_stride + n
+        sbn, sbk = 1, b_data.stride(1)
+        ssn, ssk = 1, b_scale.stride(1)
+    else:
+        sbn, sbk = b_data.stride(1), 1
+        ssn, ssk = b_scale.stride(1), 1
+    args = (a.data, a.scale, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
+            a.data.stride(0), a.scale.stride(0), b_data.stride(0), sbn, sbk,
+            b_scale.stride(0), ssn, ssk, out.stride(0))
+    num_sms = _num_sms(a.data.device)
+    e_pow2 = max(triton.next_power_of_2(E), 2)
+    if _INTERPRET:
+        bm, bn = 32, 32
+        grid = (min(num_sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+        _mgrouped_gemm_kernel[grid](*args, NUM_SMS=grid[0], E_POW2=e_pow2, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
+    else:
+        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        _mgrouped_tuned[grid](*args, NUM_SMS=num_sms, E_POW2=e_pow2)
+    return out
+
+
+def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accumulate: bool,
+                    mask_t: bool) -> Tensor:
+    N, M = dy.data.shape
+    K = x.data.shape[0]
+    E = off.numel() - 1
+    if E == 0 or N == 0 or K == 0:
+        return out
+    args = (dy.data, dy.scale, x.data, x.scale, out, off, N, K, _m_hint(M),
+            dy.data.stride(0), dy.scale.stride(0), x.data.stride(0), x.scale.stride(0),
+            out.stride(0), out.stride(1))
+    if _INTERPRET:
+        bn, bk = 32, 32
+        grid = (triton.cdiv(N, bn) * triton.cdiv(K, bk), E)
+        _kgrouped_gemm_kernel[grid](*args, ACCUMULATE=accumulate, MASK_T=mask_t, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=2)
+    else:
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
+        _kgrouped_tuned[grid](*args, ACCUMULATE=accumulate, MASK_T=mask_t)
+    return out
+
+
+def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: bool = False,
+                     validate: bool = True, impl: str | None = None) -> Tensor:
+    """m-grouped FP8 GEMM (experts fprop / dgrad) -> BF16 [M, N_out].
+
+    a: "1x128" [M, Kc] (the stacked, 128-aligned segments of all local experts).
+    b: "128x128" expert weights, data [E, N, K], scale [E, ceil(N/128), K/128].
+    fprop (transpose_b=False): Kc == K, out[m] = a[m] · b[e]ᵀ, N_out = N.
+    dgrad (transpose_b=True):  Kc == N (N % 128 == 0), out[m] = a[m] · b[e], N_out = K.
+    group_offsets: see the module docstring (rows outside every segment come out 0).
+    """
+    check_fp8("fp8_grouped_gemm: a", a, "1x128", 2)
+    check_fp8("fp8_grouped_gemm: b", b, "128x128", 3)
+    M, Kc = a.data.shape
+    E, N, K = b.data.shape
+    if transpose_b:
+        if N % TILE:
+            raise ValueError(f"fp8_grouped_gemm: transpose_b needs the weights' N={N} divisible by {TILE}")
+        if Kc != N:
+            raise ValueError(f"fp8_grouped_gemm: a has {Kc} columns, b[e] has N={N} rows (transpose_b=True)")
+        n_out = K
+    else:
+        if Kc != K:
+            raise ValueError(f"fp8_grouped_gemm: a has K={Kc} columns, b has K={K}")
+        n_out = N
+    if a.data.device != b.data.device:
+        raise ValueError(f"fp8_grouped_gemm: a on {a.data.device}, b on {b.data.device}")
+    off = prepare_offsets(group_offsets, E, M, a.data.device, validate)
+    if not _use_triton(a.data, impl):
+        return fp8_grouped_gemm_ref(a, b, off, transpose_b=transpose_b)
+    bd, bs = b.data, b.scale
+    if bs.stride(-1) != 1:
+        bs = bs.contiguous()
+    if bd.stride(0) != N * K or bd.stride(1) != K:
+        bd = bd.contiguous()
+    a = Fp8Tensor(a.data, a.scale if a.scale.stride(-1) == 1 else a.scale.contiguous(), a.layout)
+    out = torch.empty(M, n_out, dtype=torch.bfloat16, device=a.data.device)
+    return launch_mgrouped(a, bd, bs, off, n_out, Kc, transpose_b, out)
+
+
+def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tensor | None = None, *,
+                           validate: bool = True, impl: str | None = None) -> Tensor:
+    """k-grouped FP8 GEMM (experts wgrad) -> FP32 [E, N, K]: out[e] (+)= dY_eᵀ · X_e.
+
+    dy: "128x1" of dY [M, N] (data [N, M], scale [N, ceil(M/128)]).
+    x:  "128x1" of X [M, K]  (data [K, M], scale [K, ceil(M/128)]).
+    out: optional FP32 [E, N, K] (contiguous last dim) to accumulate into (a main grad).
+    group_offsets [E+1]: see the module docstring; E is len(group_offsets) - 1. Experts with no
+    tokens give exact zeros (or leave out unchanged).
+    """
+    check_fp8("fp8_grouped_gemm_wgrad: dy", dy, "128x1", 2)
+    check_fp8("fp8_grouped_gemm_wgrad: x", x, "128x1", 2)
+    N, M = dy.data.shape
+    K, Mx = x.data.shape
+    if M != Mx:
+        raise ValueError(f"fp8_grouped_gemm_wgrad: dy has {M} tokens, x has {Mx}")
+    E = torch.as_tensor(group_offsets).numel() - 1
+    if E < 0:
+        raise ValueError("fp8_grouped_gemm_wgrad: group_offsets is empty, expected [E+1] entries")
+    off = prepare_offsets(group_offsets, E, M, dy.data.device, validate)
+    if out is not None:
+        if out.shape != (E, N, K) or out.dtype != torch.float32 or out.stride(-1) != 1:
+            raise ValueError(f"fp8_grouped_gemm_wgrad: out must be float32 [{E}, {N}, {K}] with a contiguous "
+                             f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if not _use_triton(dy.data, impl):
+        return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
+    return launch_kgrouped(dy, x, off, out, accumulate, mask_t=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-PyTorch reference twins: dequantize, multiply in fp32.
+
+
+def fp8_grouped_gemm_ref(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: bool = False) -> Tensor:
+    """Per-expert loop over dequantized operands, fp32 matmul, BF16 out; rows outside every
+    segment are 0 (as the kernel)."""
+    off = torch.as_tensor(group_offsets).tolist()
+    A = a.dequantize(torch.float32)
+    B = b.dequantize(torch.float32)
+    n_out = B.shape[2] if transpose_b else B.shape[1]
+    out = torch.zeros(A.shape[0], n_out, dtype=torch.float32, device=A.device)
+    for e in range(len(off) - 1):
+        s, t = off[e], off[e + 1]
+        if t > s:
+            out[s:t] = A[s:t] @ (B[e] if transpose_b else B[e].t())
+    return out.to(torch.bfloat16)
+
+
+def fp8_grouped_gemm_wgrad_ref(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tensor | None = None) -> Tensor:
+    """dW[e] = dY_eᵀ X_e from dequantized operands in fp32; accumulates into out when given."""
+    off = torch.as_tensor(group_offsets).tolist()
+    DY = dy.dequantize(torch.float32)  # [M, N]
+    X = x.dequantize(torch.float32)  # [M, K]
+    E = len(off) - 1
+    res = torch.zeros(E, DY.shape[1], X.shape[1], dtype=torch.float32, device=DY.device)
+    for e in range(E):
+        s, t = off[e], off[e + 1]
+        if t > s:
+            res[e] = DY[s:t].t() @ X[s:t]
+    if out is None:
+        return res
+    out += res
+    return out

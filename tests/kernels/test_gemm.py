@@ -1,0 +1,255 @@
+"""FP8 blockwise GEMMs: references vs float64, Triton (interpreter on CPU, GPU) vs the same FP8
+inputs upcast to float64, contract checks (empty experts, ragged segments, zero rows, errors).
+
+Tolerances (relative Frobenius error, `rel_err`):
+* FP32 results (wgrad, or the m-grouped kernel writing fp32): the only error is fp32 summation
+  of exact FP8 products, ~1e-7; bound 1e-5.
+* BF16 results: one rounding to bf16 (unit roundoff 2**-9 = 0.00195, rms ~0.0011 relative for
+  round-to-nearest); bound 4e-3. The Triton interpreter truncates fp32 -> bf16 instead (max
+  2**-8 = 0.0039 per element, rms ~0.0023), so interpreter runs of BF16 outputs get 8e-3.
+FP8 inputs are built with the `_ref` quantizers (the interpreter's own fp8 casts round wrongly).
+"""
+
+import pytest
+import torch
+
+from moefp8.fp8 import Fp8Tensor
+from moefp8.kernels.gemm import (fp8_gemm, fp8_gemm_dgrad, fp8_gemm_dgrad_ref, fp8_gemm_ref,
+                                 fp8_gemm_wgrad_ref, transpose_weight)
+from moefp8.kernels.grouped_gemm import (fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad,
+                                         fp8_grouped_gemm_wgrad_ref, launch_mgrouped, prepare_offsets)
+from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
+from moefp8.testing import rel_err
+
+FP32_TOL = 1e-5
+BF16_TOL = 4e-3
+BF16_INTERP_TOL = 8e-3
+
+
+def _rand(*shape, outliers: bool = False, device="cpu", seed=None):
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else torch.randint(0, 2**30, ()).item())
+    x = torch.randn(*shape, generator=g)
+    if outliers:  # a few values x1e3: they set their tiles' scales, the rest of the tile loses bits
+        idx = torch.randint(0, x.numel(), (max(1, x.numel() // 5000),), generator=g)
+        x.view(-1)[idx] *= 1e3
+    return x.to(device)
+
+
+def _ref64_grouped(a, b, off, transpose_b=False):
+    A, B = a.dequantize().double(), b.dequantize().double()
+    n_out = B.shape[2] if transpose_b else B.shape[1]
+    out = torch.zeros(A.shape[0], n_out, dtype=torch.float64, device=A.device)
+    for e in range(len(off) - 1):
+        s, t = off[e], off[e + 1]
+        out[s:t] = A[s:t] @ (B[e] if transpose_b else B[e].t())
+    return out
+
+
+def _ref64_wgrad(dy, x, off):
+    DY, X = dy.dequantize().double(), x.dequantize().double()
+    return torch.stack([DY[off[e]:off[e + 1]].t() @ X[off[e]:off[e + 1]] for e in range(len(off) - 1)])
+
+
+# ----------------------------------------------------------------------------------------------
+# References vs float64 (CPU, fast)
+
+
+@pytest.mark.parametrize("M,N,K", [(6, 128, 128), (200, 256, 384), (131, 96, 640)])
+def test_dense_refs_vs_fp64(M, N, K):
+    x, w, dy = _rand(M, K), _rand(N, K), _rand(M, N)
+    a, b = quant_rowwise_ref(x), quant_weight_ref(w)
+    exact = a.dequantize().double() @ b.dequantize().double().t()
+    assert rel_err(fp8_gemm_ref(a, b), exact) < BF16_TOL
+    assert rel_err(fp8_gemm(a, b), exact) < BF16_TOL  # CPU default is the reference
+    xc, dyc = quant_colwise_ref(x), quant_colwise_ref(dy)
+    exact_w = dyc.dequantize().double().t() @ xc.dequantize().double()
+    assert rel_err(fp8_gemm_wgrad_ref(dyc, xc), exact_w) < FP32_TOL
+    if N % 128 == 0:
+        d8 = quant_rowwise_ref(dy)
+        exact_d = d8.dequantize().double() @ b.dequantize().double()
+        assert rel_err(fp8_gemm_dgrad_ref(d8, b), exact_d) < BF16_TOL
+        # dgrad by the transposed 128x128 grid is the same numbers (no requantization)
+        assert torch.equal(transpose_weight(b).dequantize(), b.dequantize().t())
+
+
+def test_grouped_refs_vs_fp64():
+    off = [0, 128, 128, 512, 640]  # expert 1 empty
+    a = quant_rowwise_ref(_rand(700, 256))
+    b = quant_weight_ref(_rand(4, 192, 256))
+    out = fp8_grouped_gemm_ref(a, b, off)
+    assert rel_err(out, _ref64_grouped(a, b, off)) < BF16_TOL
+    assert torch.equal(out[640:], torch.zeros_like(out[640:]))
+    dyc, xc = quant_colwise_ref(_rand(700, 128)), quant_colwise_ref(_rand(700, 256))
+    dw = fp8_grouped_gemm_wgrad_ref(dyc, xc, off)
+    assert rel_err(dw, _ref64_wgrad(dyc, xc, off)) < FP32_TOL
+    assert torch.equal(dw[1], torch.zeros_like(dw[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (tiny shapes; BLOCK 32)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("off,M", [([0, 128, 128, 384], 416), ([0, 0, 0], 128), ([0, 256, 384, 384], 384)])
+def test_interp_mgrouped_fp32_exact(off, M):
+    """Kernel writing fp32: checks indexing and promotion to 1e-5 of the fp64 product."""
+    E = len(off) - 1
+    a, b = quant_rowwise_ref(_rand(M, 256, outliers=True)), quant_weight_ref(_rand(E, 96, 256))
+    o = prepare_offsets(off, E, M, "cpu", validate=True)
+    out = torch.full((M, 96), float("nan"))
+    launch_mgrouped(a, b.data, b.scale, o, 96, 256, False, out)
+    exact = _ref64_grouped(a, b, off)
+    assert rel_err(out, exact) < FP32_TOL
+    assert torch.equal(out[off[-1]:], torch.zeros_like(out[off[-1]:]))  # rows past the segments: 0
+
+
+@pytest.mark.interp
+def test_interp_mgrouped_bf16_and_dgrad():
+    off = [0, 128, 128, 384]
+    a, b = quant_rowwise_ref(_rand(400, 256)), quant_weight_ref(_rand(3, 128, 256))
+    out = fp8_grouped_gemm(a, b, off, impl="triton")
+    assert out.dtype == torch.bfloat16 and out.shape == (400, 128)
+    assert rel_err(out, _ref64_grouped(a, b, off)) < BF16_INTERP_TOL
+    # dgrad: a [M, N=128] times b[e] [N, K=256], b's blocks read transposed
+    d8 = quant_rowwise_ref(_rand(400, 128))
+    dx = fp8_grouped_gemm(d8, b, off, transpose_b=True, impl="triton")
+    assert dx.shape == (400, 256)
+    assert rel_err(dx, _ref64_grouped(d8, b, off, transpose_b=True)) < BF16_INTERP_TOL
+
+
+@pytest.mark.interp
+def test_interp_kgrouped_empty_ragged_accumulate():
+    off = [0, 0, 256, 384, 384]  # experts 0 and 3 empty
+    M = 416  # tokens past offsets[E] are ignored
+    dyc, xc = quant_colwise_ref(_rand(M, 64, outliers=True)), quant_colwise_ref(_rand(M, 96))
+    dw = fp8_grouped_gemm_wgrad(dyc, xc, off, impl="triton")
+    exact = _ref64_wgrad(dyc, xc, off)
+    assert rel_err(dw, exact) < FP32_TOL
+    assert torch.equal(dw[0], torch.zeros_like(dw[0])) and torch.equal(dw[3], torch.zeros_like(dw[3]))
+    base = _rand(4, 64, 96)
+    acc = base.clone()
+    fp8_grouped_gemm_wgrad(dyc, xc, off, out=acc, impl="triton")
+    assert rel_err(acc, exact + base.double()) < FP32_TOL
+    assert torch.equal(acc[0], base[0])
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("M", [1, 100, 130])
+def test_interp_dense_any_m(M):
+    """Dense GEMMs reuse the grouped kernels with one group; M need not be a multiple of 128."""
+    x, w, dy = _rand(M, 256), _rand(96, 256), _rand(M, 128)
+    a, b = quant_rowwise_ref(x), quant_weight_ref(w)
+    exact = a.dequantize().double() @ b.dequantize().double().t()
+    assert rel_err(fp8_gemm(a, b, impl="triton"), exact) < BF16_INTERP_TOL
+    w2 = quant_weight_ref(_rand(128, 256))
+    d8 = quant_rowwise_ref(dy)
+    exact_d = d8.dequantize().double() @ w2.dequantize().double()
+    assert rel_err(fp8_gemm_dgrad(d8, w2, impl="triton"), exact_d) < BF16_INTERP_TOL
+    xc, dyc = quant_colwise_ref(x), quant_colwise_ref(dy)
+    exact_w = dyc.dequantize().double().t() @ xc.dequantize().double()
+    assert rel_err(fp8_gemm(dyc, xc, impl="triton"), exact_w) < FP32_TOL
+    main = _rand(128, 256)
+    out = main.clone()
+    fp8_gemm(dyc, xc, out=out, impl="triton")
+    assert rel_err(out, exact_w + main.double()) < FP32_TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: a clear ValueError naming the value
+
+
+def test_errors():
+    a = quant_rowwise_ref(_rand(256, 256))
+    b3 = quant_weight_ref(_rand(2, 128, 256))
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        fp8_grouped_gemm(a, b3, [0, 100, 256])
+    with pytest.raises(ValueError, match="exceeds"):
+        fp8_grouped_gemm(a, b3, [0, 128, 384])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fp8_grouped_gemm(a, b3, [0, 256, 128])
+    with pytest.raises(ValueError, match=r"shape \[3\]"):
+        fp8_grouped_gemm(a, b3, [0, 256])
+    with pytest.raises(ValueError, match="layout '1x128'"):
+        fp8_grouped_gemm(b3, b3, [0, 128, 256])
+    with pytest.raises(ValueError, match="K=128"):
+        fp8_grouped_gemm(quant_rowwise_ref(_rand(256, 128)), b3, [0, 128, 256])
+    with pytest.raises(ValueError, match="K=256"):
+        fp8_gemm(a, quant_weight_ref(_rand(128, 384)))
+    bad = Fp8Tensor(torch.zeros(4, 100, dtype=a.data.dtype), torch.ones(4, 1), "1x128")
+    with pytest.raises(ValueError, match="100 is not divisible by 128"):
+        fp8_gemm(bad, quant_weight_ref(_rand(128, 128)))
+    with pytest.raises(ValueError, match="tokens"):
+        fp8_gemm(quant_colwise_ref(_rand(128, 128)), quant_colwise_ref(_rand(256, 128)))
+    with pytest.raises(ValueError, match="out must be float32"):
+        fp8_gemm(quant_colwise_ref(_rand(128, 128)), quant_colwise_ref(_rand(128, 128)),
+                 out=torch.zeros(128, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="impl="):
+        fp8_gemm(a, quant_weight_ref(_rand(128, 256)), impl="cutlass")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: every kernel vs the reference on fresh random inputs with outliers, DeepSeek-V3 shapes
+
+
+def _gpu_ref_check(out, exact, tol):
+    err = rel_err(out, exact)
+    assert err < tol, f"rel_err {err:.3g} >= {tol}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(256, 4096, 384), (512, 4096, 640), (1024, 7168, 2048),
+                                   (2048, 4096, 7168), (96, 7168, 7168), (200, 4096, 2048)])
+@pytest.mark.parametrize("impl", ["cublas", "triton"])
+def test_gpu_dense(M, N, K, impl):
+    if impl == "cublas" and M % 16:
+        pytest.skip("cuBLAS blockwise needs M % 16 == 0")
+    x, w, dy = _rand(M, K, outliers=True).cuda(), _rand(N, K).cuda(), _rand(M, N, outliers=True).cuda()
+    a, b, d8 = quant_rowwise_ref(x), quant_weight_ref(w), quant_rowwise_ref(dy)
+    exact = a.dequantize().double() @ b.dequantize().double().t()
+    _gpu_ref_check(fp8_gemm(a, b, impl=impl), exact, BF16_TOL)
+    exact_d = d8.dequantize().double() @ b.dequantize().double()
+    _gpu_ref_check(fp8_gemm_dgrad(d8, b, impl=impl), exact_d, BF16_TOL)
+    if impl == "triton":
+        xc, dyc = quant_colwise_ref(x), quant_colwise_ref(dy)
+        exact_w = dyc.dequantize().double().t() @ xc.dequantize().double()
+        _gpu_ref_check(fp8_gemm(dyc, xc), exact_w, FP32_TOL)
+        main = torch.randn(N, K, device="cuda")
+        out = main.clone()
+        fp8_gemm(dyc, xc, out=out)
+        _gpu_ref_check(out, exact_w + main.double(), FP32_TOL)
+
+
+def _segments(counts):
+    off = [0]
+    for c in counts:
+        off.append(off[-1] + -(-c // 128) * 128)
+    return off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (4096, 384), (256, 640)])
+@pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128], [0, 0, 0]])
+def test_gpu_grouped(N, K, counts):
+    off = _segments(counts)
+    E, M = len(counts), off[-1] + 128  # one spare tile past the segments
+    a = quant_rowwise_ref(_rand(M, K, outliers=True).cuda())
+    b = quant_weight_ref(_rand(E, N, K).cuda())
+    out = fp8_grouped_gemm(a, b, torch.tensor(off, dtype=torch.int32, device="cuda"))
+    _gpu_ref_check(out, _ref64_grouped(a, b, off), BF16_TOL)
+    assert torch.equal(out[off[-1]:], torch.zeros_like(out[off[-1]:]))
+    d8 = quant_rowwise_ref(_rand(M, N, outliers=True).cuda())
+    dx = fp8_grouped_gemm(d8, b, off, transpose_b=True)
+    _gpu_ref_check(dx, _ref64_grouped(d8, b, off, transpose_b=True), BF16_TOL)
+    dyc = quant_colwise_ref(_rand(M, N, outliers=True).cuda())
+    xc = quant_colwise_ref(_rand(M, K).cuda())
+    dw = fp8_grouped_gemm_wgrad(dyc, xc, off)
+    exact = _ref64_wgrad(dyc, xc, off)
+    _gpu_ref_check(dw, exact, FP32_TOL)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+    acc = torch.randn_like(dw)
+    base = acc.clone()
+    fp8_grouped_gemm_wgrad(dyc, xc, off, out=acc)
+    _gpu_ref_check(acc, exact + base.double(), FP32_TOL)
