@@ -162,6 +162,103 @@ def _kgrouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
     tl.store(c_ptrs, acc, mask=mask)
 
 
+@triton.jit
+def _mgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
+                              M, N, K, E, M_HINT,
+                              stride_asm, stride_bse, stride_bsn, stride_bsk,
+                              TRANS_B: tl.constexpr, NUM_SMS: tl.constexpr, E_POW2: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_mgrouped_gemm_kernel` with the operand tiles moved by TMA (device-side tensor
+    descriptors). a [M, K] contiguous; b [E, N, K] contiguous (TRANS_B=False) or, for dgrad,
+    the weights [E, K, N] (contraction K = the weights' N, read as [128, BLOCK_N] tiles);
+    c [M, N] contiguous. Out-of-range rows/columns: TMA zero-fills loads and clips stores."""
+    BLOCK_K: tl.constexpr = 128
+    pid = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if TRANS_B:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    m_end = tl.load(off_ptr + E)
+    ie = tl.arange(0, E_POW2)
+    inner = tl.load(off_ptr + 1 + ie, mask=ie < E - 1, other=2147483647)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    n_blocks = tl.cdiv(N, 128)
+    k_tiles = K // BLOCK_K
+    for tile in tl.range(pid, num_m * num_n, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if row0 < m_end:
+            e = tl.sum((inner <= row0).to(tl.int32), axis=0)
+            rm_l = (row0 + tl.arange(0, BLOCK_M)) % M
+            as_ptrs = as_ptr + rm_l.to(tl.int64) * stride_asm
+            if BLOCK_N <= 128:
+                bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + (n0 // 128) * stride_bsn
+            else:  # two 128-column weight blocks per tile: one scale per column
+                nb = (n0 + tl.arange(0, BLOCK_N)) // 128
+                bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + tl.minimum(nb, n_blocks - 1) * stride_bsn
+            for kb in tl.range(0, k_tiles):
+                a = a_desc.load([row0, kb * BLOCK_K])
+                if TRANS_B:
+                    b = b_desc.load([e * K + kb * BLOCK_K, n0])
+                    d = tl.dot(a, b)
+                else:
+                    b = b_desc.load([e * N + n0, kb * BLOCK_K])
+                    d = tl.dot(a, b.T)
+                sa = tl.load(as_ptrs + kb)
+                sb = tl.load(bs_ptrs + kb * stride_bsk)
+                if BLOCK_N <= 128:
+                    acc += d * (sa * sb)[:, None]
+                else:
+                    acc += d * (sa[:, None] * sb[None, :])
+        c_desc.store([row0, n0], acc.to(c_desc.dtype))
+
+
+@triton.jit
+def _kgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
+                              M, N, K, M_HINT,
+                              stride_asn, stride_bsk, stride_ce, stride_cn,
+                              ACCUMULATE: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    """`_kgrouped_gemm_kernel` with TMA tiles: a [N, M] and b [K, M] contiguous. A partial last
+    token tile (dense wgrad, M % 128 != 0) is zero-filled by TMA, so no masks."""
+    BLOCK_T: tl.constexpr = 128
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, M], strides=[M, 1], block_shape=[BLOCK_N, BLOCK_T])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, M], strides=[M, 1], block_shape=[BLOCK_K, BLOCK_T])
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_n, pid_k = _tile_coords(pid, num_n, num_k, GROUP_N)
+    t_start = tl.load(off_ptr + e)
+    t_end = tl.load(off_ptr + e + 1)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * BLOCK_K
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    as_ptrs = as_ptr + (rn % N).to(tl.int64) * stride_asn + t_start // BLOCK_T
+    bs_ptrs = bs_ptr + (rk % K).to(tl.int64) * stride_bsk + t_start // BLOCK_T
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t0 in tl.range(t_start, t_end, BLOCK_T):
+        a = a_desc.load([n0, t0])
+        b = b_desc.load([k0, t0])
+        sa = tl.load(as_ptrs)
+        sb = tl.load(bs_ptrs)
+        d = tl.dot(a, b.T)
+        acc += d * (sa[:, None] * sb[None, :])
+        as_ptrs += 1
+        bs_ptrs += 1
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn + rk[None, :]
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=mask)
+
+
 def _mgrouped_configs():
     cfgs = []
     for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 5), (128, 128, 8, 3),
@@ -184,6 +281,36 @@ def _kgrouped_configs():
 _mgrouped_tuned = triton.autotune(_mgrouped_configs(), key=["N", "K", "M_HINT", "E"])(_mgrouped_gemm_kernel)
 _kgrouped_tuned = triton.autotune(_kgrouped_configs(), key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"],
                                   restore_value=["c_ptr"])(_kgrouped_gemm_kernel)
+
+
+def _mgrouped_tma_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (128, 256, 8, 4),
+                                 (64, 128, 4, 6)]]
+
+
+def _kgrouped_tma_configs():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s)
+            for bn, bk, w, s in [(128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (256, 128, 8, 3)]]
+
+
+_mgrouped_tma_tuned = triton.autotune(_mgrouped_tma_configs(), key=["N", "K", "M_HINT", "E", "TRANS_B"])(
+    _mgrouped_gemm_tma_kernel)
+_kgrouped_tma_tuned = triton.autotune(_kgrouped_tma_configs(), key=["N", "K", "M_HINT", "ACCUMULATE"],
+                                      restore_value=["c_ptr"])(_kgrouped_gemm_tma_kernel)
+
+# Which kernel family the GPU path uses: "tma" (tensor descriptors) or "ptr" (pointer loads);
+# set from tools/bench_gemm.py measurements (the benchmark times both).
+GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need a global scratch allocator (128 B per descriptor)."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,11 +388,23 @@ def _m_hint(M: int) -> int:
 
 
 def launch_mgrouped(a: Fp8Tensor, b_data: Tensor, b_scale: Tensor, off: Tensor, N: int, K: int,
-                    transpose_b: bool, out: Tensor) -> Tensor:
-    """Launches the m-grouped kernel; b_data [E, N, K] ([E, K_contr... ] see kernel), validated."""
+                    transpose_b: bool, out: Tensor, variant: str | None = None) -> Tensor:
+    """Launches the m-grouped kernel on validated operands: a [M, K], b_data/b_scale [E, Nw, Kw]
+    (fprop: Nw = N, Kw = K; dgrad, transpose_b: Nw = K, Kw = N), out [M, N]."""
     M = a.data.shape[0]
     E = off.numel() - 1
     if M == 0 or N == 0:
+        return out
+    variant = variant or GPU_VARIANT["mgrouped"]
+    if (variant == "tma" and not _INTERPRET and a.data.is_cuda and N % 16 == 0 and a.data.is_contiguous()
+            and b_data.is_contiguous() and out.is_contiguous() and out.dtype == torch.bfloat16):
+        _ensure_allocator()
+        ssn, ssk = (1, b_scale.stride(1)) if transpose_b else (b_scale.stride(1), 1)
+        num_sms = _num_sms(a.data.device)
+        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        _mgrouped_tma_tuned[grid](a.data, a.scale, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
+                                  a.scale.stride(0), b_scale.stride(0), ssn, ssk, TRANS_B=transpose_b,
+                                  NUM_SMS=num_sms, E_POW2=max(triton.next_power_of_2(E), 2))
         return out
     if transpose_b:  # b[e] stored [Kc, N] (N contiguous): element (n, k) at k*N_stride + n
         sbn, sbk = 1, b_data.stride(1)
@@ -289,11 +428,22 @@ def launch_mgrouped(a: Fp8Tensor, b_data: Tensor, b_scale: Tensor, off: Tensor, 
 
 
 def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accumulate: bool,
-                    mask_t: bool) -> Tensor:
+                    mask_t: bool, variant: str | None = None) -> Tensor:
+    """Launches the k-grouped kernel on validated operands: dy data [N, M], x data [K, M],
+    out [E, N, K] fp32 (accumulated into when `accumulate`)."""
     N, M = dy.data.shape
     K = x.data.shape[0]
     E = off.numel() - 1
     if E == 0 or N == 0 or K == 0:
+        return out
+    variant = variant or GPU_VARIANT["kgrouped"]
+    if (variant == "tma" and not _INTERPRET and dy.data.is_cuda and M % 16 == 0 and dy.data.is_contiguous()
+            and x.data.is_contiguous()):
+        _ensure_allocator()
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
+        _kgrouped_tma_tuned[grid](dy.data, dy.scale, x.data, x.scale, out, off, M, N, K, _m_hint(M),
+                                  dy.scale.stride(0), x.scale.stride(0), out.stride(0), out.stride(1),
+                                  ACCUMULATE=accumulate)
         return out
     args = (dy.data, dy.scale, x.data, x.scale, out, off, N, K, _m_hint(M),
             dy.data.stride(0), dy.scale.stride(0), x.data.stride(0), x.scale.stride(0),

@@ -56,38 +56,50 @@ def _scale_from_amax(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def _abs_nan0(x):
+    """|x| with NaN read as 0 for the amax. On GPUs tl.max already skips NaN (max.f32), so only
+    the interpreter, whose numpy max propagates NaN, needs the select."""
+    if _INTERPRET:
+        return tl.where(x == x, tl.abs(x), 0.0)
+    return tl.abs(x)
+
+
+@triton.jit
 def _to_fp8(x, scale, inv, POW2: tl.constexpr):
-    """x / scale rounded to E4M3 (RNE), saturated to +-448, NaN kept."""
+    """x / scale rounded to E4M3 (RNE), saturated to +-448, NaN kept. On GPUs the cast is
+    cvt.rn.satfinite, which saturates and keeps NaN; the interpreter's cast does neither."""
     if POW2:
         q = x * inv  # exact: inv is a power of two
     else:
         q = tl.math.div_rn(x, scale)
-    q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if _INTERPRET:
+        q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return q.to(tl.float8e4nv)
 
 
 @triton.jit
-def _quant_rows_store(x, rm, rk, M, q_ptr, s_ptr, stride_qm, stride_sm, pid_g, POW2: tl.constexpr):
-    """x [BLOCK_M, 128] fp32 (rows rm, cols rk) -> FP8 rows + one scale per row at column pid_g."""
-    amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=1)
+def _quant_rows_store(x, offs_m, offs_k, m_left, q_ptr, s_ptr, stride_qm, stride_sm, POW2: tl.constexpr):
+    """x [BLOCK_M, 128] fp32 tile -> FP8 rows + one scale per row. q_ptr and s_ptr point at the
+    tile's origin; rows at or past m_left are masked."""
+    amax = tl.max(_abs_nan0(x), axis=1)
     scale, inv = _scale_from_amax(amax, POW2)
     q = _to_fp8(x, scale[:, None], inv[:, None], POW2)
-    row_ok = rm < M
-    tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], q, mask=row_ok[:, None])
-    tl.store(s_ptr + rm * stride_sm + pid_g, scale, mask=row_ok)
+    row_ok = offs_m < m_left
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=row_ok[:, None])
+    tl.store(s_ptr + offs_m * stride_sm, scale, mask=row_ok)
 
 
 @triton.jit
-def _quant_cols_store(x, rm, rk, M, K, q_ptr, s_ptr, stride_qk, stride_sk, pid_m, POW2: tl.constexpr):
-    """x [128, BLOCK_K] fp32 (rows rm of one 128-row tile, cols rk; masked rows must be 0)
-    -> one scale per column, FP8 stored transposed: q[k, m], s[k, pid_m]."""
-    amax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=0)
+def _quant_cols_store(x, offs_m, offs_k, m_left, k_left, q_ptr, s_ptr, stride_qk, stride_sk, POW2: tl.constexpr):
+    """x [128, BLOCK_K] fp32 tile of one 128-row group (masked rows must be 0) -> one scale per
+    column, FP8 stored transposed (q[k, m]). q_ptr and s_ptr point at the tile's origin."""
+    amax = tl.max(_abs_nan0(x), axis=0)
     scale, inv = _scale_from_amax(amax, POW2)
     q = tl.trans(_to_fp8(x, scale[None, :], inv[None, :], POW2))  # [BLOCK_K, 128]
-    col_ok = rk < K
-    mask = col_ok[:, None] & (rm[None, :] < M)
-    tl.store(q_ptr + rk[:, None] * stride_qk + rm[None, :], q, mask=mask)
-    tl.store(s_ptr + rk * stride_sk + pid_m, scale, mask=col_ok)
+    col_ok = offs_k < k_left
+    mask = col_ok[:, None] & (offs_m < m_left)[None, :]
+    tl.store(q_ptr + offs_k[:, None] * stride_qk + offs_m[None, :], q, mask=mask)
+    tl.store(s_ptr + offs_k * stride_sk, scale, mask=col_ok)
 
 
 @triton.jit
@@ -101,30 +113,36 @@ def _swiglu(g, u):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels
+# Kernels. Each program handles one tile; 64-bit arithmetic only for the tile's base offsets.
 
 
 @triton.jit
 def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
                           POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_g = tl.program_id(0)  # 128-wide column group: fastest, neighbours read neighbouring bytes
-    pid_m = tl.program_id(1)
-    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_g * 128 + tl.arange(0, 128)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0)
-    _quant_rows_store(x.to(tl.float32), rm, rk, M, q_ptr, s_ptr, stride_qm, stride_sm, pid_g, POW2)
+    m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, 128)
+    m_left = M - m0
+    x = tl.load(x_ptr + m0 * stride_xm + pid_g * 128 + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=(offs_m < m_left)[:, None], other=0.0)
+    _quant_rows_store(x.to(tl.float32), offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + pid_g * 128,
+                      s_ptr + m0 * stride_sm + pid_g, stride_qm, stride_sm, POW2)
 
 
 @triton.jit
 def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, stride_sk,
                           POW2: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_k = tl.program_id(0)
+    k0 = tl.program_id(0) * BLOCK_K
     pid_m = tl.program_id(1)
-    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rm < M)[:, None] & (rk < K)[None, :]
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0)
-    _quant_cols_store(x.to(tl.float32), rm, rk, M, K, q_ptr, s_ptr, stride_qk, stride_sk, pid_m, POW2)
+    m0 = pid_m.to(tl.int64) * 128
+    offs_m = tl.arange(0, 128)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_left, k_left = M - m0, K - k0
+    mask = (offs_m < m_left)[:, None] & (offs_k < k_left)[None, :]
+    x = tl.load(x_ptr + m0 * stride_xm + k0 + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    _quant_cols_store(x.to(tl.float32), offs_m, offs_k, m_left, k_left, q_ptr + k0.to(tl.int64) * stride_qk + m0,
+                      s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2)
 
 
 @triton.jit
@@ -133,64 +151,86 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_e = tl.program_id(2).to(tl.int64)
-    rn = pid_n * 128 + tl.arange(0, 128)
-    rk = pid_k * 128 + tl.arange(0, 128)
-    offs = pid_e * stride_we + rn[:, None] * stride_wn + rk[None, :]
-    mask = (rn < N)[:, None]
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.where(w == w, tl.abs(w), 0.0), axis=1), axis=0)
+    offs_n = tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    base = pid_e * stride_we + pid_n.to(tl.int64) * 128 * stride_wn + pid_k * 128
+    offs = offs_n[:, None] * stride_wn + offs_k[None, :]
+    mask = (offs_n < N - pid_n * 128)[:, None]
+    w = tl.load(w_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(_abs_nan0(w), axis=1), axis=0)
     scale, inv = _scale_from_amax(amax, POW2)
-    tl.store(q_ptr + offs, _to_fp8(w, scale, inv, POW2), mask=mask)
+    tl.store(q_ptr + base + offs, _to_fp8(w, scale, inv, POW2), mask=mask)
     tl.store(s_ptr + pid_e * stride_se + pid_n * stride_sn + pid_k, scale)
 
 
 @triton.jit
 def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride_sm, stride_ok, stride_osk,
-                            POW2: tl.constexpr):
-    pid_k = tl.program_id(0)  # 128 columns: exactly one row-wise scale per row
+                            POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+    k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns: one row-wise scale per row
     pid_m = tl.program_id(1)
-    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    rk = pid_k * 128 + tl.arange(0, 128)
-    row_ok = rm < M
-    q = tl.load(q_ptr + rm[:, None] * stride_qm + rk[None, :], mask=row_ok[:, None], other=0.0)
-    s = tl.load(s_ptr + rm * stride_sm + pid_k, mask=row_ok, other=0.0)
+    m0 = pid_m.to(tl.int64) * 128
+    offs_m = tl.arange(0, 128)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_left = M - m0
+    row_ok = offs_m < m_left
+    q = tl.load(q_ptr + m0 * stride_qm + k0 + offs_m[:, None] * stride_qm + offs_k[None, :],
+                mask=row_ok[:, None], other=0.0)
+    s = tl.load(s_ptr + m0 * stride_sm + k0 // 128 + offs_m * stride_sm, mask=row_ok, other=0.0)
     x = q.to(tl.float32) * s[:, None]
-    _quant_cols_store(x, rm, rk, M, K, o_ptr, os_ptr, stride_ok, stride_osk, pid_m, POW2)
+    _quant_cols_store(x, offs_m, offs_k, m_left, K - k0, o_ptr + k0.to(tl.int64) * stride_ok + m0,
+                      os_ptr + k0 * stride_osk + pid_m, stride_ok, stride_osk, POW2)
 
 
 @triton.jit
 def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride_sm,
                          POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_g = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_g * 128 + tl.arange(0, 128)
-    offs = rm[:, None] * stride_hm + rk[None, :]
-    mask = (rm < M)[:, None]
-    g = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + offs + I, mask=mask, other=0.0).to(tl.float32)
-    _quant_rows_store(_swiglu(g, u), rm, rk, M, q_ptr, s_ptr, stride_qm, stride_sm, pid_g, POW2)
+    m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, 128)
+    m_left = M - m0
+    ptrs = h_ptr + m0 * stride_hm + pid_g * 128 + offs_m[:, None] * stride_hm + offs_k[None, :]
+    mask = (offs_m < m_left)[:, None]
+    g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    _quant_rows_store(_swiglu(g, u), offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + pid_g * 128,
+                      s_ptr + m0 * stride_sm + pid_g, stride_qm, stride_sm, POW2)
 
 
 @triton.jit
 def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_hsm,
-                                         stride_qk, stride_sk, POW2: tl.constexpr):
-    pid_k = tl.program_id(0)
+                                         stride_qk, stride_sk, POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+    k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns of a: one row-wise scale per row for gate and up
     pid_m = tl.program_id(1)
-    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    rk = pid_k * 128 + tl.arange(0, 128)
-    row_ok = rm < M
-    offs = rm[:, None] * stride_hm + rk[None, :]
-    sg = tl.load(hs_ptr + rm * stride_hsm + pid_k, mask=row_ok, other=0.0)
-    su = tl.load(hs_ptr + rm * stride_hsm + I // 128 + pid_k, mask=row_ok, other=0.0)
-    g = tl.load(h_ptr + offs, mask=row_ok[:, None], other=0.0).to(tl.float32) * sg[:, None]
-    u = tl.load(h_ptr + offs + I, mask=row_ok[:, None], other=0.0).to(tl.float32) * su[:, None]
-    a = tl.where(row_ok[:, None], _swiglu(g, u), 0.0)  # padded rows must not enter the amax
-    _quant_cols_store(a, rm, rk, M, I, q_ptr, s_ptr, stride_qk, stride_sk, pid_m, POW2)
+    m0 = pid_m.to(tl.int64) * 128
+    offs_m = tl.arange(0, 128)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_left = M - m0
+    row_ok = offs_m < m_left
+    ptrs = h_ptr + m0 * stride_hm + k0 + offs_m[:, None] * stride_hm + offs_k[None, :]
+    s_ptrs = hs_ptr + m0 * stride_hsm + k0 // 128 + offs_m * stride_hsm
+    sg = tl.load(s_ptrs, mask=row_ok, other=0.0)
+    su = tl.load(s_ptrs + I // 128, mask=row_ok, other=0.0)
+    g = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32) * sg[:, None]
+    u = tl.load(ptrs + I, mask=row_ok[:, None], other=0.0).to(tl.float32) * su[:, None]
+    a = _swiglu(g, u)  # masked rows load as 0 and give silu(0) * 0 = 0: they leave the amax alone
+    _quant_cols_store(a, offs_m, offs_k, m_left, I - k0, q_ptr + k0.to(tl.int64) * stride_qk + m0,
+                      s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2)
 
 
 # ----------------------------------------------------------------------------------------------
 # Public wrappers: validate, allocate, launch. Kernels assume valid input.
+
+# Launch configurations, as data: `tools/bench_quant.py --sweep` times alternatives on the GPU.
+# BLOCK_M: rows per program (row-wise kernels); BLOCK_K: columns per program (col-wise).
+LAUNCH = {
+    "rowwise": dict(BLOCK_M=8, num_warps=2),
+    "colwise": dict(BLOCK_K=32, num_warps=4),
+    "weight": dict(num_warps=16),
+    "requant_colwise": dict(BLOCK_K=128, num_warps=8),  # BLOCK_K <= 128
+    "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
+    "dequant_swiglu_quant_colwise": dict(BLOCK_K=128, num_warps=8),  # BLOCK_K <= 128
+}
 
 
 def _use_triton(x: Tensor, impl: str | None) -> bool:
@@ -234,17 +274,16 @@ def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(M, K // TILE, dtype=torch.float32, device=x.device)
     if M:
-        BLOCK_M = 32
-        grid = (K // TILE, triton.cdiv(M, BLOCK_M))
-        _quant_rowwise_kernel[grid](x2, q, s, M, x2.stride(0), q.stride(0), s.stride(0),
-                                    POW2=pow2, BLOCK_M=BLOCK_M, num_warps=4)
+        cfg = LAUNCH["rowwise"]
+        grid = (K // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
+        _quant_rowwise_kernel[grid](x2, q, s, M, x2.stride(0), q.stride(0), s.stride(0), POW2=pow2, **cfg)
     return Fp8Tensor(q.view(x.shape), s.view(*x.shape[:-1], K // TILE), "1x128")
 
 
 def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
     """x [M, K] -> "128x1" (128 tokens per tile along M): q = [K, M] e4m3 (transposed, M
     contiguous, the K-major operand of the wgrad GEMM), s [K, ceil(M/128)] fp32. Any M."""
-    _check_input("quant_colwise", x)
+    _check_input("quant_colwise", x, k_multiple_of_128=False)  # tiles run along M; K is free
     if x.dim() != 2:
         raise ValueError(f"quant_colwise: expected x [M, K], got shape {tuple(x.shape)}")
     pow2 = check_scale_fmt(scale_fmt)
@@ -256,10 +295,9 @@ def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
     q = torch.empty(K, M, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=x.device)
     if M:
-        BLOCK_K = 64
-        grid = (triton.cdiv(K, BLOCK_K), triton.cdiv(M, TILE))
-        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
-                                    POW2=pow2, BLOCK_K=BLOCK_K, num_warps=4)
+        cfg = LAUNCH["colwise"]
+        grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, TILE))
+        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), POW2=pow2, **cfg)
     return Fp8Tensor(q, s, "128x1")
 
 
@@ -281,7 +319,7 @@ def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None) ->
     if E and N:
         grid = (K // TILE, triton.cdiv(N, TILE), E)
         _quant_weight_kernel[grid](w3, q, s, N, K, w3.stride(0), w3.stride(1), s.stride(0), s.stride(1),
-                                   POW2=pow2, num_warps=8)
+                                   POW2=pow2, **LAUNCH["weight"])
     if w.dim() == 2:
         q, s = q[0], s[0]
     return Fp8Tensor(q, s, "128x128")
@@ -300,9 +338,10 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     out = torch.empty(K, M, dtype=FP8_DTYPE, device=data.device)
     out_s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
     if M:
-        grid = (K // TILE, triton.cdiv(M, TILE))
+        cfg = LAUNCH["requant_colwise"]
+        grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _requant_colwise_kernel[grid](data, sc, out, out_s, M, K, data.stride(0), sc.stride(0),
-                                      out.stride(0), out_s.stride(0), POW2=pow2, num_warps=8)
+                                      out.stride(0), out_s.stride(0), POW2=pow2, **cfg)
     return Fp8Tensor(out, out_s, "128x1")
 
 
@@ -320,10 +359,9 @@ def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None) ->
     q = torch.empty(M, I, dtype=FP8_DTYPE, device=h.device)
     s = torch.empty(M, I // TILE, dtype=torch.float32, device=h.device)
     if M:
-        BLOCK_M = 32
-        grid = (I // TILE, triton.cdiv(M, BLOCK_M))
-        _swiglu_quant_kernel[grid](h, q, s, M, I, h.stride(0), q.stride(0), s.stride(0),
-                                   POW2=pow2, BLOCK_M=BLOCK_M, num_warps=4)
+        cfg = LAUNCH["swiglu_quant"]
+        grid = (I // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
+        _swiglu_quant_kernel[grid](h, q, s, M, I, h.stride(0), q.stride(0), s.stride(0), POW2=pow2, **cfg)
     return Fp8Tensor(q, s, "1x128")
 
 
@@ -341,9 +379,10 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
     q = torch.empty(I, M, dtype=FP8_DTYPE, device=data.device)
     s = torch.empty(I, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
     if M:
-        grid = (I // TILE, triton.cdiv(M, TILE))
+        cfg = LAUNCH["dequant_swiglu_quant_colwise"]
+        grid = (I // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _dequant_swiglu_quant_colwise_kernel[grid](data, sc, q, s, M, I, data.stride(0), sc.stride(0),
-                                                   q.stride(0), s.stride(0), POW2=pow2, num_warps=8)
+                                                   q.stride(0), s.stride(0), POW2=pow2, **cfg)
     return Fp8Tensor(q, s, "128x1")
 
 
@@ -360,8 +399,8 @@ def scale_from_amax_ref(amax: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
         scale = ((e + 127) << 23).view(torch.float32)
         inv = ((127 - e) << 23).view(torch.float32)
     else:
-        scale = amax / FP8_MAX
-        inv = scale
+        scale = amax / torch.full_like(amax, FP8_MAX)  # a tensor divisor: IEEE division on CUDA too
+        inv = scale                                     # (torch multiplies by 1/448 for a scalar)
     is_inf = torch.isinf(amax)
     scale = torch.where(is_inf, torch.full_like(scale, float("inf")), scale)
     inv = torch.where(is_inf, torch.zeros_like(inv), inv)

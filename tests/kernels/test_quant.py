@@ -1,0 +1,363 @@
+"""Quantization kernels: references vs an independent float64 computation, Triton (interpreter
+on CPU, compiled on GPU) vs the references, the non-finite contract, the double-quantization
+claim of DESIGN.md §1, and input errors."""
+
+import math
+
+import pytest
+import torch
+
+from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
+from moefp8.kernels import quant as Q
+
+FMTS = ["pow2", "fp32"]
+E4M3_MIN_NORMAL = 2.0**-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_x(M: int, K: int, dtype=torch.bfloat16, seed: int = 0, device="cpu") -> torch.Tensor:
+    """Random rows with per-row magnitudes spread over 2**-12..2**12, a few outliers up to 1e4,
+    an all-zero row and a row of tiny values (exercises the amax clamp)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-12, 13, (M, 1), generator=g).float())
+    n_out = max(1, M * K // 500)
+    idx = torch.randint(0, M * K, (n_out,), generator=g)
+    x.view(-1)[idx] = (torch.rand(n_out, generator=g) * 2 - 1) * 1e4
+    if M > 2:
+        x[1] = 0
+        x[2] = torch.randn(K, generator=g) * 1e-7
+    return x.to(dtype).to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent float64 model of the recipe
+
+
+def _e4m3_table() -> torch.Tensor:
+    """All finite non-negative E4M3 values in float64, from the format's definition (not a cast)."""
+    vals = [m / 8 * 2.0**-6 for m in range(8)]  # subnormals (exponent field 0)
+    for e in range(1, 16):
+        for m in range(8):
+            if e == 15 and m == 7:
+                continue  # S.1111.111 is NaN in e4m3fn
+            vals.append((1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+E4M3 = _e4m3_table()  # index == code of the magnitude bits, ascending
+
+
+def round_e4m3_f64(y: torch.Tensor) -> torch.Tensor:
+    """Round float64 to the nearest E4M3 value, ties to even code, saturating at 448."""
+    a = y.abs().clamp(max=448.0)
+    hi = torch.bucketize(a, E4M3).clamp(max=len(E4M3) - 1)  # first table value >= a
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - E4M3[lo], E4M3[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    return torch.where(pick_hi, E4M3[hi], E4M3[lo]) * torch.sign(y)
+
+
+def expected_scale_f64(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    amax = amax.double().clamp_min(float(torch.tensor(1e-4, dtype=torch.float32)))
+    if fmt == "pow2":
+        return torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    return (amax / 448.0).float().double()  # binary64 -> binary32 rounding of the exact quotient
+
+
+def check_against_f64(q: Fp8Tensor, x: torch.Tensor, fmt: str) -> None:
+    """q must be the 1x128-tile quantization of x (x laid out like q.data) per DESIGN.md §1."""
+    x64 = x.double()
+    L = x64.shape[-1]
+    G = -(-L // 128)
+    xt = torch.nn.functional.pad(x64, (0, G * 128 - L)).view(*x64.shape[:-1], G, 128)
+    s = expected_scale_f64(xt.abs().amax(-1), fmt)
+    assert torch.equal(q.scale.double(), s), "scales differ from the float64 model"
+    y = xt / s[..., None]  # exact for pow2 scales; fp32 scales divide in fp32 first (two roundings)
+    if fmt == "fp32":
+        y = y.float().double()
+    want = round_e4m3_f64(y).view(*x64.shape[:-1], G * 128)[..., :L]
+    got = q.data.double()
+    assert torch.equal(got, want), f"{(got != want).sum().item()} FP8 values differ from float64 RNE"
+
+
+# ----------------------------------------------------------------------------------------------
+# References vs float64
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K,dtype", [(1, 128, torch.float32), (200, 384, torch.bfloat16), (300, 640, torch.float32)])
+def test_rowwise_ref_matches_f64(fmt, M, K, dtype):
+    x = make_x(M, K, dtype, seed=M + K)
+    q = Q.quant_rowwise_ref(x, fmt)
+    assert q.data.dtype == FP8_DTYPE and q.scale.dtype == torch.float32
+    assert q.data.shape == (M, K) and q.scale.shape == (M, K // 128)
+    check_against_f64(q, x, fmt)
+    if fmt == "pow2":  # scales are exact powers of two
+        m, _ = torch.frexp(q.scale)
+        assert torch.all(m == 0.5)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K", [(1, 128), (129, 256), (300, 384)])
+def test_colwise_ref_matches_f64(fmt, M, K):
+    x = make_x(M, K, torch.bfloat16, seed=M * K)
+    q = Q.quant_colwise_ref(x, fmt)
+    assert q.layout == "128x1" and q.shape == (M, K)
+    assert q.data.shape == (K, M) and q.scale.shape == (K, -(-M // 128))
+    check_against_f64(q, x.t(), fmt)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("shape", [(256, 384), (300, 256), (3, 200, 128)])
+def test_weight_ref_matches_f64(fmt, shape):
+    w = make_x(math.prod(shape[:-1]), shape[-1], torch.float32, seed=7).view(shape)
+    q = Q.quant_weight_ref(w, fmt)
+    N, K = shape[-2:]
+    Nb = -(-N // 128)
+    assert q.scale.shape == (*shape[:-2], Nb, K // 128)
+    w64 = torch.nn.functional.pad(w.double(), (0, 0, 0, Nb * 128 - N))
+    blocks = w64.view(*shape[:-2], Nb, 128, K // 128, 128)
+    s = expected_scale_f64(blocks.abs().amax(dim=(-3, -1)), fmt)
+    assert torch.equal(q.scale.double(), s)
+    y = blocks / s[..., :, None, :, None]
+    if fmt == "fp32":
+        y = y.float().double()
+    want = round_e4m3_f64(y).view(w64.shape)[..., :N, :]
+    assert torch.equal(q.data.double(), want)
+
+
+def test_swiglu_ref_matches_f64():
+    h = make_x(70, 512, torch.bfloat16, seed=3).clamp(-30, 30)
+    g, u = h.double().chunk(2, dim=-1)
+    a64 = g * torch.sigmoid(g) * u
+    assert torch.allclose(Q.swiglu_ref(h).double(), a64, rtol=1e-6, atol=1e-30)
+    q = Q.swiglu_quant_ref(h)
+    check_against_f64(q, Q.swiglu_ref(h), "pow2")
+
+
+def test_dequantize_layouts_round_trip():
+    x = make_x(130, 256, torch.float32, seed=11)
+    for q in (Q.quant_rowwise_ref(x), Q.quant_colwise_ref(x)):
+        assert q.shape == x.shape
+        d = q.dequantize()
+        assert d.shape == x.shape
+        # |x - q*s| <= half an FP8 ulp (2**-4 relative) or, below E4M3's normal range, half the
+        # subnormal step 2**-9 * s
+        s = q.scale.repeat_interleave(128, -1)
+        s = s if q.layout == "1x128" else s[:, : x.shape[0]].t()
+        assert torch.all((d - x).abs() <= torch.maximum(x.abs() * 2**-4, s * 2**-10))
+
+
+def test_zero_and_tiny_tiles_use_the_amax_clamp():
+    x = torch.zeros(2, 256)
+    x[1, :128] = 1e-9
+    q = Q.quant_rowwise_ref(x)
+    assert torch.all(q.scale == 2.0**-22)  # 2**ceil(log2(1e-4/448)) = 2**-22
+    assert torch.all(q.data.float()[0] == 0)
+
+
+def test_outliers_never_overflow():
+    x = torch.tensor([[1e4, -1e4] + [1e-8] * 126, [448.0 * 2**10] * 128])
+    for fmt in FMTS:
+        q = Q.quant_rowwise_ref(x, fmt)
+        assert torch.isfinite(q.dequantize()).all()
+        assert torch.allclose(q.dequantize()[:, :2], x[:, :2], rtol=2**-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite contract (moefp8.fp8): NaN stays NaN, Inf poisons its tile, nothing becomes finite
+
+
+def nonfinite_input() -> torch.Tensor:
+    x = make_x(4, 256, torch.float32, seed=5)
+    x[0, 3] = float("nan")
+    x[2, 130] = float("inf")
+    x[3, 0] = float("-inf")
+    return x
+
+
+def check_nonfinite_contract(q: Fp8Tensor, x: torch.Tensor, fmt: str) -> None:
+    d = q.dequantize()
+    assert torch.isnan(d[0, 3])
+    keep = torch.arange(128) != 3
+    ref = Q.quant_rowwise_ref(x[0:1, :128].nan_to_num(0.0), fmt)  # NaN ignored by the amax
+    assert torch.equal(d[0, :128][keep], ref.dequantize()[0][keep])
+    assert torch.isnan(d[2, 128:]).all() and torch.isfinite(d[2, :128]).all()  # Inf poisons its tile only
+    assert torch.isnan(d[3, :128]).all()
+    assert torch.isfinite(d[1]).all()
+
+
+def test_nonfinite_ref():
+    x = nonfinite_input()
+    for fmt in FMTS:
+        check_nonfinite_contract(Q.quant_rowwise_ref(x, fmt), x, fmt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Double quantization (DESIGN.md §1): row-wise FP8 -> dequant -> col-wise FP8 with pow2 scales
+# gives the same values as col-wise quantization of the source, except where a value is subnormal
+# in E4M3 in one of the quantizations. Measured, not assumed: the bytes can also differ without
+# the values differing, when a column tile's amax a > 448*2**e rounds down onto 448*2**e in the
+# row-wise pass: that tile's scale halves and its FP8 codes double.
+
+
+def test_double_quantization_claim():
+    x = make_x(384, 512, torch.bfloat16, seed=21)
+    x[5] = 0  # zero rows and the amax clamp in both directions
+    single = Q.quant_colwise_ref(x)
+    row = Q.quant_rowwise_ref(x)
+    double = Q.requant_colwise_ref(row)
+    xs = x.float()
+    s_single = single.scale.repeat_interleave(128, 1).t()  # [M, K]
+    s_double = double.scale.repeat_interleave(128, 1).t()
+    subnormal = ((xs / row.scale.repeat_interleave(128, 1)).abs() < E4M3_MIN_NORMAL) \
+        | ((xs / s_single).abs() < E4M3_MIN_NORMAL) | ((row.dequantize() / s_double).abs() < E4M3_MIN_NORMAL)
+    differ = single.dequantize() != double.dequantize()
+    assert not (differ & ~subnormal).any(), f"{(differ & ~subnormal).sum()} values differ at normal values"
+    moved = single.scale != double.scale
+    assert torch.equal(double.scale[moved] * 2, single.scale[moved]), "a scale moved by other than 1/2"
+    # make_x spreads row magnitudes over 2**24 to force subnormals; on activation-like data
+    # (normal, a few outliers) mismatches are rare: 0.03% measured here.
+    z = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    z.view(-1)[::997] *= 100
+    zs, zd = Q.quant_colwise_ref(z), Q.requant_colwise_ref(Q.quant_rowwise_ref(z))
+    assert (zs.dequantize() != zd.dequantize()).float().mean() < 1e-3
+    # Bit-exact on data with neither subnormals nor an amax near a threshold: |y| in [1, 1.75).
+    y = (torch.rand(256, 256) * 0.7 + 1) * torch.sign(torch.randn(256, 256))
+    assert torch.equal(Q.quant_colwise_ref(y).data.view(torch.uint8),
+                       Q.requant_colwise_ref(Q.quant_rowwise_ref(y)).data.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels vs references. Under the interpreter, compare bytes with the two known
+# interpreter cast bugs allowed (ties rounded away from zero: one code step; a value just under
+# a power of two dropping to the binade below: half the reference value); on a GPU, bit-exact.
+
+KERNELS = {
+    # name: (make input from x, triton call, reference call)
+    "rowwise": (lambda x: x, Q.quant_rowwise, Q.quant_rowwise_ref),
+    "colwise": (lambda x: x, Q.quant_colwise, Q.quant_colwise_ref),
+    "weight": (lambda x: x, Q.quant_weight, Q.quant_weight_ref),
+    "weight_stack": (lambda x: x.view(2, -1, x.shape[-1]) if x.shape[0] % 2 == 0 else x[None], Q.quant_weight,
+                     Q.quant_weight_ref),
+    "requant_colwise": (lambda x: Q.quant_rowwise_ref(x), Q.requant_colwise, Q.requant_colwise_ref),
+    "swiglu_quant": (lambda x: x.clamp(-60, 60), Q.swiglu_quant, Q.swiglu_quant_ref),
+    "dequant_swiglu_quant_colwise": (lambda x: Q.quant_rowwise_ref(x.clamp(-60, 60)), Q.dequant_swiglu_quant_colwise,
+                                     Q.dequant_swiglu_quant_colwise_ref),
+}
+
+
+def assert_fp8_equal(got: Fp8Tensor, ref: Fp8Tensor, exact: bool, scale_rtol: float = 0.0) -> None:
+    assert got.layout == ref.layout and got.data.dtype == FP8_DTYPE
+    assert got.data.shape == ref.data.shape and got.scale.shape == ref.scale.shape
+    gs, rs = got.scale.cpu(), ref.scale.cpu()
+    if scale_rtol:
+        assert torch.allclose(gs, rs, rtol=scale_rtol, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(gs.nan_to_num(-1.0), rs.nan_to_num(-1.0)), "scales differ"
+    gb, rb = got.data.cpu().view(torch.uint8), ref.data.cpu().view(torch.uint8)
+    if exact:
+        assert torch.equal(gb, rb), f"{(gb != rb).sum().item()} of {gb.numel()} FP8 bytes differ"
+        return
+    g, r = got.data.cpu().float(), ref.data.cpu().float()
+    bad = gb != rb
+    same_sign = (gb >> 7) == (rb >> 7)
+    one_step = (gb.int() - rb.int()).abs() == 1
+    r_pow2 = torch.frexp(r.abs())[0] == 0.5
+    binade_drop = r_pow2 & (g.abs() * 2 == r.abs())
+    unexplained = bad & ~(same_sign & (one_step | binade_drop))
+    assert not unexplained.any(), (f"{unexplained.sum().item()} FP8 values differ beyond the interpreter's cast "
+                                   f"bugs, e.g. got {g[unexplained][:4].tolist()} want {r[unexplained][:4].tolist()}")
+
+
+SHAPES_INTERP = [(1, 256), (200, 256), (129, 512)]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("M,K", SHAPES_INTERP)
+def test_triton_interpreter_vs_ref(name, fmt, M, K):
+    prep, fn, ref = KERNELS[name]
+    x = make_x(M, K, torch.bfloat16, seed=M + K)
+    inp = prep(x)
+    got = fn(inp, fmt, impl="triton")
+    want = ref(inp, fmt)
+    # swiglu: numpy's exp and torch's may differ in the last bit, which moves fp32 amaxes by an ulp
+    rtol = 1e-6 if (fmt == "fp32" and "swiglu" in name) else 0.0
+    assert_fp8_equal(got, want, exact=False, scale_rtol=rtol)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("fmt", FMTS)
+def test_triton_interpreter_nonfinite_scales(fmt):
+    # The interpreter casts NaN to FP8 384 (Triton 3.9), so only the scale half of the contract is
+    # checkable here; the FP8 NaN encoding is checked on the reference and on the GPU.
+    x = nonfinite_input()
+    want = Q.quant_rowwise_ref(x, fmt).scale
+    assert torch.isinf(want[2, 1]) and torch.isinf(want[3, 0]) and torch.isfinite(want[0, 0])
+    assert torch.equal(Q.quant_rowwise(x, fmt, impl="triton").scale, want)
+    assert torch.equal(Q.quant_colwise(x.t().contiguous(), fmt, impl="triton").scale, want)
+
+
+def test_dispatcher_picks_reference_on_cpu(monkeypatch):
+    called = []
+    monkeypatch.setattr(Q, "quant_rowwise_ref", lambda x, f="pow2": called.append(1) or "ref")
+    assert Q.quant_rowwise(torch.zeros(1, 128)) == "ref" and called
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors name the offending value
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="100 is not divisible by 128"):
+        Q.quant_rowwise(torch.zeros(4, 100))
+    with pytest.raises(ValueError, match="not divisible by 128"):
+        Q.quant_weight(torch.zeros(256, 200))
+    with pytest.raises(ValueError, match="scale_fmt='e8m0'"):
+        Q.quant_rowwise(torch.zeros(4, 128), "e8m0")
+    with pytest.raises(TypeError, match="torch.int32"):
+        Q.quant_rowwise(torch.zeros(4, 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="layout '1x128'"):
+        Q.requant_colwise(Q.quant_colwise_ref(torch.zeros(4, 128)))
+    with pytest.raises(ValueError, match=r"I % 128 == 0, got shape \(4, 384\)"):
+        Q.swiglu_quant(torch.zeros(4, 384))
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        Q.quant_rowwise(torch.zeros(4, 128), impl="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: Triton bit-exact against the reference (run on the same device), many shapes
+
+GPU_SHAPES = [(1, 128), (127, 384), (128, 640), (129, 2048), (1000, 7168), (4113, 4096), (16384, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("M,K", GPU_SHAPES)
+def test_triton_gpu_bit_exact(name, fmt, M, K):
+    prep, fn, ref = KERNELS[name]
+    if "swiglu" in name and K % 256:
+        K *= 2  # h is [M, 2I] with I % 128 == 0
+    for seed in range(2):  # fresh inputs each time
+        x = make_x(M, K, torch.bfloat16, seed=seed * 1000 + M + K, device="cuda")
+        inp = prep(x)
+        got = fn(inp, fmt)  # default dispatch: Triton on CUDA
+        want = ref(inp, fmt)
+        torch.cuda.synchronize()
+        assert_fp8_equal(got, want, exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+def test_triton_gpu_nonfinite_and_fp32_input(fmt):
+    x = nonfinite_input().cuda()
+    check_nonfinite_contract(Fp8Tensor(*[t.cpu() for t in Q.quant_rowwise(x, fmt)[:2]], "1x128"), x.cpu(), fmt)
+    y = make_x(300, 1024, torch.float32, device="cuda")
+    assert_fp8_equal(Q.quant_rowwise(y, fmt), Q.quant_rowwise_ref(y, fmt), exact=True)
+    assert_fp8_equal(Q.quant_colwise(y, fmt), Q.quant_colwise_ref(y, fmt), exact=True)

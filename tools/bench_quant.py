@@ -1,0 +1,130 @@
+"""Quantization kernels' throughput against the device's copy bandwidth (DESIGN.md §6 JSON).
+
+For each kernel on DeepSeek-V3 shapes: median time, GB/s counting the bytes each kernel must
+read and write once (data and scales), the device-to-device copy bandwidth measured in the same
+run (the speed-of-light for a memory-bound kernel) and their ratio; also the PyTorch reference's
+time on the same device, and whether the kernel's output equals the reference bit for bit.
+
+    python tools/bench_quant.py                       # default shapes, saves bench/results/quant-<device>.json
+    python tools/bench_quant.py --sweep               # also times alternative launch configs first
+    python tools/bench_quant.py --shapes 4096x7168 --fmts pow2,fp32
+
+Without a GPU it times the PyTorch reference (the CPU path) on small shapes and writes to outputs/.
+"""
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from moefp8.kernels import quant as Q  # noqa: E402
+from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path, save_results  # noqa: E402
+
+SWEEP = {
+    "rowwise": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
+    "colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (4, 8))],
+    "weight": [dict(num_warps=w) for w in (4, 8, 16)],
+    "requant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (4, 8))],
+    "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
+    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (4, 8))],
+}
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def fp8_bytes(q) -> int:
+    return nbytes(q.data, q.scale)
+
+
+def cases(M: int, K: int, w_shape: tuple, dev: str):
+    """name -> (input, triton fn, reference fn, bytes read + written)."""
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    x8 = Q.quant_rowwise_ref(x)
+    w = torch.randn(*w_shape, device=dev, dtype=torch.float32) * 0.02  # fp32 master weights
+    out_row = M * K + M * (K // 128) * 4
+    out_col = K * M + K * -(-M // 128) * 4
+    half_row = out_row // 2  # a = swiglu(h) has half of h's columns
+    half_col = (K // 2) * M + (K // 2) * -(-M // 128) * 4
+    return {
+        "rowwise": (x, Q.quant_rowwise, Q.quant_rowwise_ref, nbytes(x) + out_row),
+        "colwise": (x, Q.quant_colwise, Q.quant_colwise_ref, nbytes(x) + out_col),
+        "weight": (w, Q.quant_weight, Q.quant_weight_ref, nbytes(w) + w.numel() + w.numel() // 128**2 * 4),
+        "requant_colwise": (x8, Q.requant_colwise, Q.requant_colwise_ref, fp8_bytes(x8) + out_col),
+        "swiglu_quant": (x, Q.swiglu_quant, Q.swiglu_quant_ref, nbytes(x) + half_row),
+        "dequant_swiglu_quant_colwise": (x8, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
+                                         fp8_bytes(x8) + half_col),
+    }
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+
+
+def main() -> None:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="16384x7168,16384x4096" if gpu else "1024x1024",
+                   help="activation shapes MxK (for swiglu kernels K is h's 2I)")
+    p.add_argument("--weight-shapes", default="8x4096x7168,8x7168x2048" if gpu else "2x512x512",
+                   help="expert weight stacks ExNxK (fp32), paired with --shapes in order")
+    p.add_argument("--fmts", default="pow2", help="scale formats to run: pow2,fp32")
+    p.add_argument("--sweep", action="store_true", help="time alternative launch configs, keep the fastest")
+    p.add_argument("--out", default=None, help="results JSON (default bench/results/quant-<device>.json)")
+    args = p.parse_args()
+    dev = "cuda" if gpu else "cpu"
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    w_shapes = [tuple(int(v) for v in s.split("x")) for s in args.weight_shapes.split(",")]
+    fmts = args.fmts.split(",")
+
+    copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26)
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (bytes read + written)")
+
+    sweep_log = []
+    if args.sweep and gpu:
+        for name, configs in SWEEP.items():
+            best = None
+            for cfg in configs:
+                Q.LAUNCH[name] = cfg
+                total_ms = 0.0
+                for (M, K), ws in zip(shapes, w_shapes):
+                    inp, fn, _, _ = cases(M, K, ws, dev)[name]
+                    total_ms += bench(lambda: fn(inp))
+                sweep_log.append({"kernel": name, "config": cfg, "ms_all_shapes": total_ms})
+                if best is None or total_ms < best[0]:
+                    best = (total_ms, cfg)
+            Q.LAUNCH[name] = best[1]
+            print(f"sweep {name}: best {best[1]} ({best[0]:.3f} ms over all shapes)")
+            torch.cuda.empty_cache()
+
+    rows = []
+    for fmt in fmts:
+        for (M, K), ws in zip(shapes, w_shapes):
+            for name, (inp, fn, ref, nb) in cases(M, K, ws, dev).items():
+                ms = bench(lambda: fn(inp, fmt))
+                ref_ms = bench(lambda: ref(inp, fmt))
+                gbs = nb / ms / 1e6
+                shape = "x".join(map(str, ws)) if name == "weight" else f"{M}x{K}"
+                rows.append({
+                    "case": f"{name} {shape} {fmt}", "impl": "moefp8 triton" if gpu else "moefp8 reference (cpu)",
+                    "value": round(gbs, 1), "unit": "GB/s", "ms": round(ms, 4),
+                    "baseline": "device copy (same run)", "baseline_value": round(copy_gbs, 1),
+                    "ratio": round(gbs / copy_gbs, 3),
+                    "ref_ms": round(ref_ms, 4), "speedup_vs_ref": round(ref_ms / ms, 2),
+                    "bit_exact_vs_ref": same(fn(inp, fmt), ref(inp, fmt)),
+                    "config": dict(Q.LAUNCH[name]),
+                })
+                torch.cuda.empty_cache() if gpu else None
+    path = Path(args.out) if args.out else results_path("quant")
+    save_results("bench_quant", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
+                                       "unit": "GB/s"}, path=path, launch=Q.LAUNCH, sweep=sweep_log)
+    print_table(rows, ["case", "ms", "value", "ratio", "ref_ms", "speedup_vs_ref", "bit_exact_vs_ref"])
+    print(f"speed-of-light: copy {copy_gbs:.0f} GB/s; ratio = kernel GB/s / copy GB/s. saved {path}")
+
+
+if __name__ == "__main__":
+    main()
