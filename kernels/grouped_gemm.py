@@ -275,12 +275,18 @@ def _kgrouped_configs():
     return cfgs
 
 
+def _tune_bench(fn, quantiles):
+    """Autotuning timer: short (5 ms warm-up, 25 ms of runs) so a new shape costs ~1 s."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
 # Autotuned entry points (GPU). Keys: the GEMM's N and K plus a power-of-two bucket of M, so
 # that per-step changes in token counts do not retune. Under the interpreter the plain kernels
 # are launched with small fixed blocks.
-_mgrouped_tuned = triton.autotune(_mgrouped_configs(), key=["N", "K", "M_HINT", "E"])(_mgrouped_gemm_kernel)
+_mgrouped_tuned = triton.autotune(_mgrouped_configs(), key=["N", "K", "M_HINT", "E"],
+                                  do_bench=_tune_bench)(_mgrouped_gemm_kernel)
 _kgrouped_tuned = triton.autotune(_kgrouped_configs(), key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"],
-                                  restore_value=["c_ptr"])(_kgrouped_gemm_kernel)
+                                  restore_value=["c_ptr"], do_bench=_tune_bench)(_kgrouped_gemm_kernel)
 
 
 def _mgrouped_tma_configs():
@@ -294,10 +300,10 @@ def _kgrouped_tma_configs():
             for bn, bk, w, s in [(128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (256, 128, 8, 3)]]
 
 
-_mgrouped_tma_tuned = triton.autotune(_mgrouped_tma_configs(), key=["N", "K", "M_HINT", "E", "TRANS_B"])(
-    _mgrouped_gemm_tma_kernel)
+_mgrouped_tma_tuned = triton.autotune(_mgrouped_tma_configs(), key=["N", "K", "M_HINT", "E", "TRANS_B"],
+                                      do_bench=_tune_bench)(_mgrouped_gemm_tma_kernel)
 _kgrouped_tma_tuned = triton.autotune(_kgrouped_tma_configs(), key=["N", "K", "M_HINT", "ACCUMULATE"],
-                                      restore_value=["c_ptr"])(_kgrouped_gemm_tma_kernel)
+                                      restore_value=["c_ptr"], do_bench=_tune_bench)(_kgrouped_gemm_tma_kernel)
 
 # Which kernel family the GPU path uses: "tma" (tensor descriptors) or "ptr" (pointer loads);
 # set from tools/bench_gemm.py measurements (the benchmark times both).
