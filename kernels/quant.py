@@ -223,13 +223,13 @@ def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stri
 
 # Launch configurations, as data: `tools/bench_quant.py --sweep` times alternatives on the GPU.
 # BLOCK_M: rows per program (row-wise kernels); BLOCK_K: columns per program (col-wise).
-LAUNCH = {
-    "rowwise": dict(BLOCK_M=8, num_warps=2),
-    "colwise": dict(BLOCK_K=32, num_warps=4),
-    "weight": dict(num_warps=16),
-    "requant_colwise": dict(BLOCK_K=128, num_warps=8),  # BLOCK_K <= 128
+LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/quant-NVIDIA-H200.json)
+    "rowwise": dict(BLOCK_M=16, num_warps=4),
+    "colwise": dict(BLOCK_K=64, num_warps=4),
+    "weight": dict(num_warps=4),
+    "requant_colwise": dict(BLOCK_K=64, num_warps=4),  # BLOCK_K <= 128
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
-    "dequant_swiglu_quant_colwise": dict(BLOCK_K=128, num_warps=8),  # BLOCK_K <= 128
+    "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128
 }
 
 
