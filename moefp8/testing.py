@@ -71,6 +71,10 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 
 def git_commit() -> str:
+    """HEAD's short hash (+ "-dirty"); MOEFP8_COMMIT overrides it where the checkout has no .git
+    (the device machine receives a copy of the working tree without it)."""
+    if os.environ.get("MOEFP8_COMMIT"):
+        return os.environ["MOEFP8_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
