@@ -9,22 +9,26 @@
 the Triton kernels of `moefp8.kernels.grouped_gemm` run with one group), "cublas", "triton" or
 "ref" (dequantize, multiply in fp32). CPU tensors default to "ref".
 
-cuBLAS blockwise on sm90 (torch 2.11) takes A row-major [M, K] with scale_a [M, K/128]
-column-major, B column-major (Wᵀ of a row-major W) with the 128x128 scale grid as
-[K/128, N/128] whose column stride is K/128 rounded up to 4 (`_cublas_weight_scale`;
-measured with tools/bench_gemm.py --probe, K = 384 and 640 included). Hopper's FP8 tensor
-cores need both operands K-major, so cuBLAS dgrad needs Wᵀ in memory: `transpose_weight`
-copies the FP8 bytes and transposes the scale grid (no requantization: a 128x128 tile is the
-same tile transposed). The Triton dgrad reads W's blocks transposed in the kernel instead.
+cuBLAS blockwise on sm90 (torch 2.11, probed with tools/bench_gemm.py --probe on an H200):
+fprop takes A row-major [M, K] with scale_a [M, K/128] column-major and B column-major (Wᵀ of
+a row-major W) with scale_b = W's [N/128, K/128] grid transposed as a view (strides (1, K/128));
+every other scale layout is refused. With K/128 = 3 (K=384) the result is silently wrong
+(rel. error 45), K=640 and 7168 are right: we use cuBLAS only when K/128 % 4 == 0. The wgrad
+(1x128 x 1x128 over tokens) is accepted with scale_b = X's [K, M/128] scales transposed and made
+contiguous, FP32 output included, M % 16 == 0. Hopper's FP8 tensor cores need both operands
+K-major, so dgrad multiplies by `transpose_weight(W)`, an FP8 copy of Wᵀ (cuBLAS and Triton).
 """
 
 import torch
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
-from moefp8.kernels.grouped_gemm import check_fp8, launch_kgrouped, launch_mgrouped
+from moefp8.kernels.grouped_gemm import check_fp8, launch_kgrouped, launch_mgrouped, transpose_weight
 
 _IMPLS = (None, "cublas", "triton", "ref")
+# Dense wgrad default: cuBLAS blockwise 1x128 x 1x128 (FP32 out, then added into `out`) when
+# M % 128 == 0; measured 938 vs 529 TFLOP/s for our Triton k-grouped kernel at 8192^3 (H200).
+WGRAD_CUBLAS = True
 
 
 def _pick(x: Tensor, impl: str | None, cublas_ok: bool) -> str:
@@ -36,26 +40,14 @@ def _pick(x: Tensor, impl: str | None, cublas_ok: bool) -> str:
         return "cublas" if cublas_ok else "triton"
     if impl == "cublas" and not cublas_ok:
         raise ValueError("impl='cublas': this case is not supported by blockwise torch._scaled_mm "
-                         "(needs CUDA, M % 16 == 0 and N % 128 == 0)")
+                         "(needs CUDA, M % 16 == 0, N % 128 == 0, "
+                         "K/128 % 4 == 0; wgrad: M % 128 == 0)")
     return impl
 
 
-def transpose_weight(w: Fp8Tensor) -> Fp8Tensor:
-    """ "128x128" W [N, K] -> "128x128" Wᵀ [K, N] (data copied, scale grid transposed), the
-    K-major operand of the cuBLAS dgrad. Needs N % 128 == 0 (N becomes the contraction dim)."""
-    check_fp8("transpose_weight: w", w, "128x128", 2)
-    if w.data.shape[0] % TILE:
-        raise ValueError(f"transpose_weight: N={w.data.shape[0]} is not divisible by {TILE}")
-    return Fp8Tensor(w.data.t().contiguous(), w.scale.t().contiguous(), "128x128")
-
-
 def _cublas_weight_scale(s: Tensor) -> Tensor:
-    """[N/128, K/128] -> the [K/128, N/128] view cuBLAS reads, column stride round_up(K/128, 4)."""
-    nb, kb = s.shape
-    l4 = -(-kb // 4) * 4
-    pad = torch.zeros(nb, l4, dtype=torch.float32, device=s.device)
-    pad[:, :kb] = s
-    return pad[:, :kb].t()
+    """[N/128, K/128] -> the [K/128, N/128] transposed view cuBLAS reads."""
+    return s.contiguous().t()
 
 
 def _col_major(s: Tensor) -> Tensor:
@@ -68,13 +60,15 @@ def _cublas_nt(a: Fp8Tensor, b: Fp8Tensor) -> Tensor:
                             out_dtype=torch.bfloat16)
 
 
-def _triton_nt(a: Fp8Tensor, b_data: Tensor, b_scale: Tensor, n_out: int, transpose_b: bool) -> Tensor:
-    M, K = a.data.shape
+def _cublas_ok(M: int, N: int, K: int) -> bool:
+    return M % 16 == 0 and N % TILE == 0 and (K // TILE) % 4 == 0
+
+
+def _triton_nt(a: Fp8Tensor, b: Fp8Tensor) -> Tensor:
+    M, N = a.data.shape[0], b.data.shape[0]
     off = torch.tensor([0, M], dtype=torch.int32, device=a.data.device)
-    out = torch.empty(M, n_out, dtype=torch.bfloat16, device=a.data.device)
-    a = Fp8Tensor(a.data, a.scale.contiguous(), a.layout)
-    return launch_mgrouped(a, b_data.unsqueeze(0), b_scale.contiguous().unsqueeze(0), off, n_out, K,
-                           transpose_b, out)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=a.data.device)
+    return launch_mgrouped(a, Fp8Tensor(b.data.unsqueeze(0), b.scale.unsqueeze(0), b.layout), off, out)
 
 
 def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str | None = None) -> Tensor:
@@ -95,37 +89,29 @@ def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str
     N, Kb = b.data.shape
     if K != Kb:
         raise ValueError(f"fp8_gemm: a has K={K} columns, b has K={Kb}")
-    which = _pick(a.data, impl, a.data.is_cuda and M % 16 == 0 and N % TILE == 0)
+    which = _pick(a.data, impl, a.data.is_cuda and _cublas_ok(M, N, K))
     if which == "ref":
         return fp8_gemm_ref(a, b)
     if M == 0 or N == 0:
         return torch.zeros(M, N, dtype=torch.bfloat16, device=a.data.device)
     if which == "cublas":
         return _cublas_nt(a, b)
-    return _triton_nt(a, b.data, b.scale, N, transpose_b=False)
+    return _triton_nt(a, b)
 
 
 def fp8_gemm_dgrad(dy: Fp8Tensor, w: Fp8Tensor, *, w_t: Fp8Tensor | None = None,
                    impl: str | None = None) -> Tensor:
     """dX = dY · W: dy "1x128" [M, N], w "128x128" [N, K] (N % 128 == 0) -> BF16 [M, K].
-
-    cuBLAS path: multiplies by `w_t` = transpose_weight(w) (made here when not given).
-    Triton path: reads w's blocks transposed in the kernel, no copy.
-    """
+    Multiplies by `w_t` = transpose_weight(w) (made here when not given) with `fp8_gemm`."""
     check_fp8("fp8_gemm_dgrad: dy", dy, "1x128", 2)
     check_fp8("fp8_gemm_dgrad: w", w, "128x128", 2)
     M, N = dy.data.shape
     Nw, K = w.data.shape
     if N != Nw:
         raise ValueError(f"fp8_gemm_dgrad: dy has {N} columns, w has N={Nw} rows")
-    which = _pick(dy.data, impl, dy.data.is_cuda and M % 16 == 0 and K % TILE == 0)
-    if which == "ref":
+    if _pick(dy.data, impl, True) == "ref":
         return fp8_gemm_dgrad_ref(dy, w)
-    if M == 0 or K == 0:
-        return torch.zeros(M, K, dtype=torch.bfloat16, device=dy.data.device)
-    if which == "cublas":
-        return _cublas_nt(dy, w_t if w_t is not None else transpose_weight(w))
-    return _triton_nt(dy, w.data, w.scale, K, transpose_b=True)
+    return fp8_gemm(dy, w_t if w_t is not None else transpose_weight(w), impl=impl)
 
 
 def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None) -> Tensor:
@@ -138,16 +124,19 @@ def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None
     if out is not None and (out.shape != (N, K) or out.dtype != torch.float32 or out.stride(-1) != 1):
         raise ValueError(f"fp8_gemm (wgrad): out must be float32 [{N}, {K}] with a contiguous last dim, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if impl == "cublas":
-        raise ValueError("fp8_gemm (wgrad): impl='cublas' is not used for the wgrad (Triton kernel)")
-    which = _pick(dy.data, impl, False)
+    which = _pick(dy.data, impl, dy.data.is_cuda and M % TILE == 0 and N % 16 == 0 and K % 16 == 0
+                  and WGRAD_CUBLAS)
     if which == "ref":
         return fp8_gemm_wgrad_ref(dy, x, out)
+    if which == "cublas":
+        res = torch._scaled_mm(dy.data, x.data.t(), _col_major(dy.scale), x.scale.t().contiguous(),
+                               out_dtype=torch.float32)
+        return res if out is None else out.add_(res)
     accumulate = out is not None
     if out is None:
         out = torch.empty(N, K, dtype=torch.float32, device=dy.data.device)
     off = torch.tensor([0, M], dtype=torch.int32, device=dy.data.device)
-    launch_kgrouped(dy, x, off, out.unsqueeze(0), accumulate, mask_t=M % TILE != 0)
+    launch_kgrouped(dy, x, off, out.unsqueeze(0), accumulate)
     return out
 
 
@@ -171,5 +160,5 @@ def fp8_gemm_wgrad_ref(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None = None) -
     return out
 
 
-__all__ = ["fp8_gemm", "fp8_gemm_dgrad", "transpose_weight", "fp8_gemm_ref", "fp8_gemm_dgrad_ref",
+__all__ = ["fp8_gemm", "fp8_gemm_dgrad", "transpose_weight", "WGRAD_CUBLAS", "fp8_gemm_ref", "fp8_gemm_dgrad_ref",
            "fp8_gemm_wgrad_ref"]

@@ -8,8 +8,8 @@ running fp32 total, so Hopper's ~14-bit FP8 accumulator never sums more than 128
 * m-grouped (experts fprop and dgrad), `fp8_grouped_gemm`: the rows of all local experts are
   stacked in one "1x128" tensor A [M, K]; rows [offsets[e], offsets[e+1]) are multiplied by
   expert e's "128x128" weight B[e] [N, K]: out[m] = A[m] · B[e]ᵀ (fprop) or, with
-  ``transpose_b=True``, A[m] [M, N] · B[e] [N, K] (dgrad; B's blocks read transposed in the
-  kernel, no copy). BF16 out.
+  ``transpose_b=True``, A[m] [M, N] · B[e] [N, K] (dgrad, through `transpose_weight`, an FP8
+  copy of Wᵀ: FP8 wgmma needs K-major operands). BF16 out.
 * k-grouped (experts wgrad), `fp8_grouped_gemm_wgrad`: dW[e] = dYᵀ·X over the rows of expert
   e, both operands "128x1" (data stored [N, M] and [K, M], tokens contiguous). FP32 out,
   optionally accumulated into an existing buffer.
@@ -56,21 +56,17 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mgrouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
+def _mgrouped_gemm_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
                           M, N, K, E, M_HINT,
-                          stride_am, stride_asm,
-                          stride_be, stride_bn, stride_bk,
-                          stride_bse, stride_bsn, stride_bsk,
-                          stride_cm,
+                          stride_am, stride_bse, stride_bsn, stride_cm,
                           NUM_SMS: tl.constexpr, E_POW2: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Persistent: each program walks tiles pid, pid + NUM_SMS, ... of the [M, N] output.
 
-    a [M, K] e4m3 (K contiguous), as [M, K/128] fp32; b[e] element (n, k) at
-    b_ptr + e*stride_be + n*stride_bn + k*stride_bk, its block scale at
-    bs_ptr + e*stride_bse + (n//128)*stride_bsn + (k//128)*stride_bsk (fprop: K-major rows of
-    W; dgrad: the same W with n and k swapped). BLOCK_M divides 128 so that a row tile never
-    spans two experts; BLOCK_N <= 128 so that one b scale covers a tile's columns per K block.
+    a [M, K] e4m3 (K contiguous) with its scales TRANSPOSED, ast [K/128, M] fp32 (one contiguous
+    row per K block, so each step loads BLOCK_M consecutive floats); b [E, N, K] e4m3 (K
+    contiguous), bs [E, ceil(N/128), K/128]. BLOCK_M divides 128 so that a row tile never spans
+    two experts; BLOCK_N <= 128 so that one b scale covers a tile's columns per K block.
     """
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
@@ -92,93 +88,39 @@ def _mgrouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
             e = tl.sum((inner <= row0).to(tl.int32), axis=0).to(tl.int64)
             # Clamped indices instead of masks keep the loads unpredicated (pipelines better);
             # rows/cols past the end are computed on repeated data and never stored.
-            rm_l = (rm % M).to(tl.int64)
+            rm_l = rm % M
             rn_l = rn % N
-            a_ptrs = a_ptr + rm_l[:, None] * stride_am + rk[None, :]
-            b_ptrs = b_ptr + e * stride_be + rn_l[None, :] * stride_bn + rk[:, None] * stride_bk
-            as_ptrs = as_ptr + rm_l * stride_asm
+            a_ptrs = a_ptr + rm_l.to(tl.int64)[:, None] * stride_am + rk[None, :]
+            b_ptrs = b_ptr + e * N * K + rn_l.to(tl.int64)[None, :] * K + rk[:, None]
+            as_ptrs = ast_ptr + rm_l
             bs_ptrs = bs_ptr + e * stride_bse + (pid_n * BLOCK_N // 128) * stride_bsn
             for kb in tl.range(0, k_tiles):
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
-                sa = tl.load(as_ptrs + kb)
-                sb = tl.load(bs_ptrs + kb * stride_bsk)
+                sa = tl.load(as_ptrs + kb * M)
+                sb = tl.load(bs_ptrs + kb)
                 d = tl.dot(a, b)  # fresh accumulator: at most 128 FP8 products per partial sum
                 acc += d * (sa * sb)[:, None]
                 a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K * stride_bk
+                b_ptrs += BLOCK_K
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
-def _kgrouped_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
-                          N, K, M_HINT,
-                          stride_an, stride_asn, stride_bk, stride_bsk,
-                          stride_ce, stride_cn,
-                          ACCUMULATE: tl.constexpr, MASK_T: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
-    """Grid (tiles of [N, K], E). a = dY col-wise: data [N, M] (tokens contiguous), as [N, M/128];
-    b = X col-wise: data [K, M], bs [K, M/128]. c[e] [N, K] fp32 (+= when ACCUMULATE).
-    MASK_T: the segment end may be inside a 128-token tile (dense wgrad, any M)."""
-    BLOCK_T: tl.constexpr = 128
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_k = tl.cdiv(K, BLOCK_K)
-    pid_n, pid_k = _tile_coords(pid, num_n, num_k, GROUP_N)
-    t_start = tl.load(off_ptr + e)
-    t_end = tl.load(off_ptr + e + 1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    rt = tl.arange(0, BLOCK_T)
-    rn_l = (rn % N).to(tl.int64)
-    rk_l = (rk % K).to(tl.int64)
-    a_ptrs = a_ptr + rn_l[:, None] * stride_an + (t_start + rt)[None, :]
-    b_ptrs = b_ptr + rk_l[:, None] * stride_bk + (t_start + rt)[None, :]
-    as_ptrs = as_ptr + rn_l * stride_asn + t_start // BLOCK_T
-    bs_ptrs = bs_ptr + rk_l * stride_bsk + t_start // BLOCK_T
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t0 in tl.range(t_start, t_end, BLOCK_T):
-        if MASK_T:
-            t_ok = (t0 + rt) < t_end  # masked tokens load 0: a stray FP8 byte can be NaN
-            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=t_ok[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        sa = tl.load(as_ptrs)
-        sb = tl.load(bs_ptrs)
-        d = tl.dot(a, tl.trans(b))  # both operands token-major (K-major for wgmma)
-        acc += d * sa[:, None] * sb[None, :]
-        a_ptrs += BLOCK_T
-        b_ptrs += BLOCK_T
-        as_ptrs += 1
-        bs_ptrs += 1
-    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn + rk[None, :]
-    mask = (rn < N)[:, None] & (rk < K)[None, :]
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=mask, other=0.0)
-    tl.store(c_ptrs, acc, mask=mask)
-
-
-@triton.jit
-def _mgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
-                              M, N, K, E, M_HINT,
-                              stride_asm, stride_bse, stride_bsn, stride_bsk,
-                              TRANS_B: tl.constexpr, NUM_SMS: tl.constexpr, E_POW2: tl.constexpr,
+def _mgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
+                              M, N, K, E, M_HINT, stride_bse, stride_bsn,
+                              LAG: tl.constexpr, NUM_SMS: tl.constexpr, E_POW2: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """`_mgrouped_gemm_kernel` with the operand tiles moved by TMA (device-side tensor
-    descriptors). a [M, K] contiguous; b [E, N, K] contiguous (TRANS_B=False) or, for dgrad,
-    the weights [E, K, N] (contraction K = the weights' N, read as [128, BLOCK_N] tiles);
-    c [M, N] contiguous. Out-of-range rows/columns: TMA zero-fills loads and clips stores."""
+    descriptors); a [M, K], b [E, N, K], c [M, N] contiguous. Out-of-range rows/columns: TMA
+    zero-fills loads and clips stores. BLOCK_N may be 256 (then one b scale per column).
+    LAG: promote block kb-1 after issuing the dot of block kb (lets the FP32 promotion overlap
+    the tensor-core work if the compiler keeps the dot asynchronous)."""
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if TRANS_B:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     m_end = tl.load(off_ptr + E)
     ie = tl.arange(0, E_POW2)
@@ -194,34 +136,96 @@ def _mgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if row0 < m_end:
             e = tl.sum((inner <= row0).to(tl.int32), axis=0)
-            rm_l = (row0 + tl.arange(0, BLOCK_M)) % M
-            as_ptrs = as_ptr + rm_l.to(tl.int64) * stride_asm
+            as_ptrs = ast_ptr + (row0 + tl.arange(0, BLOCK_M)) % M
             if BLOCK_N <= 128:
                 bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + (n0 // 128) * stride_bsn
             else:  # two 128-column weight blocks per tile: one scale per column
                 nb = (n0 + tl.arange(0, BLOCK_N)) // 128
                 bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + tl.minimum(nb, n_blocks - 1) * stride_bsn
-            for kb in tl.range(0, k_tiles):
-                a = a_desc.load([row0, kb * BLOCK_K])
-                if TRANS_B:
-                    b = b_desc.load([e * K + kb * BLOCK_K, n0])
-                    d = tl.dot(a, b)
-                else:
-                    b = b_desc.load([e * N + n0, kb * BLOCK_K])
-                    d = tl.dot(a, b.T)
-                sa = tl.load(as_ptrs + kb)
-                sb = tl.load(bs_ptrs + kb * stride_bsk)
-                if BLOCK_N <= 128:
-                    acc += d * (sa * sb)[:, None]
-                else:
-                    acc += d * (sa[:, None] * sb[None, :])
+            b_row = e * N + n0
+            if LAG:
+                d_prev = tl.dot(a_desc.load([row0, 0]), b_desc.load([b_row, 0]).T)
+                s_prev = _promo_scale(as_ptrs, bs_ptrs, 0, M, BLOCK_N)
+                for kb in tl.range(1, k_tiles):
+                    d = tl.dot(a_desc.load([row0, kb * BLOCK_K]), b_desc.load([b_row, kb * BLOCK_K]).T)
+                    acc += d_prev * s_prev
+                    d_prev = d
+                    s_prev = _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
+                acc += d_prev * s_prev
+            else:
+                for kb in tl.range(0, k_tiles):
+                    a = a_desc.load([row0, kb * BLOCK_K])
+                    b = b_desc.load([b_row, kb * BLOCK_K])
+                    d = tl.dot(a, b.T)  # fresh accumulator: at most 128 FP8 products per partial sum
+                    acc += d * _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
         c_desc.store([row0, n0], acc.to(c_desc.dtype))
 
 
 @triton.jit
-def _kgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
-                              M, N, K, M_HINT,
-                              stride_asn, stride_bsk, stride_ce, stride_cn,
+def _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N: tl.constexpr):
+    """Scale of K block kb for a [BLOCK_M, BLOCK_N] tile: a_scale[row] * b_scale[block]."""
+    sa = tl.load(as_ptrs + kb * M)
+    sb = tl.load(bs_ptrs + kb)
+    if BLOCK_N <= 128:
+        return (sa * sb)[:, None]
+    else:
+        return sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def _kgrouped_gemm_kernel(a_ptr, ast_ptr, b_ptr, bst_ptr, c_ptr, off_ptr,
+                          N, K, M_HINT,
+                          stride_an, stride_bk, stride_ce, stride_cn,
+                          ACCUMULATE: tl.constexpr, MASK_T: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    """Grid (tiles of [N, K], E). a = dY col-wise: data [N, M] (tokens contiguous); b = X
+    col-wise: data [K, M]. Scales TRANSPOSED to token-block-major: ast [ceil(M/128), N],
+    bst [ceil(M/128), K] (contiguous loads per step). c[e] [N, K] fp32 (+= when ACCUMULATE).
+    MASK_T: the segment end may be inside a 128-token tile (dense wgrad, any M)."""
+    BLOCK_T: tl.constexpr = 128
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid_n, pid_k = _tile_coords(pid, num_n, num_k, GROUP_N)
+    t_start = tl.load(off_ptr + e)
+    t_end = tl.load(off_ptr + e + 1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rt = tl.arange(0, BLOCK_T)
+    rn_l = rn % N
+    rk_l = rk % K
+    a_ptrs = a_ptr + rn_l.to(tl.int64)[:, None] * stride_an + (t_start + rt)[None, :]
+    b_ptrs = b_ptr + rk_l.to(tl.int64)[:, None] * stride_bk + (t_start + rt)[None, :]
+    as_ptrs = ast_ptr + (t_start // BLOCK_T).to(tl.int64) * N + rn_l
+    bs_ptrs = bst_ptr + (t_start // BLOCK_T).to(tl.int64) * K + rk_l
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t0 in tl.range(t_start, t_end, BLOCK_T):
+        if MASK_T:
+            t_ok = (t0 + rt) < t_end  # masked tokens load 0: a stray FP8 byte can be NaN
+            a = tl.load(a_ptrs, mask=t_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=t_ok[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        sa = tl.load(as_ptrs)
+        sb = tl.load(bs_ptrs)
+        d = tl.dot(a, tl.trans(b))  # both operands token-major (K-major for wgmma)
+        acc += d * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_T
+        b_ptrs += BLOCK_T
+        as_ptrs += N
+        bs_ptrs += K
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn + rk[None, :]
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _kgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bst_ptr, c_ptr, off_ptr,
+                              M, N, K, M_HINT, stride_ce, stride_cn,
                               ACCUMULATE: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
     """`_kgrouped_gemm_kernel` with TMA tiles: a [N, M] and b [K, M] contiguous. A partial last
@@ -240,8 +244,8 @@ def _kgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
     k0 = pid_k * BLOCK_K
     rn = n0 + tl.arange(0, BLOCK_N)
     rk = k0 + tl.arange(0, BLOCK_K)
-    as_ptrs = as_ptr + (rn % N).to(tl.int64) * stride_asn + t_start // BLOCK_T
-    bs_ptrs = bs_ptr + (rk % K).to(tl.int64) * stride_bsk + t_start // BLOCK_T
+    as_ptrs = ast_ptr + (t_start // BLOCK_T).to(tl.int64) * N + rn % N
+    bs_ptrs = bst_ptr + (t_start // BLOCK_T).to(tl.int64) * K + rk % K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t0 in tl.range(t_start, t_end, BLOCK_T):
         a = a_desc.load([n0, t0])
@@ -250,8 +254,8 @@ def _kgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
         sb = tl.load(bs_ptrs)
         d = tl.dot(a, b.T)
         acc += d * (sa[:, None] * sb[None, :])
-        as_ptrs += 1
-        bs_ptrs += 1
+        as_ptrs += N
+        bs_ptrs += K
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn + rk[None, :]
     mask = (rn < N)[:, None] & (rk < K)[None, :]
     if ACCUMULATE:
@@ -259,20 +263,21 @@ def _kgrouped_gemm_tma_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
     tl.store(c_ptrs, acc, mask=mask)
 
 
-def _mgrouped_configs():
-    cfgs = []
-    for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 5), (128, 128, 8, 3),
-                         (64, 128, 4, 5), (128, 64, 4, 5)]:
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s))
-    return cfgs
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, R, C, BLOCK: tl.constexpr):
+    """x [E, R, C] -> y [E, C, R] (bytes), one BLOCK x BLOCK tile per program."""
+    pid_c = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rr = pid_r * BLOCK + tl.arange(0, BLOCK)
+    rc = pid_c * BLOCK + tl.arange(0, BLOCK)
+    mask = (rr < R)[:, None] & (rc < C)[None, :]
+    x = tl.load(x_ptr + e * R * C + rr[:, None] * C + rc[None, :], mask=mask)
+    tl.store(y_ptr + e * R * C + rc[None, :] * R + rr[:, None], x, mask=mask)
 
 
-def _kgrouped_configs():
-    cfgs = []
-    for bn, bk, w, s in [(128, 128, 8, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3),
-                         (256, 128, 8, 3), (64, 128, 4, 4)]:
-        cfgs.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s))
-    return cfgs
+# ----------------------------------------------------------------------------------------------
+# Launch configurations
 
 
 def _tune_bench(fn, quantiles):
@@ -280,33 +285,32 @@ def _tune_bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+def _cfgs(keys, rows):
+    return [triton.Config(dict(zip(keys, r[:-2])), num_warps=r[-2], num_stages=r[-1]) for r in rows]
+
+
 # Autotuned entry points (GPU). Keys: the GEMM's N and K plus a power-of-two bucket of M, so
 # that per-step changes in token counts do not retune. Under the interpreter the plain kernels
 # are launched with small fixed blocks.
-_mgrouped_tuned = triton.autotune(_mgrouped_configs(), key=["N", "K", "M_HINT", "E"],
-                                  do_bench=_tune_bench)(_mgrouped_gemm_kernel)
-_kgrouped_tuned = triton.autotune(_kgrouped_configs(), key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"],
-                                  restore_value=["c_ptr"], do_bench=_tune_bench)(_kgrouped_gemm_kernel)
+_mgrouped_tuned = triton.autotune(
+    _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M"), [(128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (64, 128, 8, 4, 5)]),
+    key=["N", "K", "M_HINT", "E"], do_bench=_tune_bench)(_mgrouped_gemm_kernel)
+_kgrouped_tuned = triton.autotune(
+    _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (64, 128, 8, 4, 4)]),
+    key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"], restore_value=["c_ptr"], do_bench=_tune_bench)(
+    _kgrouped_gemm_kernel)
+_mgrouped_tma_tuned = triton.autotune(
+    _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M"), [(128, 128, 8, 8, 4), (128, 128, 8, 8, 5), (128, 256, 8, 8, 3),
+                                             (128, 256, 8, 8, 4), (64, 128, 8, 4, 6)]),
+    key=["N", "K", "M_HINT", "E", "LAG"], do_bench=_tune_bench)(_mgrouped_gemm_tma_kernel)
+_kgrouped_tma_tuned = triton.autotune(
+    _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 128, 8, 8, 4), (128, 128, 8, 8, 5), (128, 256, 8, 8, 3),
+                                             (256, 128, 8, 8, 3), (128, 128, 8, 4, 4)]),
+    key=["N", "K", "M_HINT", "ACCUMULATE"], restore_value=["c_ptr"], do_bench=_tune_bench)(
+    _kgrouped_gemm_tma_kernel)
 
-
-def _mgrouped_tma_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (128, 256, 8, 4),
-                                 (64, 128, 4, 6)]]
-
-
-def _kgrouped_tma_configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": 8}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(128, 128, 8, 4), (128, 128, 8, 5), (128, 256, 8, 3), (256, 128, 8, 3)]]
-
-
-_mgrouped_tma_tuned = triton.autotune(_mgrouped_tma_configs(), key=["N", "K", "M_HINT", "E", "TRANS_B"],
-                                      do_bench=_tune_bench)(_mgrouped_gemm_tma_kernel)
-_kgrouped_tma_tuned = triton.autotune(_kgrouped_tma_configs(), key=["N", "K", "M_HINT", "ACCUMULATE"],
-                                      restore_value=["c_ptr"], do_bench=_tune_bench)(_kgrouped_gemm_tma_kernel)
-
-# Which kernel family the GPU path uses: "tma" (tensor descriptors) or "ptr" (pointer loads);
-# set from tools/bench_gemm.py measurements (the benchmark times both).
+# Which kernel family the GPU path uses: "tma" (tensor descriptors), "tma-lag" (TMA with the
+# promotion one K block behind) or "ptr" (pointer loads); chosen from tools/bench_gemm.py runs.
 GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
 _ALLOCATOR_SET = False
 
@@ -393,75 +397,90 @@ def _m_hint(M: int) -> int:
     return 1 << max(M - 1, 1).bit_length()
 
 
-def launch_mgrouped(a: Fp8Tensor, b_data: Tensor, b_scale: Tensor, off: Tensor, N: int, K: int,
-                    transpose_b: bool, out: Tensor, variant: str | None = None) -> Tensor:
-    """Launches the m-grouped kernel on validated operands: a [M, K], b_data/b_scale [E, Nw, Kw]
-    (fprop: Nw = N, Kw = K; dgrad, transpose_b: Nw = K, Kw = N), out [M, N]."""
-    M = a.data.shape[0]
-    E = off.numel() - 1
+def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, variant: str | None = None) -> Tensor:
+    """Launches the m-grouped kernel on validated operands: a "1x128" [M, K], b "128x128"
+    [E, N, K], off int32 [E+1] on the device, out [M, N] (bf16, or fp32 for tests)."""
+    M, K = a.data.shape
+    E, N, _ = b.data.shape
     if M == 0 or N == 0:
         return out
-    variant = variant or GPU_VARIANT["mgrouped"]
-    if (variant == "tma" and not _INTERPRET and a.data.is_cuda and N % 16 == 0 and a.data.is_contiguous()
-            and b_data.is_contiguous() and out.is_contiguous() and out.dtype == torch.bfloat16):
-        _ensure_allocator()
-        ssn, ssk = (1, b_scale.stride(1)) if transpose_b else (b_scale.stride(1), 1)
-        num_sms = _num_sms(a.data.device)
-        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        _mgrouped_tma_tuned[grid](a.data, a.scale, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
-                                  a.scale.stride(0), b_scale.stride(0), ssn, ssk, TRANS_B=transpose_b,
-                                  NUM_SMS=num_sms, E_POW2=max(triton.next_power_of_2(E), 2))
-        return out
-    if transpose_b:  # b[e] stored [Kc, N] (N contiguous): element (n, k) at k*N_stride + n
-        sbn, sbk = 1, b_data.stride(1)
-        ssn, ssk = 1, b_scale.stride(1)
-    else:
-        sbn, sbk = b_data.stride(1), 1
-        ssn, ssk = b_scale.stride(1), 1
-    args = (a.data, a.scale, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
-            a.data.stride(0), a.scale.stride(0), b_data.stride(0), sbn, sbk,
-            b_scale.stride(0), ssn, ssk, out.stride(0))
+    a_data, b_data, b_scale = a.data.contiguous(), b.data.contiguous(), b.scale.contiguous()
+    ast = a.scale.t().contiguous()  # [K/128, M]: contiguous per-step loads (a few MB, ~us)
     num_sms = _num_sms(a.data.device)
     e_pow2 = max(triton.next_power_of_2(E), 2)
-    if _INTERPRET:
+    variant = variant or GPU_VARIANT["mgrouped"]
+    if _INTERPRET or not a.data.is_cuda:
         bm, bn = 32, 32
         grid = (min(num_sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-        _mgrouped_gemm_kernel[grid](*args, NUM_SMS=grid[0], E_POW2=e_pow2, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
+        _mgrouped_gemm_kernel[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
+                                    a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
+                                    NUM_SMS=grid[0], E_POW2=e_pow2, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
+        return out
+    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    if variant.startswith("tma") and N % 16 == 0 and out.is_contiguous():
+        _ensure_allocator()
+        _mgrouped_tma_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
+                                  b_scale.stride(0), b_scale.stride(1), LAG=variant == "tma-lag",
+                                  NUM_SMS=num_sms, E_POW2=e_pow2)
     else:
-        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-        _mgrouped_tuned[grid](*args, NUM_SMS=num_sms, E_POW2=e_pow2)
+        _mgrouped_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
+                              a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
+                              NUM_SMS=num_sms, E_POW2=e_pow2)
     return out
 
 
 def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accumulate: bool,
-                    mask_t: bool, variant: str | None = None) -> Tensor:
-    """Launches the k-grouped kernel on validated operands: dy data [N, M], x data [K, M],
-    out [E, N, K] fp32 (accumulated into when `accumulate`)."""
+                    variant: str | None = None) -> Tensor:
+    """Launches the k-grouped kernel on validated operands: dy "128x1" data [N, M], x "128x1"
+    data [K, M], off int32 [E+1], out [E, N, K] fp32 (accumulated into when `accumulate`)."""
     N, M = dy.data.shape
     K = x.data.shape[0]
     E = off.numel() - 1
     if E == 0 or N == 0 or K == 0:
         return out
+    a, b = dy.data.contiguous(), x.data.contiguous()
+    ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N|K]
     variant = variant or GPU_VARIANT["kgrouped"]
-    if (variant == "tma" and not _INTERPRET and dy.data.is_cuda and M % 16 == 0 and dy.data.is_contiguous()
-            and x.data.is_contiguous()):
-        _ensure_allocator()
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
-        _kgrouped_tma_tuned[grid](dy.data, dy.scale, x.data, x.scale, out, off, M, N, K, _m_hint(M),
-                                  dy.scale.stride(0), x.scale.stride(0), out.stride(0), out.stride(1),
-                                  ACCUMULATE=accumulate)
-        return out
-    args = (dy.data, dy.scale, x.data, x.scale, out, off, N, K, _m_hint(M),
-            dy.data.stride(0), dy.scale.stride(0), x.data.stride(0), x.scale.stride(0),
-            out.stride(0), out.stride(1))
-    if _INTERPRET:
+    if _INTERPRET or not a.is_cuda:
         bn, bk = 32, 32
         grid = (triton.cdiv(N, bn) * triton.cdiv(K, bk), E)
-        _kgrouped_gemm_kernel[grid](*args, ACCUMULATE=accumulate, MASK_T=mask_t, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=2)
+        _kgrouped_gemm_kernel[grid](a, ast, b, bst, out, off, N, K, _m_hint(M), a.stride(0), b.stride(0),
+                                    out.stride(0), out.stride(1), ACCUMULATE=accumulate, MASK_T=M % TILE != 0,
+                                    BLOCK_N=bn, BLOCK_K=bk, GROUP_N=2)
+        return out
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
+    if variant.startswith("tma") and M % 16 == 0:
+        _ensure_allocator()
+        _kgrouped_tma_tuned[grid](a, ast, b, bst, out, off, M, N, K, _m_hint(M), out.stride(0), out.stride(1),
+                                  ACCUMULATE=accumulate)
     else:
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
-        _kgrouped_tuned[grid](*args, ACCUMULATE=accumulate, MASK_T=mask_t)
+        _kgrouped_tuned[grid](a, ast, b, bst, out, off, N, K, _m_hint(M), a.stride(0), b.stride(0),
+                              out.stride(0), out.stride(1), ACCUMULATE=accumulate, MASK_T=M % TILE != 0)
     return out
+
+
+def transpose_weight(w: Fp8Tensor, impl: str | None = None) -> Fp8Tensor:
+    """ "128x128" W [(E,) N, K] -> "128x128" Wᵀ [(E,) K, N]: FP8 bytes transposed, scale grid
+    transposed, no requantization (a 128x128 tile transposed is the same tile). Hopper's FP8
+    tensor cores need the contraction dim contiguous, so dgrad (contraction over N) multiplies
+    by this copy. Needs N % 128 == 0. Measured on an H200: reading W transposed inside the GEMM
+    instead ran at 166 TFLOP/s, the copy costs ~5% of the GEMM."""
+    if not isinstance(w, Fp8Tensor) or w.layout != "128x128" or w.data.dim() not in (2, 3):
+        raise ValueError("transpose_weight: expected a '128x128' Fp8Tensor [N, K] or [E, N, K]")
+    N, K = w.data.shape[-2:]
+    if N % TILE:
+        raise ValueError(f"transpose_weight: N={N} is not divisible by {TILE}")
+    scale_t = w.scale.transpose(-1, -2).contiguous()
+    if not _use_triton(w.data, impl):
+        return Fp8Tensor(w.data.transpose(-1, -2).contiguous(), scale_t, "128x128")
+    x = w.data.contiguous().view(torch.uint8)
+    x3 = x.unsqueeze(0) if x.dim() == 2 else x
+    y = torch.empty(x3.shape[0], K, N, dtype=torch.uint8, device=x.device)
+    if x3.numel():
+        BLOCK = 64
+        _transpose_kernel[(triton.cdiv(K, BLOCK), triton.cdiv(N, BLOCK), x3.shape[0])](x3, y, N, K, BLOCK=BLOCK)
+    y = y.view(FP8_DTYPE)
+    return Fp8Tensor(y[0] if x.dim() == 2 else y, scale_t, "128x128")
 
 
 def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: bool = False,
@@ -471,7 +490,8 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     a: "1x128" [M, Kc] (the stacked, 128-aligned segments of all local experts).
     b: "128x128" expert weights, data [E, N, K], scale [E, ceil(N/128), K/128].
     fprop (transpose_b=False): Kc == K, out[m] = a[m] · b[e]ᵀ, N_out = N.
-    dgrad (transpose_b=True):  Kc == N (N % 128 == 0), out[m] = a[m] · b[e], N_out = K.
+    dgrad (transpose_b=True):  Kc == N (N % 128 == 0), out[m] = a[m] · b[e], N_out = K; multiplies
+    by `transpose_weight(b)` (pass that yourself with transpose_b=False to reuse the copy).
     group_offsets: see the module docstring (rows outside every segment come out 0).
     """
     check_fp8("fp8_grouped_gemm: a", a, "1x128", 2)
@@ -483,24 +503,17 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
             raise ValueError(f"fp8_grouped_gemm: transpose_b needs the weights' N={N} divisible by {TILE}")
         if Kc != N:
             raise ValueError(f"fp8_grouped_gemm: a has {Kc} columns, b[e] has N={N} rows (transpose_b=True)")
-        n_out = K
-    else:
-        if Kc != K:
-            raise ValueError(f"fp8_grouped_gemm: a has K={Kc} columns, b has K={K}")
-        n_out = N
+    elif Kc != K:
+        raise ValueError(f"fp8_grouped_gemm: a has K={Kc} columns, b has K={K}")
     if a.data.device != b.data.device:
         raise ValueError(f"fp8_grouped_gemm: a on {a.data.device}, b on {b.data.device}")
     off = prepare_offsets(group_offsets, E, M, a.data.device, validate)
     if not _use_triton(a.data, impl):
         return fp8_grouped_gemm_ref(a, b, off, transpose_b=transpose_b)
-    bd, bs = b.data, b.scale
-    if bs.stride(-1) != 1:
-        bs = bs.contiguous()
-    if bd.stride(0) != N * K or bd.stride(1) != K:
-        bd = bd.contiguous()
-    a = Fp8Tensor(a.data, a.scale if a.scale.stride(-1) == 1 else a.scale.contiguous(), a.layout)
-    out = torch.empty(M, n_out, dtype=torch.bfloat16, device=a.data.device)
-    return launch_mgrouped(a, bd, bs, off, n_out, Kc, transpose_b, out)
+    if transpose_b:
+        b = transpose_weight(b, impl)
+    out = torch.empty(M, b.data.shape[1], dtype=torch.bfloat16, device=a.data.device)
+    return launch_mgrouped(a, b, off, out)
 
 
 def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tensor | None = None, *,
@@ -509,7 +522,7 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
 
     dy: "128x1" of dY [M, N] (data [N, M], scale [N, ceil(M/128)]).
     x:  "128x1" of X [M, K]  (data [K, M], scale [K, ceil(M/128)]).
-    out: optional FP32 [E, N, K] (contiguous last dim) to accumulate into (a main grad).
+    out: optional FP32 [E, N, K] (contiguous) to accumulate into (a main grad).
     group_offsets [E+1]: see the module docstring; E is len(group_offsets) - 1. Experts with no
     tokens give exact zeros (or leave out unchanged).
     """
@@ -524,15 +537,15 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
         raise ValueError("fp8_grouped_gemm_wgrad: group_offsets is empty, expected [E+1] entries")
     off = prepare_offsets(group_offsets, E, M, dy.data.device, validate)
     if out is not None:
-        if out.shape != (E, N, K) or out.dtype != torch.float32 or out.stride(-1) != 1:
-            raise ValueError(f"fp8_grouped_gemm_wgrad: out must be float32 [{E}, {N}, {K}] with a contiguous "
-                             f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+        if out.shape != (E, N, K) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"fp8_grouped_gemm_wgrad: out must be a contiguous float32 [{E}, {N}, {K}], "
+                             f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if not _use_triton(dy.data, impl):
         return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)
     accumulate = out is not None
     if out is None:
         out = torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
-    return launch_kgrouped(dy, x, off, out, accumulate, mask_t=False)
+    return launch_kgrouped(dy, x, off, out, accumulate)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -123,12 +123,23 @@ def expert_case(rows, name, K, N, counts, variants):
         t = bench(lambda: gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False))
         dyb, wb = dy, w
         t_bf = bench(lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16))
-        rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v}", tflops(flop, t), "torch._grouped_mm bf16",
+        rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t), "torch._grouped_mm bf16",
                         tflops(flop, t_bf), err))
     # wgrad: ours k-grouped vs BF16 _grouped_mm (2d x 2d, both operands token-major, as ours)
     dyc, xc = quant_colwise(dy), quant_colwise(x)
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
     t_bfw = bench(lambda: torch._grouped_mm(dyt, xt.t(), offs=ends, out_dtype=torch.bfloat16))
+    per_w = []
+    for e in range(E):
+        s, t = off[e], off[e + 1]
+        if t > s:
+            per_w.append((dyc.data[:, s:t], xc.data[:, s:t].t(), _col_major(dyc.scale[:, s // 128:t // 128]),
+                           xc.scale[:, s // 128:t // 128].t().contiguous()))
+    try:
+        t_loopw = bench(lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32) for a, b, sa, sb in per_w])
+    except RuntimeError as exc:
+        print(f"per-expert cuBLAS wgrad failed: {exc}"[:300])
+        t_loopw = float("nan")
     for v in variants:
         set_variant(v)
         dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False)
@@ -137,6 +148,8 @@ def expert_case(rows, name, K, N, counts, variants):
         t = bench(lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False))
         rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t), "torch._grouped_mm bf16 wgrad",
                         tflops(flop, t_bfw), err))
+        rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t),
+                        "per-expert loop of cuBLAS blockwise 1x128x1x128 fp32", tflops(flop, t_loopw), err))
     del x, w, dy, a8, w8, dy8, dyc, xc, dyt, xt
     torch.cuda.empty_cache()
 
@@ -161,18 +174,20 @@ def dense_case(rows, n, variants):
                         tflops(flop, t_cub), rel_err(y, ref)))
     rows.append(row(f"fprop {case}", "cuBLAS blockwise (moefp8 default)", tflops(flop, t_cub), "torch mm bf16",
                     tflops(flop, t_bf)))
-    # dgrad: cuBLAS on a transposed copy (copy timed in) vs Triton reading W transposed
+    # dgrad: both paths multiply by an FP8 copy of Wᵀ (FP8 wgmma needs K-major operands)
     w8t = transpose_weight(w8)
+    t_tr = bench(lambda: transpose_weight(w8))
     t_cub_cached = bench(lambda: fp8_gemm(dy8, w8t, impl="cublas"))
     t_cub_copy = bench(lambda: fp8_gemm_dgrad(dy8, w8, impl="cublas"))
     ref = fp8_gemm(dy8, w8t, impl="cublas").float()
+    print(f"transpose_weight {N}x{K}: {t_tr * 1e3:.1f} us")
     for v in variants:
         set_variant(v)
         d = fp8_gemm_dgrad(dy8, w8, impl="triton")
         t = bench(lambda: fp8_gemm_dgrad(dy8, w8, impl="triton"))
-        rows.append(row(f"dgrad {case}", f"moefp8-triton-{v} (W read transposed)", tflops(flop, t),
+        rows.append(row(f"dgrad {case}", f"moefp8-triton-{v} incl. Wᵀ copy", tflops(flop, t),
                         "cuBLAS blockwise on cached Wᵀ", tflops(flop, t_cub_cached), rel_err(d, ref)))
-    rows.append(row(f"dgrad {case}", "cuBLAS blockwise incl. Wᵀ copy", tflops(flop, t_cub_copy),
+    rows.append(row(f"dgrad {case}", "cuBLAS blockwise incl. Wᵀ copy (moefp8 default)", tflops(flop, t_cub_copy),
                     "cuBLAS blockwise on cached Wᵀ", tflops(flop, t_cub_cached)))
     # wgrad
     dyc, xc = quant_colwise(dy), quant_colwise(x)
@@ -185,14 +200,19 @@ def dense_case(rows, n, variants):
         t = bench(lambda: fp8_gemm(dyc, xc, impl="triton"))
         rows.append(row(f"wgrad {case}", f"moefp8-triton-{v}", tflops(flop, t), "torch mm bf16 (token-major operands)",
                         tflops(flop, t_bfw), rel_err(dw, ref)))
-    try:  # cuBLAS 1x128 x 1x128 blockwise for the wgrad, if this torch accepts it
-        sb = xc.scale.t().contiguous()
-        dwc = torch._scaled_mm(dyc.data, xc.data.t(), _col_major(dyc.scale), sb, out_dtype=torch.bfloat16)
-        t = bench(lambda: torch._scaled_mm(dyc.data, xc.data.t(), _col_major(dyc.scale), sb, out_dtype=torch.bfloat16))
-        rows.append(row(f"wgrad {case}", "cuBLAS blockwise 1x128x1x128 (bf16 out)", tflops(flop, t),
-                        "torch mm bf16 (token-major operands)", tflops(flop, t_bfw), rel_err(dwc, ref)))
-    except RuntimeError as exc:
-        print(f"cuBLAS 1x128x1x128 wgrad: {exc}"[:300])
+    dwc = fp8_gemm(dyc, xc, impl="cublas")
+    t = bench(lambda: fp8_gemm(dyc, xc, impl="cublas"))
+    rows.append(row(f"wgrad {case}", "cuBLAS blockwise 1x128x1x128 fp32 (moefp8 default)", tflops(flop, t),
+                    "torch mm bf16 (token-major operands)", tflops(flop, t_bfw), rel_err(dwc, ref)))
+    main_grad = torch.zeros(N, K, device="cuda")
+    t = bench(lambda: fp8_gemm(dyc, xc, out=main_grad, impl="cublas"))
+    rows.append(row(f"wgrad {case} into main grad", "cuBLAS blockwise fp32 + add_", tflops(flop, t),
+                    "torch mm bf16 (token-major operands)", tflops(flop, t_bfw)))
+    for v in variants:
+        set_variant(v)
+        t = bench(lambda: fp8_gemm(dyc, xc, out=main_grad, impl="triton"))
+        rows.append(row(f"wgrad {case} into main grad", f"moefp8-triton-{v} (accumulates in-kernel)", tflops(flop, t),
+                        "torch mm bf16 (token-major operands)", tflops(flop, t_bfw)))
 
 
 def probe():
@@ -231,7 +251,7 @@ def main():
     p.add_argument("--experts", default="8,32", help="local expert counts")
     p.add_argument("--tokens", type=int, default=4096, help="mean tokens per expert (balanced cases)")
     p.add_argument("--dense", type=int, default=8192)
-    p.add_argument("--variants", default="tma,ptr", help="Triton kernel variants to time")
+    p.add_argument("--variants", default="tma,tma-lag", help="Triton kernel variants to time (tma, tma-lag, ptr)")
     p.add_argument("--quick", action="store_true", help="fc1 E8 balanced, fc2 E8 skewed, dense")
     p.add_argument("--probe", action="store_true", help="only probe cuBLAS blockwise scale layouts")
     p.add_argument("--out", default=None, help="results path (default bench/results/gemm-<device>.json)")
@@ -258,6 +278,10 @@ def main():
         expert_case(rows, name, K, N, counts, variants)
         print(f"done {name} {counts}", flush=True)
     dense_case(rows, args.dense, variants)
+    for name, k in [("m-grouped tma", gg._mgrouped_tma_tuned), ("k-grouped tma", gg._kgrouped_tma_tuned),
+                    ("m-grouped ptr", gg._mgrouped_tuned)]:
+        for key, cfg in getattr(k, "cache", {}).items():
+            print(f"best config {name} {key}: {cfg}")
     print_table(rows, ["case", "impl", "value", "baseline", "baseline_value", "ratio", "err"])
     path = save_results("bench_gemm", rows, {"what": "fp8 per-tensor _scaled_mm 8192^3", "value": round(peak, 1),
                                              "unit": "TFLOP/s"}, path=args.out)

@@ -2,8 +2,10 @@
 inputs upcast to float64, contract checks (empty experts, ragged segments, zero rows, errors).
 
 Tolerances (relative Frobenius error, `rel_err`):
-* FP32 results (wgrad, or the m-grouped kernel writing fp32): the only error is fp32 summation
-  of exact FP8 products, ~1e-7; bound 1e-5.
+* FP32 results (wgrad, or the m-grouped kernel writing fp32): on CPU the only error is fp32
+  summation of exact FP8 products, ~1e-7; bound 1e-5. On Hopper the FP8 MMA adds the products
+  of each 128-wide block with a reduced-precision internal accumulator: measured rel. error
+  2.5e-5 to 4.6e-5 for our kernels and 1.3e-4 for cuBLAS blockwise; GPU bound 3e-4.
 * BF16 results: one rounding to bf16 (unit roundoff 2**-9 = 0.00195, rms ~0.0011 relative for
   round-to-nearest); bound 4e-3. The Triton interpreter truncates fp32 -> bf16 instead (max
   2**-8 = 0.0039 per element, rms ~0.0023), so interpreter runs of BF16 outputs get 8e-3.
@@ -23,6 +25,7 @@ from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_wei
 from moefp8.testing import rel_err
 
 FP32_TOL = 1e-5
+GPU_FP32_TOL = 3e-4
 BF16_TOL = 4e-3
 BF16_INTERP_TOL = 8e-3
 
@@ -99,7 +102,7 @@ def test_interp_mgrouped_fp32_exact(off, M):
     a, b = quant_rowwise_ref(_rand(M, 256, outliers=True)), quant_weight_ref(_rand(E, 96, 256))
     o = prepare_offsets(off, E, M, "cpu", validate=True)
     out = torch.full((M, 96), float("nan"))
-    launch_mgrouped(a, b.data, b.scale, o, 96, 256, False, out)
+    launch_mgrouped(a, b, o, out)
     exact = _ref64_grouped(a, b, off)
     assert rel_err(out, exact) < FP32_TOL
     assert torch.equal(out[off[-1]:], torch.zeros_like(out[off[-1]:]))  # rows past the segments: 0
@@ -112,11 +115,14 @@ def test_interp_mgrouped_bf16_and_dgrad():
     out = fp8_grouped_gemm(a, b, off, impl="triton")
     assert out.dtype == torch.bfloat16 and out.shape == (400, 128)
     assert rel_err(out, _ref64_grouped(a, b, off)) < BF16_INTERP_TOL
-    # dgrad: a [M, N=128] times b[e] [N, K=256], b's blocks read transposed
+    # dgrad: a [M, N=128] times b[e] [N, K=256], through the transposed FP8 copy
     d8 = quant_rowwise_ref(_rand(400, 128))
     dx = fp8_grouped_gemm(d8, b, off, transpose_b=True, impl="triton")
     assert dx.shape == (400, 256)
     assert rel_err(dx, _ref64_grouped(d8, b, off, transpose_b=True)) < BF16_INTERP_TOL
+    wt = transpose_weight(b, impl="triton")
+    assert torch.equal(wt.data.view(torch.uint8), b.data.transpose(1, 2).contiguous().view(torch.uint8))
+    assert torch.equal(wt.scale, b.scale.transpose(1, 2))
 
 
 @pytest.mark.interp
@@ -203,8 +209,8 @@ def _gpu_ref_check(out, exact, tol):
                                    (2048, 4096, 7168), (96, 7168, 7168), (200, 4096, 2048)])
 @pytest.mark.parametrize("impl", ["cublas", "triton-tma", "triton-ptr"])
 def test_gpu_dense(M, N, K, impl, monkeypatch):
-    if impl == "cublas" and M % 16:
-        pytest.skip("cuBLAS blockwise needs M % 16 == 0")
+    if impl == "cublas" and (M % 16 or (K // 128) % 4):
+        pytest.skip("cuBLAS blockwise is used only for M % 16 == 0 and K/128 % 4 == 0")
     if impl.startswith("triton"):
         impl, variant = impl.split("-")
         monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "mgrouped", variant)
@@ -215,14 +221,15 @@ def test_gpu_dense(M, N, K, impl, monkeypatch):
     _gpu_ref_check(fp8_gemm(a, b, impl=impl), exact, BF16_TOL)
     exact_d = d8.dequantize().double() @ b.dequantize().double()
     _gpu_ref_check(fp8_gemm_dgrad(d8, b, impl=impl), exact_d, BF16_TOL)
-    if impl == "triton":
-        xc, dyc = quant_colwise_ref(x), quant_colwise_ref(dy)
-        exact_w = dyc.dequantize().double().t() @ xc.dequantize().double()
-        _gpu_ref_check(fp8_gemm(dyc, xc), exact_w, FP32_TOL)
-        main = torch.randn(N, K, device="cuda")
-        out = main.clone()
-        fp8_gemm(dyc, xc, out=out)
-        _gpu_ref_check(out, exact_w + main.double(), FP32_TOL)
+    if impl == "cublas" and M % 128:
+        return
+    xc, dyc = quant_colwise_ref(x), quant_colwise_ref(dy)
+    exact_w = dyc.dequantize().double().t() @ xc.dequantize().double()
+    _gpu_ref_check(fp8_gemm(dyc, xc, impl=impl), exact_w, GPU_FP32_TOL)
+    main = torch.randn(N, K, device="cuda")
+    out = main.clone()
+    fp8_gemm(dyc, xc, out=out, impl=impl)
+    _gpu_ref_check(out, exact_w + main.double(), GPU_FP32_TOL)
 
 
 def _segments(counts):
@@ -254,14 +261,16 @@ def test_gpu_grouped(N, K, counts, variant, monkeypatch):
     xc = quant_colwise_ref(_rand(M, K).cuda())
     dw = fp8_grouped_gemm_wgrad(dyc, xc, off)
     exact = _ref64_wgrad(dyc, xc, off)
-    _gpu_ref_check(dw, exact, FP32_TOL)
+    _gpu_ref_check(dw, exact, GPU_FP32_TOL)
     for e, c in enumerate(counts):
         if c == 0:
             assert torch.equal(dw[e], torch.zeros_like(dw[e]))
     acc = torch.randn_like(dw)
     base = acc.clone()
     fp8_grouped_gemm_wgrad(dyc, xc, off, out=acc)
-    _gpu_ref_check(acc, exact + base.double(), FP32_TOL)
+    _gpu_ref_check(acc, exact + base.double(), GPU_FP32_TOL)
+    wt = transpose_weight(b)
+    assert torch.equal(wt.data.view(torch.uint8), b.data.transpose(1, 2).contiguous().view(torch.uint8))
 
 
 @pytest.mark.gpu
