@@ -110,13 +110,13 @@ def _mgrouped_gemm_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
 @triton.jit
 def _mgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
                               M, N, K, E, M_HINT, stride_bse, stride_bsn,
-                              LAG: tl.constexpr, NUM_SMS: tl.constexpr, E_POW2: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                              E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              GROUP_M: tl.constexpr, OCC: tl.constexpr):
     """`_mgrouped_gemm_kernel` with the operand tiles moved by TMA (device-side tensor
     descriptors); a [M, K], b [E, N, K], c [M, N] contiguous. Out-of-range rows/columns: TMA
     zero-fills loads and clips stores. BLOCK_N may be 256 (then one b scale per column).
-    LAG: promote block kb-1 after issuing the dot of block kb (lets the FP32 promotion overlap
-    the tensor-core work if the compiler keeps the dot asynchronous)."""
+    Persistent over OCC programs per SM: with OCC=2 two co-resident programs let one's FP32
+    promotion overlap the other's tensor-core work (a CTA-level ping-pong)."""
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -129,7 +129,7 @@ def _mgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
     num_n = tl.cdiv(N, BLOCK_N)
     n_blocks = tl.cdiv(N, 128)
     k_tiles = K // BLOCK_K
-    for tile in tl.range(pid, num_m * num_n, NUM_SMS):
+    for tile in tl.range(pid, num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         row0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -143,21 +143,11 @@ def _mgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
                 nb = (n0 + tl.arange(0, BLOCK_N)) // 128
                 bs_ptrs = bs_ptr + e.to(tl.int64) * stride_bse + tl.minimum(nb, n_blocks - 1) * stride_bsn
             b_row = e * N + n0
-            if LAG:
-                d_prev = tl.dot(a_desc.load([row0, 0]), b_desc.load([b_row, 0]).T)
-                s_prev = _promo_scale(as_ptrs, bs_ptrs, 0, M, BLOCK_N)
-                for kb in tl.range(1, k_tiles):
-                    d = tl.dot(a_desc.load([row0, kb * BLOCK_K]), b_desc.load([b_row, kb * BLOCK_K]).T)
-                    acc += d_prev * s_prev
-                    d_prev = d
-                    s_prev = _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
-                acc += d_prev * s_prev
-            else:
-                for kb in tl.range(0, k_tiles):
-                    a = a_desc.load([row0, kb * BLOCK_K])
-                    b = b_desc.load([b_row, kb * BLOCK_K])
-                    d = tl.dot(a, b.T)  # fresh accumulator: at most 128 FP8 products per partial sum
-                    acc += d * _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
+            for kb in tl.range(0, k_tiles):
+                a = a_desc.load([row0, kb * BLOCK_K])
+                b = b_desc.load([b_row, kb * BLOCK_K])
+                d = tl.dot(a, b.T)  # fresh accumulator: at most 128 FP8 products per partial sum
+                acc += d * _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
         c_desc.store([row0, n0], acc.to(c_desc.dtype))
 
 
@@ -299,19 +289,27 @@ _kgrouped_tuned = triton.autotune(
     _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (64, 128, 8, 4, 4)]),
     key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_kernel)
+# Measured on an H200 (fc1/fc2 shapes, E = 8 and 32): 128x128 tiles, 8 warps, 4-5 stages, one
+# program per SM won among 128x256 and 64x128 tiles with one program per SM (the two-program
+# configurations below are the ping-pong experiment). A variant that promoted block kb-1 after
+# issuing the dot of block kb ran 7-20% slower and was dropped.
 _mgrouped_tma_tuned = triton.autotune(
-    _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M"), [(128, 128, 8, 8, 4), (128, 128, 8, 8, 5), (128, 256, 8, 8, 3),
-                                             (128, 256, 8, 8, 4), (64, 128, 8, 4, 6)]),
-    key=["N", "K", "M_HINT", "E", "LAG"], do_bench=_tune_bench)(_mgrouped_gemm_tma_kernel)
+    _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M", "OCC"), [(128, 128, 8, 1, 8, 4), (128, 128, 8, 1, 8, 5),
+                                                    (64, 128, 8, 2, 4, 4), (128, 64, 8, 2, 4, 4),
+                                                    (64, 128, 8, 2, 4, 3), (128, 128, 8, 2, 8, 3)]),
+    key=["N", "K", "M_HINT", "E"], do_bench=_tune_bench)(_mgrouped_gemm_tma_kernel)
 _kgrouped_tma_tuned = triton.autotune(
-    _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 128, 8, 8, 4), (128, 128, 8, 8, 5), (128, 256, 8, 8, 3),
-                                             (256, 128, 8, 8, 3), (128, 128, 8, 4, 4)]),
+    _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 256, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 8, 8, 3),
+                                             (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (64, 256, 8, 4, 3)]),
     key=["N", "K", "M_HINT", "ACCUMULATE"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_tma_kernel)
 
-# Which kernel family the GPU path uses: "tma" (tensor descriptors), "tma-lag" (TMA with the
-# promotion one K block behind) or "ptr" (pointer loads); chosen from tools/bench_gemm.py runs.
+# Which kernel family the GPU path uses: "tma" (tensor descriptors) or "ptr" (pointer loads);
+# TMA measured 10-15% faster for the m-grouped GEMM and 10x for the k-grouped one (H200).
 GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
+# Default GPU path of fp8_grouped_gemm_wgrad: "triton" (k-grouped kernel, no host sync) or
+# "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync); see tools/bench_gemm.py.
+WGRAD_IMPL = "triton"
 _ALLOCATOR_SET = False
 
 
@@ -331,7 +329,7 @@ def _use_triton(x: Tensor, impl: str | None) -> bool:
     if impl is None:
         return x.is_cuda
     if impl not in ("triton", "ref"):
-        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
+        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref' ('cublas' for the wgrad on CUDA)")
     return impl == "triton"
 
 
@@ -416,13 +414,14 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
                                     a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
                                     NUM_SMS=grid[0], E_POW2=e_pow2, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
         return out
-    grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
-    if variant.startswith("tma") and N % 16 == 0 and out.is_contiguous():
+    if variant == "tma" and N % 16 == 0 and out.is_contiguous():
         _ensure_allocator()
+        grid = lambda meta: (min(meta["OCC"] * num_sms,
+                                 triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _mgrouped_tma_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
-                                  b_scale.stride(0), b_scale.stride(1), LAG=variant == "tma-lag",
-                                  NUM_SMS=num_sms, E_POW2=e_pow2)
+                                  b_scale.stride(0), b_scale.stride(1), E_POW2=e_pow2)
     else:
+        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _mgrouped_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
                               a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
                               NUM_SMS=num_sms, E_POW2=e_pow2)
@@ -449,7 +448,7 @@ def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accum
                                     BLOCK_N=bn, BLOCK_K=bk, GROUP_N=2)
         return out
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
-    if variant.startswith("tma") and M % 16 == 0:
+    if variant == "tma" and M % 16 == 0:
         _ensure_allocator()
         _kgrouped_tma_tuned[grid](a, ast, b, bst, out, off, M, N, K, _m_hint(M), out.stride(0), out.stride(1),
                                   ACCUMULATE=accumulate)
@@ -523,6 +522,7 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
     dy: "128x1" of dY [M, N] (data [N, M], scale [N, ceil(M/128)]).
     x:  "128x1" of X [M, K]  (data [K, M], scale [K, ceil(M/128)]).
     out: optional FP32 [E, N, K] (contiguous) to accumulate into (a main grad).
+    impl: None (GPU: `WGRAD_IMPL`), "triton", "cublas" (per-expert loop, CUDA only) or "ref".
     group_offsets [E+1]: see the module docstring; E is len(group_offsets) - 1. Experts with no
     tokens give exact zeros (or leave out unchanged).
     """
@@ -540,12 +540,38 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
         if out.shape != (E, N, K) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"fp8_grouped_gemm_wgrad: out must be a contiguous float32 [{E}, {N}, {K}], "
                              f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    if impl == "cublas" or (impl is None and dy.data.is_cuda and WGRAD_IMPL == "cublas"):
+        return _wgrad_cublas_loop(dy, x, off, out)
     if not _use_triton(dy.data, impl):
         return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)
     accumulate = out is not None
     if out is None:
         out = torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
     return launch_kgrouped(dy, x, off, out, accumulate)
+
+
+def _wgrad_cublas_loop(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor | None) -> Tensor:
+    """k-grouped wgrad as a loop of cuBLAS blockwise 1x128 x 1x128 GEMMs, one per non-empty
+    expert (reads the offsets on the host: one sync). FP32 out; empty experts get zeros."""
+    N, M = dy.data.shape
+    K = x.data.shape[0]
+    h = off.tolist()
+    E = len(h) - 1
+    res = out if out is not None else torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
+    for e in range(E):
+        s, t = h[e], h[e + 1]
+        if t == s:
+            if out is None:
+                res[e].zero_()
+            continue
+        sa = dy.scale[:, s // TILE:t // TILE].t().contiguous().t()  # column-major [N, T/128]
+        sb = x.scale[:, s // TILE:t // TILE].t().contiguous()  # [T/128, K]
+        r = torch._scaled_mm(dy.data[:, s:t], x.data[:, s:t].t(), sa, sb, out_dtype=torch.float32)
+        if out is None:
+            res[e] = r
+        else:
+            res[e] += r
+    return res
 
 
 # ----------------------------------------------------------------------------------------------

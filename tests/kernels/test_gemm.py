@@ -5,7 +5,8 @@ Tolerances (relative Frobenius error, `rel_err`):
 * FP32 results (wgrad, or the m-grouped kernel writing fp32): on CPU the only error is fp32
   summation of exact FP8 products, ~1e-7; bound 1e-5. On Hopper the FP8 MMA adds the products
   of each 128-wide block with a reduced-precision internal accumulator: measured rel. error
-  2.5e-5 to 4.6e-5 for our kernels and 1.3e-4 for cuBLAS blockwise; GPU bound 3e-4.
+  2.5e-5 to 4.6e-5 for our kernels and 1.3e-4 for cuBLAS blockwise on Gaussian data, up to
+  3.7e-4 with x1e3 outliers (they set the block's alignment exponent); GPU bound 1e-3.
 * BF16 results: one rounding to bf16 (unit roundoff 2**-9 = 0.00195, rms ~0.0011 relative for
   round-to-nearest); bound 4e-3. The Triton interpreter truncates fp32 -> bf16 instead (max
   2**-8 = 0.0039 per element, rms ~0.0023), so interpreter runs of BF16 outputs get 8e-3.
@@ -25,7 +26,7 @@ from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_wei
 from moefp8.testing import rel_err
 
 FP32_TOL = 1e-5
-GPU_FP32_TOL = 3e-4
+GPU_FP32_TOL = 1e-3
 BF16_TOL = 4e-3
 BF16_INTERP_TOL = 8e-3
 
@@ -244,6 +245,7 @@ def _segments(counts):
 @pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128]])
 @pytest.mark.parametrize("variant", ["tma", "ptr"])
 def test_gpu_grouped(N, K, counts, variant, monkeypatch):
+    """Variants of the Triton kernels; the wgrad is also checked through its cuBLAS loop."""
     monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "mgrouped", variant)
     monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "kgrouped", variant)
     off = _segments(counts)
@@ -269,6 +271,11 @@ def test_gpu_grouped(N, K, counts, variant, monkeypatch):
     base = acc.clone()
     fp8_grouped_gemm_wgrad(dyc, xc, off, out=acc)
     _gpu_ref_check(acc, exact + base.double(), GPU_FP32_TOL)
+    dw_cublas = fp8_grouped_gemm_wgrad(dyc, xc, off, impl="cublas")
+    _gpu_ref_check(dw_cublas, exact, GPU_FP32_TOL)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw_cublas[e], torch.zeros_like(dw_cublas[e]))
     wt = transpose_weight(b)
     assert torch.equal(wt.data.view(torch.uint8), b.data.transpose(1, 2).contiguous().view(torch.uint8))
 
