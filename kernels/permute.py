@@ -1,0 +1,256 @@
+"""Permute tokens into per-expert segments (FP8) and combine expert outputs back (BF16).
+
+Shapes (legend in `moefp8/__init__.py`): T tokens, K top-k slots, H hidden, E experts (local to
+this rank), M permuted rows (every routed (token, slot) pair once, each expert's segment padded
+to a multiple of 128 rows, the grouped GEMMs' block).
+
+* `build_layout(topk_idx_TK, E)` -> `PermuteLayout`: where each (token, slot) goes. Within an
+  expert, rows are in ascending (token, slot) order, so the layout is deterministic.
+* `permute_fp8(x8_TH, layout)`: gathers FP8 rows and their scales into the layout; padding
+  rows are zeros with scale 1. Optionally multiplies each row's scales by a per-(token, slot)
+  factor (the routing weight in the backward pass: the gradient stays FP8).
+* `unpermute_combine(y_MH, layout, w_TK)`: out[t] = sum_k w[t, k] * y[row[t, k]] in fp32 ->
+  BF16; `combine_backward` gives dw exactly (fp32 dot of dout and y) and, if asked, dy in BF16.
+
+Each Triton kernel has its `_ref` twin; the default picks Triton on CUDA and the reference on CPU.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+
+ALIGN = 128  # expert segments start at multiples of the grouped GEMMs' row block
+
+
+@dataclass(frozen=True)
+class PermuteLayout:
+    """Where each routed (token, slot) pair lives in the permuted tensor.
+
+    row_TK:  int32 [T, K]  destination row of each pair; -1 where the slot is not routed here
+    src_M:   int32 [M]     pair index t*K + k of each row; -1 for padding rows
+    offsets: int32 [E+1]   segment starts on the device, multiples of 128 (grouped GEMM contract)
+    counts:  list[int]     tokens per expert, on the host (load statistics, empty experts)
+    M:       int           rows including padding
+    """
+
+    row_TK: Tensor
+    src_M: Tensor
+    offsets: Tensor
+    counts: list
+    M: int
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.counts)
+
+
+def build_layout(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
+    """topk_idx_TK int [T, K], values in [0, E) or -1 (not routed here) -> PermuteLayout.
+
+    One host sync (the per-expert counts size the output); everything else stays on the device.
+    """
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"build_layout: expected integer topk_idx [T, K], got {topk_idx_TK.dtype} "
+                         f"{tuple(topk_idx_TK.shape)}")
+    dev = topk_idx_TK.device
+    T, K = topk_idx_TK.shape
+    flat = topk_idx_TK.reshape(-1).long()
+    valid = flat >= 0
+    counts_dev = torch.bincount(flat[valid], minlength=num_experts)
+    counts = counts_dev.tolist()  # the host sync
+    if len(counts) > num_experts:
+        bad = int(flat.max())
+        raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {num_experts} experts")
+    padded = [-(-c // ALIGN) * ALIGN for c in counts]
+    offsets_host = [0]
+    for p in padded:
+        offsets_host.append(offsets_host[-1] + p)
+    M = offsets_host[-1]
+    offsets = torch.tensor(offsets_host, dtype=torch.int32, device=dev)
+    n = sum(counts)
+    key = torch.where(valid, flat, num_experts)  # unrouted slots sort last
+    order = torch.sort(key, stable=True).indices[:n]  # pair ids, by expert then (token, slot)
+    e_sorted = key[order]
+    start = torch.cumsum(counts_dev, 0) - counts_dev  # unpadded segment starts
+    dest = offsets.long()[e_sorted] + torch.arange(n, device=dev) - start[e_sorted]
+    row_TK = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
+    row_TK[order] = dest.int()
+    src_M = torch.full((M,), -1, dtype=torch.int32, device=dev)
+    src_M[dest] = order.int()
+    return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _permute_fp8_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x, stride_xs, stride_o, stride_os,
+                        G: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+    m = tl.program_id(0)  # one output row per program, all of H
+    src = tl.load(src_ptr + m)
+    ok = src >= 0
+    t = tl.where(ok, src // K, 0).to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        v = tl.load(x_ptr + t * stride_x + offs, mask=(offs < H) & (offs * 0 + src >= 0), other=0.0)
+        tl.store(o_ptr + m.to(tl.int64) * stride_o + offs, v, mask=offs < H)
+    offs_g = tl.arange(0, G)
+    g_ok = offs_g * 0 + src >= 0  # the interpreter wants tensor masks
+    s = tl.load(xs_ptr + t * stride_xs + offs_g, mask=g_ok, other=1.0)
+    if HAS_W:
+        s = s * tl.load(w_ptr + tl.where(ok, src, 0) + offs_g * 0, mask=g_ok, other=1.0)
+    tl.store(os_ptr + m.to(tl.int64) * stride_os + offs_g, s)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, H, stride_y, stride_o, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(K):  # slot order, one rounding per product and per sum (no FMA): as the reference
+        r = tl.load(row_ptr + t * K + k)
+        w = tl.load(w_ptr + t * K + k)
+        mask = (offs_h < H) & (offs_h * 0 + r >= 0)
+        y = tl.load(y_ptr + tl.maximum(r, 0).to(tl.int64) * stride_y + offs_h, mask=mask, other=0.0)
+        acc += tl.where(mask, w * y.to(tl.float32), 0.0)
+    tl.store(o_ptr + t * stride_o + offs_h, acc, mask=offs_h < H)
+
+
+@triton.jit
+def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride_dz, stride_y, stride_dy,
+                        K: tl.constexpr, K_PAD: tl.constexpr, WANT_DY: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # one token per program: dw needs all of H
+    offs_k = tl.arange(0, K_PAD)
+    rows = tl.load(row_ptr + t * K + offs_k, mask=offs_k < K, other=-1)
+    ok = rows >= 0
+    w = tl.load(w_ptr + t * K + offs_k, mask=ok, other=0.0)
+    acc = tl.zeros((K_PAD, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        dz = tl.load(dz_ptr + t * stride_dz + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+        mask = ok[:, None] & (offs_h < H)[None, :]
+        y = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :], mask=mask, other=0.0)
+        acc += y.to(tl.float32) * dz[None, :]
+        if WANT_DY:
+            tl.store(dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + offs_h[None, :], w[:, None] * dz[None, :],
+                     mask=mask)
+    tl.store(dw_ptr + t * K + offs_k, tl.sum(acc, axis=1), mask=offs_k < K)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _use_triton(x: Tensor, impl: str | None) -> bool:
+    if impl is None:
+        return x.is_cuda
+    if impl not in ("triton", "ref"):
+        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
+    return impl == "triton"
+
+
+def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None,
+                impl: str | None = None) -> Fp8Tensor:
+    """x8 "1x128" [T, H] -> "1x128" [M, H] in the layout; padding rows: data 0, scale 1.
+
+    scale_by_TK (fp32 [T, K], optional) multiplies row (t, k)'s scales: y = w * x stays FP8 and
+    exact up to the fp32 product of the scales (which are then no longer powers of two)."""
+    if not isinstance(x8, Fp8Tensor) or x8.layout != "1x128" or x8.data.dim() != 2:
+        raise ValueError("permute_fp8: expected an Fp8Tensor [T, H] with layout '1x128'")
+    T, H = x8.data.shape
+    if layout.row_TK.shape[0] != T:
+        raise ValueError(f"permute_fp8: x8 has {T} tokens but the layout was built for {layout.row_TK.shape[0]}")
+    if not _use_triton(x8.data, impl):
+        return permute_fp8_ref(x8, layout, scale_by_TK)
+    G = H // TILE
+    out = torch.empty(layout.M, H, dtype=FP8_DTYPE, device=x8.data.device)
+    out_s = torch.empty(layout.M, G, dtype=torch.float32, device=x8.data.device)
+    if layout.M:
+        w = scale_by_TK.float().contiguous() if scale_by_TK is not None else out_s
+        xs = x8.scale.contiguous()
+        _permute_fp8_kernel[(layout.M,)](x8.data, xs, w, layout.src_M, out, out_s, H, layout.row_TK.shape[1],
+                                         x8.data.stride(0), xs.stride(0), out.stride(0), out_s.stride(0),
+                                         G=G, HAS_W=scale_by_TK is not None, BLOCK_H=min(2048, H), num_warps=4)
+    return Fp8Tensor(out, out_s, "1x128")
+
+
+def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: str | None = None) -> Tensor:
+    """y [M, H] (bf16) -> out [T, H] bf16, out[t] = sum_k w[t, k] * y[row[t, k]] summed in fp32
+    in slot order. Padding rows are never read."""
+    T, K = layout.row_TK.shape
+    H = y_MH.shape[1]
+    if not _use_triton(y_MH, impl):
+        return unpermute_combine_ref(y_MH, layout, w_TK)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=y_MH.device)
+    if T:
+        BLOCK_H = min(1024, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y_MH, layout.row_TK, w_TK.float().contiguous(), out, H,
+                                                    y_MH.stride(0), out.stride(0), K=K, BLOCK_H=BLOCK_H,
+                                                    num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def combine_backward(dz_TH: Tensor, y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, want_dy: bool = True,
+                     impl: str | None = None) -> tuple[Tensor | None, Tensor]:
+    """Gradients of `unpermute_combine`: dw [T, K] fp32 (dw[t, k] = <dz[t], y[row]> in fp32, 0 for
+    unrouted slots) and, if want_dy, dy [M, H] bf16 (w * dz at each routed row, 0 on padding)."""
+    T, K = layout.row_TK.shape
+    H = y_MH.shape[1]
+    if not _use_triton(y_MH, impl):
+        return combine_backward_ref(dz_TH, y_MH, layout, w_TK, want_dy)
+    dw = torch.empty(T, K, dtype=torch.float32, device=y_MH.device)
+    dy = torch.zeros(layout.M, H, dtype=torch.bfloat16, device=y_MH.device) if want_dy else None
+    if T:
+        dz = dz_TH.contiguous()
+        _combine_bwd_kernel[(T,)](dz, y_MH, layout.row_TK, w_TK.float().contiguous(), dw, dy if want_dy else dw, H,
+                                  dz.stride(0), y_MH.stride(0), dy.stride(0) if want_dy else 0, K=K,
+                                  K_PAD=triton.next_power_of_2(K), WANT_DY=want_dy,
+                                  BLOCK_H=min(512, triton.next_power_of_2(H)), num_warps=4)
+    return dy, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+
+
+def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None) -> Fp8Tensor:
+    T, H = x8.data.shape
+    K = layout.row_TK.shape[1]
+    src = layout.src_M.long()
+    ok = src >= 0
+    t = torch.where(ok, src // K, 0)
+    data = torch.where(ok[:, None], x8.data.view(torch.uint8)[t], 0).view(FP8_DTYPE)
+    s = x8.scale.float()[t]
+    if scale_by_TK is not None:
+        s = s * scale_by_TK.float().reshape(-1)[torch.where(ok, src, 0)][:, None]
+    return Fp8Tensor(data, torch.where(ok[:, None], s, 1.0), "1x128")
+
+
+def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor) -> Tensor:
+    T, K = layout.row_TK.shape
+    out = torch.zeros(T, y_MH.shape[1], dtype=torch.float32, device=y_MH.device)
+    for k in range(K):  # slot order, as the kernel sums
+        r = layout.row_TK[:, k].long()
+        ok = r >= 0
+        out += torch.where(ok[:, None], w_TK[:, k, None].float() * y_MH[r.clamp(min=0)].float(), 0.0)
+    return out.bfloat16()
+
+
+def combine_backward_ref(dz_TH: Tensor, y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, want_dy: bool = True):
+    T, K = layout.row_TK.shape
+    r = layout.row_TK.long()
+    ok = r >= 0
+    yg = y_MH[r.clamp(min=0)].float()  # [T, K, H]
+    dw = torch.where(ok, (yg * dz_TH.float()[:, None, :]).sum(-1), 0.0)
+    dy = None
+    if want_dy:
+        dy = torch.zeros(layout.M, y_MH.shape[1], dtype=torch.bfloat16, device=y_MH.device)
+        val = (w_TK.float()[:, :, None] * dz_TH.float()[:, None, :]).bfloat16()
+        dy[r[ok]] = val[ok]
+    return dy, dw

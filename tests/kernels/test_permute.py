@@ -1,0 +1,163 @@
+"""Permute / unpermute-combine: layout invariants, exact data movement, gradients vs float64."""
+
+import pytest
+import torch
+
+from moefp8.fp8 import Fp8Tensor
+from moefp8.kernels import permute as P
+from moefp8.kernels.quant import quant_rowwise_ref
+
+
+def routing(T: int, K: int, E: int, kind: str = "random", seed: int = 0, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":  # distinct experts per token
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.zeros(0, K)
+    elif kind == "one_expert":  # every token's first slot to expert 0, others unrouted
+        idx = torch.full((T, K), -1)
+        idx[:, 0] = 0
+    elif kind == "skewed":  # a hot expert, an empty one, unrouted slots
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        idx[: T // 2, 0] = 1
+        idx[idx == 2] = -1
+    return idx.long().to(device)
+
+
+CASES = [(37, 3, 5, "random"), (200, 8, 16, "skewed"), (130, 2, 4, "one_expert"), (0, 4, 3, "random"),
+         (1, 1, 1, "random")]
+
+
+def check_layout(L: P.PermuteLayout, idx: torch.Tensor, E: int) -> None:
+    T, K = idx.shape
+    counts = torch.bincount(idx[idx >= 0].cpu(), minlength=E).tolist()
+    assert L.counts == counts and L.num_experts == E
+    off = L.offsets.cpu().tolist()
+    assert off[0] == 0 and all(o % 128 == 0 for o in off) and L.M == off[-1]
+    assert all(off[e + 1] - off[e] == -(-counts[e] // 128) * 128 for e in range(E))
+    row, src = L.row_TK.cpu().long(), L.src_M.cpu().long()
+    assert torch.equal(row < 0, idx.cpu() < 0)
+    pairs = torch.arange(T * K).view(T, K)
+    assert torch.equal(src[row[row >= 0]], pairs[row >= 0])  # row and src are inverse maps
+    assert (src >= 0).sum() == sum(counts)
+    for e in range(E):  # deterministic: ascending (token, slot) inside each segment, then padding
+        seg = src[off[e]: off[e + 1]]
+        real = seg[: counts[e]]
+        assert torch.all(real >= 0) and torch.all(seg[counts[e]:] == -1)
+        assert torch.all(real[1:] > real[:-1]) and torch.all(idx.cpu().view(-1)[real] == e)
+
+
+@pytest.mark.parametrize("T,K,E,kind", CASES)
+def test_build_layout(T, K, E, kind):
+    idx = routing(T, K, E, kind)
+    L = P.build_layout(idx, E)
+    check_layout(L, idx, E)
+    L2 = P.build_layout(idx.int(), E)  # int32 input, same answer: deterministic
+    assert torch.equal(L.src_M, L2.src_M) and torch.equal(L.row_TK, L2.row_TK)
+
+
+def test_build_layout_errors():
+    with pytest.raises(ValueError, match="holds expert 7, but there are only 4 experts"):
+        P.build_layout(torch.tensor([[0, 7]]), 4)
+    with pytest.raises(ValueError, match="expected integer topk_idx"):
+        P.build_layout(torch.zeros(2, 2), 4)
+
+
+@pytest.mark.parametrize("T,K,E,kind", CASES)
+def test_permute_ref_moves_rows_exactly(T, K, E, kind):
+    idx = routing(T, K, E, kind, seed=1)
+    L = P.build_layout(idx, E)
+    x8 = quant_rowwise_ref(torch.randn(T, 256) * 10)
+    w = torch.rand(T, K)
+    out = P.permute_fp8_ref(x8, L)
+    src = L.src_M.long()
+    for m in range(L.M):
+        if src[m] >= 0:
+            t = src[m] // K
+            assert torch.equal(out.data[m].view(torch.uint8), x8.data[t].view(torch.uint8))
+            assert torch.equal(out.scale[m], x8.scale[t])
+        else:  # padding: zeros with scale 1 (finite, never leaks into a GEMM's result)
+            assert torch.all(out.data[m].view(torch.uint8) == 0) and torch.all(out.scale[m] == 1)
+    scaled = P.permute_fp8_ref(x8, L, w)
+    ok = src >= 0
+    wrow = w.view(-1)[src.clamp(min=0)]
+    assert torch.equal(scaled.scale[ok], out.scale[ok] * wrow[ok, None])
+    assert torch.equal(scaled.data.view(torch.uint8), out.data.view(torch.uint8))
+
+
+def test_permute_then_combine_round_trip():
+    T, K, E, H = 50, 4, 6, 384
+    idx = routing(T, K, E, "skewed", seed=2)
+    L = P.build_layout(idx, E)
+    x = torch.randn(T, H).bfloat16()
+    x8 = quant_rowwise_ref(x)
+    y = P.permute_fp8_ref(x8, L).dequantize(torch.bfloat16)
+    ones = torch.ones(T, K)
+    back = P.unpermute_combine_ref(y, L, ones)
+    n_routed = (idx >= 0).sum(1, keepdim=True).float()
+    assert torch.equal(back.float(), (x8.dequantize() * n_routed).bfloat16().float())
+
+
+def test_combine_and_backward_ref_vs_float64():
+    T, K, E, H = 64, 4, 8, 256
+    idx = routing(T, K, E, "skewed", seed=3)
+    L = P.build_layout(idx, E)
+    y = torch.randn(L.M, H).bfloat16()
+    w = torch.rand(T, K)
+    # float64 autograd of out = sum_k w * y[row] over routed slots
+    y64 = y.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    r = L.row_TK.long()
+    ok = (r >= 0).double()
+    out64 = (w64[:, :, None] * ok[:, :, None] * y64[r.clamp(min=0)]).sum(1)
+    dz = torch.randn(T, H).bfloat16()
+    out64.backward(dz.double())
+    out = P.unpermute_combine_ref(y, L, w)
+    # fp32 sum of K terms then bf16 rounding: within one bf16 ulp (2**-8 relative) of float64
+    assert torch.all((out.double() - out64.detach()).abs() <= out64.detach().abs() * 2**-8 + 1e-30)
+    dy, dw = P.combine_backward_ref(dz, y, L, w)
+    # dw: fp32 dot products of H terms: relative error ~H * 2**-24 of the magnitude sum
+    bound = (y[r.clamp(min=0)].double().abs() * dz.double().abs()[:, None]).sum(-1) * H * 2**-24
+    assert torch.all((dw.double() - w64.grad).abs() <= bound + 1e-30)
+    assert torch.all(dw[r < 0] == 0)
+    # dy = w * dz at routed rows (bf16-rounded), padding rows untouched zeros
+    assert torch.equal(dy.float(), y64.grad.bfloat16().float())
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton vs reference: interpreter (data movement exact; bf16 stores truncate there, so combine
+# outputs are compared within one bf16 ulp) and GPU (bit-exact; dw by fp32 reassociation bound)
+
+
+def _compare_all(T, K, E, kind, H, device, exact: bool):
+    idx = routing(T, K, E, kind, seed=T + K, device=device)
+    L = P.build_layout(idx, E)
+    x8 = quant_rowwise_ref(torch.randn(T, H, device=device) * 5)
+    w = torch.rand(T, K, device=device)
+    for sb in (None, w):
+        a, b = P.permute_fp8(x8, L, sb, impl="triton"), P.permute_fp8_ref(x8, L, sb)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    y = torch.randn(L.M, H, device=device).bfloat16()
+    dz = torch.randn(T, H, device=device).bfloat16()
+    a, b = P.unpermute_combine(y, L, w, impl="triton"), P.unpermute_combine_ref(y, L, w)
+    (dy_a, dw_a), (dy_b, dw_b) = P.combine_backward(dz, y, L, w, impl="triton"), P.combine_backward_ref(dz, y, L, w)
+    if exact:
+        assert torch.equal(a, b) and torch.equal(dy_a, dy_b)
+    else:
+        assert torch.all((a.float() - b.float()).abs() <= b.float().abs() * 2**-7)
+        assert torch.all((dy_a.float() - dy_b.float()).abs() <= dy_b.float().abs() * 2**-7)
+    scale = float(dw_b.abs().max()) if dw_b.numel() else 0.0
+    assert torch.allclose(dw_a, dw_b, rtol=1e-5, atol=1e-5 * scale + 1e-30)
+    _, dw_only = P.combine_backward(dz, y, L, w, want_dy=False, impl="triton")
+    assert torch.equal(dw_only, dw_a)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,kind", CASES)
+def test_triton_interpreter_vs_ref(T, K, E, kind):
+    _compare_all(T, K, E, kind, 256, "cpu", exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K,E,kind,H", [(4096, 8, 32, "random", 7168), (4097, 8, 256, "skewed", 2048),
+                                          (1000, 4, 8, "one_expert", 384), (0, 8, 8, "random", 256)])
+def test_triton_gpu_vs_ref(T, K, E, kind, H):
+    _compare_all(T, K, E, kind, H, "cuda", exact=True)
