@@ -1,0 +1,118 @@
+"""Router: selection against a per-token reference, weights, bias balancing, auxiliary loss, errors."""
+
+import pytest
+import torch
+
+from moefp8.router import Router, load_stats, select_experts, seq_aux_loss
+
+
+def select_ref(s: torch.Tensor, b: torch.Tensor, k: int, n_groups: int, topk_groups: int) -> list[set]:
+    """Straightforward per-token selection, written independently of the vectorized one."""
+    T, E = s.shape
+    per = E // n_groups
+    out = []
+    for t in range(T):
+        biased = [float(s[t, e] + b[e]) for e in range(E)]
+        allowed = range(E)
+        if n_groups > 1:
+            gs = []
+            for g in range(n_groups):
+                vals = sorted(biased[g * per:(g + 1) * per], reverse=True)
+                gs.append((sum(vals[:2]), g))
+            groups = [g for _, g in sorted(gs, reverse=True)[:topk_groups]]
+            allowed = [e for e in range(E) if e // per in groups]
+        out.append(set(sorted(allowed, key=lambda e: -biased[e])[:k]))
+    return out
+
+
+@pytest.mark.parametrize("E,k,n_groups,topk_groups", [(16, 4, 1, 1), (32, 8, 8, 4), (12, 2, 4, 1), (8, 8, 2, 2)])
+def test_selection_matches_reference(E, k, n_groups, topk_groups):
+    g = torch.Generator().manual_seed(E + k)
+    s = torch.rand(100, E, generator=g, dtype=torch.float64)
+    b = torch.randn(E, generator=g, dtype=torch.float64) * 0.1
+    idx = select_experts(s, b, k, n_groups, topk_groups)
+    assert [set(r.tolist()) for r in idx] == select_ref(s, b, k, n_groups, topk_groups)
+    if n_groups > 1:  # node-limited: a token's experts span at most topk_groups groups
+        assert all(len({e // (E // n_groups) for e in r.tolist()}) <= topk_groups for r in idx)
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_weights_are_unbiased_scores(score_func):
+    torch.manual_seed(0)
+    r = Router(64, 8, 2, score_func=score_func, route_scale=2.5)
+    x = torch.randn(50, 64, dtype=torch.bfloat16)
+    r.bias[3] = 100.0  # forces expert 3 into every selection, must not change its weight
+    out = r(x)
+    assert (out.topk_idx_TK == 3).any(1).all()
+    logits = x.float() @ r.weight.float().t()
+    scores = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(-1)
+    w = scores.gather(1, out.topk_idx_TK)
+    if score_func == "sigmoid":
+        w = w / w.sum(-1, keepdim=True)
+    torch.testing.assert_close(out.topk_w_TK, w * 2.5, rtol=1e-6, atol=0)
+    assert out.topk_w_TK.dtype == torch.float32 and out.aux_loss is None
+    assert torch.equal(out.load_E, torch.bincount(out.topk_idx_TK.view(-1), minlength=8))
+
+
+def test_update_bias_moves_towards_mean_load():
+    r = Router(16, 4, 1, bias_update_rate=0.01)
+    r.update_bias(torch.tensor([10, 2, 6, 6]))
+    assert torch.allclose(r.bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    # balancing works: a router whose scores favour one expert spreads out as the bias updates
+    torch.manual_seed(1)
+    r = Router(16, 4, 1, score_func="sigmoid", bias_update_rate=0.05)
+    with torch.no_grad():
+        r.weight[0] += 1.0
+    x = torch.randn(256, 16).abs()
+    first = load_stats(r(x).load_E)["load_max_over_mean"]
+    for _ in range(100):
+        r.update_bias(r(x).load_E)
+    assert load_stats(r(x).load_E)["load_max_over_mean"] < first
+
+
+def test_seq_aux_loss_matches_formula_and_has_gradient():
+    torch.manual_seed(2)
+    E, k, S, B = 6, 2, 10, 3
+    r = Router(32, E, k, score_func="softmax", seq_aux_alpha=0.1)
+    x = torch.randn(B * S, 32, dtype=torch.float64)
+    out = r(x, seq_len=S)
+    scores = (x @ r.weight.detach().double().t()).softmax(-1)
+    want = 0.0
+    for b in range(B):
+        sb, ib = scores[b * S:(b + 1) * S], out.topk_idx_TK[b * S:(b + 1) * S]
+        f = torch.stack([(ib == i).sum().double() * E / (k * S) for i in range(E)])
+        p = (sb / sb.sum(-1, keepdim=True)).mean(0)
+        want += float((f * p).sum().detach()) / B
+    assert abs(float(out.aux_loss) - 0.1 * want) < 1e-12
+    out.aux_loss.backward()
+    assert r.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="30 tokens are not a whole number of sequences of 7"):
+        seq_aux_loss(scores, out.topk_idx_TK, E, k, 7)
+
+
+def test_routing_weight_gradient_float64():
+    torch.manual_seed(3)
+    r = Router(8, 6, 2, n_groups=3, topk_groups=2).double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w):
+        return torch.func.functional_call(r, {"weight": w, "bias": r.bias}, (x,)).topk_w_TK
+
+    assert torch.autograd.gradcheck(f, (x, r.weight.detach().clone().requires_grad_()))
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(n_experts=4, topk=5), "topk=5 must be between 1 and the number of experts"),
+    (dict(n_experts=10, topk=2, n_groups=4), "n_groups=4 does not divide n_experts=10"),
+    (dict(n_experts=8, topk=2, n_groups=4, topk_groups=5), "topk_groups=5 must be between 1 and n_groups=4"),
+    (dict(n_experts=8, topk=4, n_groups=4, topk_groups=1), "topk=4 experts cannot come from topk_groups=1 groups"),
+    (dict(n_experts=8, topk=2, score_func="relu"), "score_func='relu'"),
+])
+def test_config_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        Router(16, **kwargs)
+
+
+def test_load_stats():
+    st = load_stats(torch.tensor([4, 0, 2, 2]))
+    assert st == {"load_max_over_mean": 2.0, "load_min": 0, "load_max": 4, "experts_empty": 1}
