@@ -111,12 +111,14 @@ def _mgrouped_gemm_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
 def _mgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
                               M, N, K, E, M_HINT, stride_bse, stride_bsn,
                               E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              GROUP_M: tl.constexpr, OCC: tl.constexpr):
+                              GROUP_M: tl.constexpr, OCC: tl.constexpr, PROMOTE: tl.constexpr = True):
     """`_mgrouped_gemm_kernel` with the operand tiles moved by TMA (device-side tensor
     descriptors); a [M, K], b [E, N, K], c [M, N] contiguous. Out-of-range rows/columns: TMA
     zero-fills loads and clips stores. BLOCK_N may be 256 (then one b scale per column).
     Persistent over OCC programs per SM: with OCC=2 two co-resident programs let one's FP32
-    promotion overlap the other's tensor-core work (a CTA-level ping-pong)."""
+    promotion overlap the other's tensor-core work (a CTA-level ping-pong).
+    PROMOTE=False is a speed-of-light diagnostic only (tools/bench_gemm.py): one unscaled
+    accumulation over all of K, numerically wrong for the recipe."""
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -146,8 +148,11 @@ def _mgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bs_ptr, c_ptr, off_ptr,
             for kb in tl.range(0, k_tiles):
                 a = a_desc.load([row0, kb * BLOCK_K])
                 b = b_desc.load([b_row, kb * BLOCK_K])
-                d = tl.dot(a, b.T)  # fresh accumulator: at most 128 FP8 products per partial sum
-                acc += d * _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
+                if PROMOTE:
+                    d = tl.dot(a, b.T)  # fresh accumulator: at most 128 FP8 products per partial sum
+                    acc += d * _promo_scale(as_ptrs, bs_ptrs, kb, M, BLOCK_N)
+                else:
+                    acc = tl.dot(a, b.T, acc)
         c_desc.store([row0, n0], acc.to(c_desc.dtype))
 
 
@@ -217,7 +222,8 @@ def _kgrouped_gemm_kernel(a_ptr, ast_ptr, b_ptr, bst_ptr, c_ptr, off_ptr,
 def _kgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bst_ptr, c_ptr, off_ptr,
                               M, N, K, M_HINT, stride_ce, stride_cn,
                               ACCUMULATE: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+                              PROMOTE: tl.constexpr = True):
     """`_kgrouped_gemm_kernel` with TMA tiles: a [N, M] and b [K, M] contiguous. A partial last
     token tile (dense wgrad, M % 128 != 0) is zero-filled by TMA, so no masks."""
     BLOCK_T: tl.constexpr = 128
@@ -242,8 +248,11 @@ def _kgrouped_gemm_tma_kernel(a_ptr, ast_ptr, b_ptr, bst_ptr, c_ptr, off_ptr,
         b = b_desc.load([k0, t0])
         sa = tl.load(as_ptrs)
         sb = tl.load(bs_ptrs)
-        d = tl.dot(a, b.T)
-        acc += d * (sa[:, None] * sb[None, :])
+        if PROMOTE:
+            d = tl.dot(a, b.T)
+            acc += d * (sa[:, None] * sb[None, :])
+        else:  # speed-of-light diagnostic only
+            acc = tl.dot(a, b.T, acc)
         as_ptrs += N
         bs_ptrs += K
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn.to(tl.int64)[:, None] * stride_cn + rk[None, :]
@@ -299,8 +308,8 @@ _mgrouped_tma_tuned = triton.autotune(
                                                     (64, 128, 8, 2, 4, 3), (128, 128, 8, 2, 8, 3)]),
     key=["N", "K", "M_HINT", "E"], do_bench=_tune_bench)(_mgrouped_gemm_tma_kernel)
 _kgrouped_tma_tuned = triton.autotune(
-    _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 256, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 8, 8, 3),
-                                             (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (64, 256, 8, 4, 3)]),
+    _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 256, 8, 8, 3), (128, 128, 8, 8, 4), (64, 128, 8, 4, 3),
+                                             (64, 128, 8, 4, 4), (128, 64, 8, 4, 4), (128, 64, 8, 4, 3)]),
     key=["N", "K", "M_HINT", "ACCUMULATE"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_tma_kernel)
 
@@ -310,15 +319,17 @@ GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
 # Default GPU path of fp8_grouped_gemm_wgrad: "triton" (k-grouped kernel, no host sync) or
 # "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync); see tools/bench_gemm.py.
 WGRAD_IMPL = "triton"
-_ALLOCATOR_SET = False
+
+
+def _scratch(size: int, align: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_allocator():
-    """Device-side tensor descriptors need a global scratch allocator (128 B per descriptor)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
+    """Device-side tensor descriptors need a global scratch allocator (128 B per descriptor).
+    Triton keeps it per thread (a context variable): set it at every launch, since autograd
+    runs the backward on its own thread."""
+    triton.set_allocator(_scratch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,7 +406,8 @@ def _m_hint(M: int) -> int:
     return 1 << max(M - 1, 1).bit_length()
 
 
-def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, variant: str | None = None) -> Tensor:
+def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, variant: str | None = None,
+                    _promote: bool = True) -> Tensor:
     """Launches the m-grouped kernel on validated operands: a "1x128" [M, K], b "128x128"
     [E, N, K], off int32 [E+1] on the device, out [M, N] (bf16, or fp32 for tests)."""
     M, K = a.data.shape
@@ -419,7 +431,7 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
         grid = lambda meta: (min(meta["OCC"] * num_sms,
                                  triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _mgrouped_tma_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
-                                  b_scale.stride(0), b_scale.stride(1), E_POW2=e_pow2)
+                                  b_scale.stride(0), b_scale.stride(1), E_POW2=e_pow2, PROMOTE=_promote)
     else:
         grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _mgrouped_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
@@ -429,7 +441,7 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
 
 
 def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accumulate: bool,
-                    variant: str | None = None) -> Tensor:
+                    variant: str | None = None, _promote: bool = True) -> Tensor:
     """Launches the k-grouped kernel on validated operands: dy "128x1" data [N, M], x "128x1"
     data [K, M], off int32 [E+1], out [E, N, K] fp32 (accumulated into when `accumulate`)."""
     N, M = dy.data.shape
@@ -451,7 +463,7 @@ def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accum
     if variant == "tma" and M % 16 == 0:
         _ensure_allocator()
         _kgrouped_tma_tuned[grid](a, ast, b, bst, out, off, M, N, K, _m_hint(M), out.stride(0), out.stride(1),
-                                  ACCUMULATE=accumulate)
+                                  ACCUMULATE=accumulate, PROMOTE=_promote)
     else:
         _kgrouped_tuned[grid](a, ast, b, bst, out, off, N, K, _m_hint(M), a.stride(0), b.stride(0),
                               out.stride(0), out.stride(1), ACCUMULATE=accumulate, MASK_T=M % TILE != 0)
@@ -566,11 +578,10 @@ def _wgrad_cublas_loop(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor | N
             continue
         sa = dy.scale[:, s // TILE:t // TILE].t().contiguous().t()  # column-major [N, T/128]
         sb = x.scale[:, s // TILE:t // TILE].t().contiguous()  # [T/128, K]
-        r = torch._scaled_mm(dy.data[:, s:t], x.data[:, s:t].t(), sa, sb, out_dtype=torch.float32)
         if out is None:
-            res[e] = r
+            torch._scaled_mm(dy.data[:, s:t], x.data[:, s:t].t(), sa, sb, out_dtype=torch.float32, out=res[e])
         else:
-            res[e] += r
+            res[e] += torch._scaled_mm(dy.data[:, s:t], x.data[:, s:t].t(), sa, sb, out_dtype=torch.float32)
     return res
 
 

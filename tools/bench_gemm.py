@@ -117,6 +117,11 @@ def expert_case(rows, name, K, N, counts, variants):
         t = bench(lambda: gg.fp8_grouped_gemm(a8, w8, off_t, validate=False))
         for bname, bval in base.items():
             rows.append(row(f"m-grouped fprop {case}", f"moefp8-{v}", tflops(flop, t), bname, bval, err))
+        if v == "tma":  # what the per-128-K promotion costs: same kernel and tiles, no promotion
+            o2 = torch.empty_like(out)
+            t_np = bench(lambda: gg.launch_mgrouped(a8, w8, off_t, o2, _promote=False))
+            rows.append(row(f"m-grouped fprop {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
+                            tflops(flop, t_np), f"moefp8-{v}", tflops(flop, t)))
         dx = gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False)
         s1 = off[1]
         err = rel_err(dx[:s1], dy8.dequantize()[:s1] @ w8.dequantize()[0])
@@ -150,6 +155,11 @@ def expert_case(rows, name, K, N, counts, variants):
                         tflops(flop, t_bfw), err))
         rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t),
                         "per-expert loop of cuBLAS blockwise 1x128x1x128 fp32", tflops(flop, t_loopw), err))
+        if v == "tma":
+            o2 = torch.empty_like(dw)
+            t_np = bench(lambda: gg.launch_kgrouped(dyc, xc, off_t, o2, False, _promote=False))
+            rows.append(row(f"k-grouped wgrad {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
+                            tflops(flop, t_np), f"moefp8-{v}", tflops(flop, t)))
     dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")
     err = rel_err(dw[0], dyc.dequantize()[off[0]:off[1]].t() @ xc.dequantize()[off[0]:off[1]])
     t = bench(lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas"))

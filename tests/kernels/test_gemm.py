@@ -276,8 +276,9 @@ def test_gpu_grouped(N, K, counts, variant, monkeypatch):
     for e, c in enumerate(counts):
         if c == 0:
             assert torch.equal(dw_cublas[e], torch.zeros_like(dw_cublas[e]))
-    wt = transpose_weight(b)
-    assert torch.equal(wt.data.view(torch.uint8), b.data.transpose(1, 2).contiguous().view(torch.uint8))
+    if N % 128 == 0:
+        wt = transpose_weight(b)
+        assert torch.equal(wt.data.view(torch.uint8), b.data.transpose(1, 2).contiguous().view(torch.uint8))
 
 
 @pytest.mark.gpu
