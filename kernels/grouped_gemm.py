@@ -298,10 +298,12 @@ _kgrouped_tuned = triton.autotune(
     _cfgs(("BLOCK_N", "BLOCK_K", "GROUP_N"), [(128, 128, 8, 8, 4), (128, 128, 8, 4, 4), (64, 128, 8, 4, 4)]),
     key=["N", "K", "M_HINT", "ACCUMULATE", "MASK_T"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_kernel)
-# Measured on an H200 (fc1/fc2 shapes, E = 8 and 32): 128x128 tiles, 8 warps, 4-5 stages, one
-# program per SM won among 128x256 and 64x128 tiles with one program per SM (the two-program
-# configurations below are the ping-pong experiment). A variant that promoted block kb-1 after
-# issuing the dot of block kb ran 7-20% slower and was dropped.
+# Measured on an H200 (bench/results/gemm-NVIDIA-H200.json, fc1/fc2, E = 8 and 32): the autotuner
+# picks 128x128 tiles / 8 warps / one program per SM or 64x128 / 4 warps / two programs per SM
+# (about half each, within a few %); 128x256 tiles lost. The same kernel without the promotion
+# runs 1.13-1.39x faster (1020-1240 TFLOP/s): the FP32 promotion, serialized with the wgmma,
+# is what separates it from cuBLAS. A variant that promoted block kb-1 after issuing the dot
+# of block kb ran 7-20% slower and was dropped. k-grouped: 64x128 / 4 warps / 3 stages wins.
 _mgrouped_tma_tuned = triton.autotune(
     _cfgs(("BLOCK_M", "BLOCK_N", "GROUP_M", "OCC"), [(128, 128, 8, 1, 8, 4), (128, 128, 8, 1, 8, 5),
                                                     (64, 128, 8, 2, 4, 4), (128, 64, 8, 2, 4, 4),
@@ -317,7 +319,9 @@ _kgrouped_tma_tuned = triton.autotune(
 # TMA measured 10-15% faster for the m-grouped GEMM and 10x for the k-grouped one (H200).
 GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
 # Default GPU path of fp8_grouped_gemm_wgrad: "triton" (k-grouped kernel, no host sync) or
-# "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync); see tools/bench_gemm.py.
+# "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync). Measured (H200): the
+# cuBLAS loop is 1.1-1.25x faster with >= 1000 tokens per expert, slower at 1024 tokens x 32
+# experts; "triton" stays the default because the MoE layer must not sync with the host.
 WGRAD_IMPL = "triton"
 
 

@@ -7,7 +7,8 @@ variants, TMA and pointer loads) and of cuBLAS dense blockwise `_scaled_mm` on t
 shape, a per-expert loop of blockwise `_scaled_mm`, BF16 `torch._grouped_mm` and row-wise FP8
 `torch._scaled_grouped_mm`; the FP8 peak (per-tensor `_scaled_mm` 8192^3) measured in the same
 run. FLOPs count the padded rows (the work every implementation does). Every result of ours is
-checked against a reference (column `err`, relative error) before it is timed.
+checked against a reference (column `err`, relative error) before it is timed. Diagnostic rows
+time the same Triton kernels without the per-128-K promotion (wrong numerics) to show its cost.
 
     python tools/bench_gemm.py            # full sweep -> bench/results/gemm-<device>.json
     python tools/bench_gemm.py --quick    # 2 expert cases + dense
