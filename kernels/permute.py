@@ -7,7 +7,7 @@ to a multiple of 128 rows, the grouped GEMMs' block).
 * `build_layout(topk_idx_TK, E)` -> `PermuteLayout`: where each (token, slot) goes. Within an
   expert, rows are in ascending (token, slot) order, so the layout is deterministic.
 * `permute_fp8(x8_TH, layout)`: gathers FP8 rows and their scales into the layout; padding
-  rows are zeros with scale 1. Optionally multiplies each row's scales by a per-(token, slot)
+  rows are zeros with scale 1 (`permute_rows`: the same for rows of any dtype, no scales). Optionally multiplies each row's scales by a per-(token, slot)
   factor (the routing weight in the backward pass: the gradient stays FP8).
 * `unpermute_combine(y_MH, layout, w_TK)`: out[t] = sum_k w[t, k] * y[row[t, k]] in fp32 ->
   BF16; `combine_backward` gives dw exactly (fp32 dot of dout and y) and, if asked, dy in BF16.
@@ -90,8 +90,8 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
 
 
 @triton.jit
-def _permute_fp8_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x, stride_xs, stride_o, stride_os,
-                        G: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+def _permute_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x, stride_xs, stride_o, stride_os,
+                    G, G_PAD: tl.constexpr, HAS_S: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
     m = tl.program_id(0)  # one output row per program, all of H
     src = tl.load(src_ptr + m)
     ok = src >= 0
@@ -100,12 +100,13 @@ def _permute_fp8_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stri
         offs = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(x_ptr + t * stride_x + offs, mask=(offs < H) & (offs * 0 + src >= 0), other=0.0)
         tl.store(o_ptr + m.to(tl.int64) * stride_o + offs, v, mask=offs < H)
-    offs_g = tl.arange(0, G)
-    g_ok = offs_g * 0 + src >= 0  # the interpreter wants tensor masks
-    s = tl.load(xs_ptr + t * stride_xs + offs_g, mask=g_ok, other=1.0)
-    if HAS_W:
-        s = s * tl.load(w_ptr + tl.where(ok, src, 0) + offs_g * 0, mask=g_ok, other=1.0)
-    tl.store(os_ptr + m.to(tl.int64) * stride_os + offs_g, s)
+    if HAS_S:  # FP8 rows carry their 1x128 scales
+        offs_g = tl.arange(0, G_PAD)
+        g_ok = (offs_g * 0 + src >= 0) & (offs_g < G)  # the interpreter wants tensor masks
+        s = tl.load(xs_ptr + t * stride_xs + offs_g, mask=g_ok, other=1.0)
+        if HAS_W:
+            s = s * tl.load(w_ptr + tl.where(ok, src, 0) + offs_g * 0, mask=g_ok, other=1.0)
+        tl.store(os_ptr + m.to(tl.int64) * stride_os + offs_g, s, mask=offs_g < G)
 
 
 @triton.jit
@@ -174,10 +175,27 @@ def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None
     if layout.M:
         w = scale_by_TK.float().contiguous() if scale_by_TK is not None else out_s
         xs = x8.scale.contiguous()
-        _permute_fp8_kernel[(layout.M,)](x8.data, xs, w, layout.src_M, out, out_s, H, layout.row_TK.shape[1],
-                                         x8.data.stride(0), xs.stride(0), out.stride(0), out_s.stride(0),
-                                         G=G, HAS_W=scale_by_TK is not None, BLOCK_H=min(2048, H), num_warps=4)
+        _permute_kernel[(layout.M,)](x8.data, xs, w, layout.src_M, out, out_s, H, layout.row_TK.shape[1],
+                                     x8.data.stride(0), xs.stride(0), out.stride(0), out_s.stride(0),
+                                     G, G_PAD=triton.next_power_of_2(G), HAS_S=True, HAS_W=scale_by_TK is not None,
+                                     BLOCK_H=min(2048, triton.next_power_of_2(H)), num_warps=4)
     return Fp8Tensor(out, out_s, "1x128")
+
+
+def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -> Tensor:
+    """x [T, H] (any dtype, e.g. the BF16 recipe's rows) -> [M, H] in the layout, padding rows 0."""
+    T, H = x_TH.shape
+    if layout.row_TK.shape[0] != T:
+        raise ValueError(f"permute_rows: x has {T} tokens but the layout was built for {layout.row_TK.shape[0]}")
+    if not _use_triton(x_TH, impl):
+        return permute_rows_ref(x_TH, layout)
+    out = torch.empty(layout.M, H, dtype=x_TH.dtype, device=x_TH.device)
+    if layout.M:
+        x = x_TH if x_TH.stride(-1) == 1 else x_TH.contiguous()
+        _permute_kernel[(layout.M,)](x, x, x, layout.src_M, out, out, H, layout.row_TK.shape[1], x.stride(0), 0,
+                                     out.stride(0), 0, 1, G_PAD=1, HAS_S=False, HAS_W=False,
+                                     BLOCK_H=min(2048, triton.next_power_of_2(H)), num_warps=4)
+    return out
 
 
 def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: str | None = None) -> Tensor:
@@ -230,6 +248,13 @@ def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | 
     if scale_by_TK is not None:
         s = s * scale_by_TK.float().reshape(-1)[torch.where(ok, src, 0)][:, None]
     return Fp8Tensor(data, torch.where(ok[:, None], s, 1.0), "1x128")
+
+
+def permute_rows_ref(x_TH: Tensor, layout: PermuteLayout) -> Tensor:
+    src = layout.src_M.long()
+    ok = src >= 0
+    rows = x_TH[torch.where(ok, src // layout.row_TK.shape[1], 0)]
+    return torch.where(ok[:, None], rows, torch.zeros((), dtype=x_TH.dtype, device=x_TH.device))
 
 
 def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor) -> Tensor:

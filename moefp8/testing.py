@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 def calc_diff(x: Tensor, y: Tensor) -> float:
     """DeepGEMM's similarity error: 1 - 2<x,y>/(|x|^2+|y|^2) in float64; 0 means identical.
     Below 1e-3 is DeepGEMM's bar for an FP8 GEMM against its dequantized reference."""
-    x, y = x.double(), y.double()
+    x, y = x.detach().double(), y.detach().double()
     denom = (x * x + y * y).sum()
     if denom == 0:
         return 0.0
@@ -25,7 +25,7 @@ def calc_diff(x: Tensor, y: Tensor) -> float:
 
 def rel_err(out: Tensor, ref: Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf (NaN never passes)."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     if not (torch.isfinite(out).all() and torch.isfinite(ref).all()):
         return float("inf")
     n = ref.norm()
@@ -34,8 +34,8 @@ def rel_err(out: Tensor, ref: Tensor) -> float:
 
 def sqnr(x: Tensor, ref: Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of x against ref."""
-    ref = ref.double()
-    noise = (x.double() - ref).pow(2).sum()
+    ref = ref.detach().double()
+    noise = (x.detach().double() - ref).pow(2).sum()
     return float(10 * torch.log10(ref.pow(2).sum() / noise)) if noise > 0 else float("inf")
 
 

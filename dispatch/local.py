@@ -1,0 +1,31 @@
+"""EP=1: every expert is local, nothing is sent. The reference for the other backends."""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from moefp8.dispatch import Dispatched
+
+
+@dataclass(frozen=True)
+class LocalHandle:
+    topk_idx: Tensor  # [T, K]
+    topk_w: Tensor  # [T, K]
+
+
+class LocalDispatcher:
+    communicates = False
+
+    def __init__(self, num_experts: int):
+        self.num_local_experts = num_experts
+
+    def dispatch(self, x, topk_idx: Tensor | None = None, topk_w: Tensor | None = None,
+                 handle: LocalHandle | None = None) -> Dispatched:
+        if handle is None:
+            if topk_idx is None or topk_w is None:
+                raise ValueError("dispatch: topk_idx and topk_w are required without a handle")
+            handle = LocalHandle(topk_idx, topk_w)
+        return Dispatched(x, handle.topk_idx, handle.topk_w, handle)
+
+    def combine(self, y: Tensor, handle: LocalHandle) -> Tensor:
+        return y

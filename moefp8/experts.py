@@ -1,0 +1,127 @@
+"""The routed experts' MLP, fc1 -> SwiGLU -> fc2, on permuted rows (DESIGN.md §2).
+
+Rows are the local experts' tokens stacked in 128-aligned segments (`group_offsets`, the grouped
+GEMM contract); padding rows are zeros and stay zeros through the MLP, so they never reach a
+result or a gradient. Weights: W1 [E, 2I, H] (gate rows first, then up), W2 [E, H, I].
+
+FP8 recipe, forward: h = x8 · W1ᵀ (m-grouped FP8 GEMM, BF16 out) -> h cached as "1x128" FP8 ->
+a = swiglu(h) quantized "1x128" (one fused kernel) -> y = a8 · W2ᵀ (BF16).
+Backward (dy arrives as "1x128" FP8, the combine's gradient): da = dy8 · W2 (dgrad);
+dW2 = dyᵀ · a with dy requantized col-wise and a recomputed from the cached FP8 h and quantized
+col-wise in the same pass; dh = swiglu'(h) · da quantized row-wise (fc1 dgrad) and col-wise
+(fc1 wgrad); dx = dh8 · W1; dW1 = dhᵀ · x with x requantized col-wise from the saved row-wise FP8.
+
+BF16 recipe: the same data flow with BF16 grouped GEMMs (`torch._grouped_mm` on CUDA, a loop of
+matmuls elsewhere) and h cached in BF16: the like-for-like baseline.
+
+FP8 weights are quantized once per optimizer step: `WeightCache` keys them on the parameter's
+version counter, which the optimizer's in-place update bumps.
+"""
+
+import torch
+from torch import Tensor
+
+from moefp8.fp8 import Fp8Tensor
+from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
+from moefp8.kernels.quant import (dequant_swiglu_quant_colwise, quant_colwise, quant_rowwise, quant_weight,
+                                  requant_colwise, swiglu_quant, swiglu_ref)
+
+
+class WeightCache:
+    """FP8 copies of weights (and of their transposes, for dgrad), re-quantized only when the
+    parameter changed: keyed on (id, version counter), so micro-batches of one step share them."""
+
+    def __init__(self):
+        self._store: dict[int, tuple[int, str, Fp8Tensor, Fp8Tensor | None]] = {}
+
+    def get(self, w: Tensor, scale_fmt: str, transposed: bool = False) -> Fp8Tensor:
+        key, ver = id(w), w._version
+        hit = self._store.get(key)
+        if hit is None or hit[0] != ver or hit[1] != scale_fmt:
+            hit = (ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None)
+        if transposed and hit[3] is None:
+            hit = (*hit[:3], transpose_weight(hit[2]))
+        self._store[key] = hit
+        return hit[3] if transposed else hit[2]
+
+
+def swiglu_backward(h: Tensor, da: Tensor) -> Tensor:
+    """h [M, 2I] = [gate | up], da [M, I] -> dh [M, 2I] fp32 (d silu(g)*u / dg and / du)."""
+    g, u = h.float().chunk(2, dim=-1)
+    da = da.float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dg = da * u * sig * (1 + g * (1 - sig))
+    return torch.cat([dg, da * silu], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+
+
+def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str):
+    """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I], the cache for backward)."""
+    h = fp8_grouped_gemm(x8, w1_8, off, validate=False)
+    h8 = quant_rowwise(h, scale_fmt)
+    a8 = swiglu_quant(h, scale_fmt)
+    return fp8_grouped_gemm(a8, w2_8, off, validate=False), h8
+
+
+def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor, w1: Tensor, w2: Tensor,
+                     cache: WeightCache, scale_fmt: str, want_dx: bool = True):
+    """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32)."""
+    da = fp8_grouped_gemm(dy8, cache.get(w2, scale_fmt, transposed=True), off, validate=False)
+    dw2 = fp8_grouped_gemm_wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt),
+                                 off, validate=False)
+    dh = swiglu_backward(h8.dequantize(), da)
+    dh8 = quant_rowwise(dh, scale_fmt)
+    dw1 = fp8_grouped_gemm_wgrad(quant_colwise(dh, scale_fmt), requant_colwise(x8, scale_fmt), off, validate=False)
+    dx = fp8_grouped_gemm(dh8, cache.get(w1, scale_fmt, transposed=True), off, validate=False) if want_dx else None
+    return dx, dw1, dw2
+
+
+# ----------------------------------------------------------------------------------------------
+# BF16 (the baseline recipe)
+
+
+def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor, transpose_w: bool = True) -> Tensor:
+    """x [M, K] bf16, w [E, N, K] -> [M, N] (x · w[e]ᵀ per segment); transpose_w=False: w [E, K, N]
+    used as is. offsets[E] == M (the permute layout's)."""
+    wt = w.transpose(1, 2) if transpose_w else w
+    if x.is_cuda:
+        return torch._grouped_mm(x, wt.to(x.dtype), offs=off[1:].int())
+    out = torch.zeros(x.shape[0], wt.shape[2], dtype=x.dtype, device=x.device)
+    h = off.tolist()
+    for e in range(len(h) - 1):
+        if h[e + 1] > h[e]:
+            out[h[e]:h[e + 1]] = (x[h[e]:h[e + 1]].float() @ wt[e].float()).to(x.dtype)
+    return out
+
+
+def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor) -> Tensor:
+    """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32."""
+    if dy.is_cuda:
+        return torch._grouped_mm(dy.t(), x, offs=off[1:].int(), out_dtype=torch.float32)
+    h = off.tolist()
+    E = len(h) - 1
+    out = torch.zeros(E, dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
+    for e in range(E):
+        out[e] = dy[h[e]:h[e + 1]].float().t() @ x[h[e]:h[e + 1]].float()
+    return out
+
+
+def bf16_mlp_forward(x: Tensor, off: Tensor, w1: Tensor, w2: Tensor):
+    """x [M, H] bf16 -> (y [M, H] bf16, h [M, 2I] bf16, the cache for backward)."""
+    h = bf16_grouped_mm(x, w1.to(torch.bfloat16), off)
+    a = swiglu_ref(h).to(torch.bfloat16)
+    return bf16_grouped_mm(a, w2.to(torch.bfloat16), off), h
+
+
+def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor, w1: Tensor, w2: Tensor, want_dx: bool = True):
+    da = bf16_grouped_mm(dy, w2.to(torch.bfloat16), off, transpose_w=False)
+    a = swiglu_ref(h).to(torch.bfloat16)
+    dw2 = bf16_grouped_wgrad(dy, a, off)
+    dh = swiglu_backward(h, da).to(torch.bfloat16)
+    dw1 = bf16_grouped_wgrad(dh, x, off)
+    dx = bf16_grouped_mm(dh, w1.to(torch.bfloat16), off, transpose_w=False) if want_dx else None
+    return dx, dw1, dw2

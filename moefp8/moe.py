@@ -1,0 +1,146 @@
+"""The MoE layer (DESIGN.md §2): router -> quantize -> dispatch -> permute -> experts ->
+unpermute -> combine, plus shared experts.
+
+The routed path is one autograd Function with an explicit backward, in this order:
+  forward:  x -> "1x128" FP8 (before dispatch) -> dispatch -> permute (FP8 rows + scales) ->
+            expert MLP (moefp8.experts) -> y [M, H] bf16 -> z[t] = sum_k w[t,k] y[row] (bf16) ->
+            combine -> out
+  backward: dout -> "1x128" FP8 -> dispatch along the forward's routes -> permute with each
+            row's scales multiplied by its routing weight (dy = w * dout stays FP8) -> expert MLP
+            backward -> dx rows summed per token (unpermute) -> combine -> dx.
+            The routing weights' gradient dw[t,k] = <dout[t], y[row]> is computed in fp32 from
+            the BF16 y saved in forward: exact (it is what BF16 autograd computes for the
+            combine). With EP > 1 the gradient arrives in FP8 and dw uses its dequantized value.
+Saved for backward: the dispatched FP8 rows (row-wise, not a permuted copy: the backward
+permutes again), the FP8 SwiGLU input h, y, the routing weights and the layout.
+
+`recipe="bf16"` runs the same pipeline with BF16 rows and BF16 grouped GEMMs: the like-for-like
+baseline. Nothing here keeps hidden state besides the FP8 weight cache (re-quantized when the
+optimizer changes a weight) and the router's bias buffer.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moefp8.dispatch import Dispatcher, build_dispatcher
+from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
+from moefp8.fp8 import TILE, Fp8Tensor, check_scale_fmt
+from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
+                                    unpermute_combine)
+from moefp8.kernels.quant import quant_rowwise, swiglu_ref
+from moefp8.linear import Fp8LinearFunction
+from moefp8.router import Router
+
+RECIPES = ("fp8", "bf16")
+
+
+class MoEOutput(NamedTuple):
+    out: Tensor  # like x
+    aux_loss: Tensor | None  # the router's sequence-wise balance loss, if enabled
+    load_E: Tensor  # tokens per expert in this call (int64, no grad)
+
+
+class _RoutedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer):
+        fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
+        d = disp.dispatch(quant_rowwise(x_TH, fmt) if fp8 else x_TH.to(torch.bfloat16), topk_idx_TK, topk_w_TK)
+        L = build_layout(d.topk_idx, disp.num_local_experts)
+        if fp8:
+            y, h = fp8_mlp_forward(permute_fp8(d.x, L), L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt),
+                                   fmt)
+            xs, hs = (d.x.data, d.x.scale), (h.data, h.scale)
+        else:
+            y, h = bf16_mlp_forward(permute_rows(d.x, L), L.offsets, w1, w2)
+            xs, hs = (d.x, None), (h, None)
+        z = unpermute_combine(y, L, d.topk_w)
+        ctx.save_for_backward(*xs, *hs, y, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
+        ctx.layer, ctx.handle, ctx.counts, ctx.M = layer, d.handle, L.counts, L.M
+        return disp.combine(z, d.handle)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x_data, x_scale, h_data, h_scale, y, w_TK, row_TK, src_M, offsets, w1, w2 = ctx.saved_tensors
+        layer = ctx.layer
+        fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
+        L = PermuteLayout(row_TK, src_M, offsets, ctx.counts, ctx.M)
+        dout = dout.contiguous()
+        if fp8:
+            dz8 = disp.dispatch(quant_rowwise(dout, fmt), handle=ctx.handle).x  # FP8 on the wire
+            dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
+            _, dw = combine_backward(dz, y, L, w_TK, want_dy=False)
+            dy8 = permute_fp8(dz8, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
+            x8 = permute_fp8(Fp8Tensor(x_data, x_scale, "1x128"), L)
+            dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(h_data, h_scale, "1x128"), offsets, w1, w2,
+                                             layer.cache, fmt, want_dx=ctx.needs_input_grad[0])
+        else:
+            dz = disp.dispatch(dout.to(torch.bfloat16), handle=ctx.handle).x
+            dy, dw = combine_backward(dz, y, L, w_TK, want_dy=True)
+            dxp, dw1, dw2 = bf16_mlp_backward(dy, permute_rows(x_data, L), h_data, offsets, w1, w2,
+                                              want_dx=ctx.needs_input_grad[0])
+        dx = None
+        if dxp is not None:  # sum each token's rows (their weights are already in dy), then send back
+            ones = torch.ones_like(w_TK)
+            dx = disp.combine(unpermute_combine(dxp, L, ones), ctx.handle).to(dout.dtype)
+        return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+
+
+class SharedExperts(nn.Module):
+    """Dense SwiGLU MLP applied to every token (FP8 linears in the fp8 recipe, BF16 otherwise)."""
+
+    def __init__(self, hidden: int, inter: int, recipe: str, scale_fmt: str):
+        super().__init__()
+        self.recipe, self.scale_fmt = recipe, scale_fmt
+        self.w1 = nn.Parameter(torch.randn(2 * inter, hidden) * hidden**-0.5)  # [gate | up]
+        self.w2 = nn.Parameter(torch.randn(hidden, inter) * inter**-0.5)
+
+    def _linear(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.recipe == "fp8":
+            return Fp8LinearFunction.apply(x, w, self.scale_fmt)
+        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._linear(swiglu_ref(self._linear(x, self.w1)).to(torch.bfloat16), self.w2)
+
+
+class MoELayer(nn.Module):
+    """Routed experts (E experts of intermediate size I, top-k) + n_shared shared experts.
+
+    dispatcher: a `moefp8.dispatch.Dispatcher` (default: the EP=1 `local` backend); its
+    num_local_experts experts are this rank's slice of the expert weights."""
+
+    def __init__(self, hidden: int, inter: int, n_experts: int, topk: int, n_shared: int = 1,
+                 recipe: str = "fp8", scale_fmt: str = "pow2", dispatcher: Dispatcher | None = None, **router_kwargs):
+        super().__init__()
+        if recipe not in RECIPES:
+            raise ValueError(f"MoELayer: recipe={recipe!r}, expected one of {RECIPES}")
+        check_scale_fmt(scale_fmt)
+        if recipe == "fp8":
+            for name, v in (("hidden", hidden), ("expert intermediate size", inter)):
+                if v % TILE:
+                    raise ValueError(f"MoELayer: {name} {v} is not divisible by {TILE}, which the FP8 recipe "
+                                     f"needs (1x{TILE} and {TILE}x{TILE} tiles); use recipe='bf16' or another size")
+        self.router = Router(hidden, n_experts, topk, **router_kwargs)
+        self.dispatcher = dispatcher or build_dispatcher("local", n_experts)
+        E_local = self.dispatcher.num_local_experts
+        if n_experts % E_local:
+            raise ValueError(f"MoELayer: {n_experts} experts cannot be split evenly into shards of {E_local}")
+        self.hidden, self.inter, self.n_experts, self.topk = hidden, inter, n_experts, topk
+        self.recipe, self.scale_fmt = recipe, scale_fmt
+        self.w1 = nn.Parameter(torch.randn(E_local, 2 * inter, hidden) * hidden**-0.5)
+        self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
+        self.shared = SharedExperts(hidden, n_shared * inter, recipe, scale_fmt) if n_shared else None
+        self.cache = WeightCache()
+
+    def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:
+        """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden)
+        r = self.router(x2, seq_len)
+        out = _RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
+        if self.shared is not None:
+            out = out + self.shared(x2)
+        return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)
