@@ -20,6 +20,7 @@ version counter, which the optimizer's in-place update bumps.
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
@@ -28,17 +29,19 @@ from moefp8.kernels.quant import (dequant_swiglu_quant_colwise, quant_colwise, q
 
 
 class WeightCache:
-    """FP8 copies of weights (and of their transposes, for dgrad), re-quantized only when the
-    parameter changed: keyed on (id, version counter), so micro-batches of one step share them."""
+    """Low-precision copies of weights, made again only when the parameter changed: keyed on (id,
+    version counter), so the micro-batches of one step share them. fmt "pow2"/"fp32": the FP8
+    "128x128" quantization (and, on request, its transpose for dgrad); "bf16": a BF16 cast."""
 
     def __init__(self):
-        self._store: dict[int, tuple[int, str, Fp8Tensor, Fp8Tensor | None]] = {}
+        self._store: dict[int, tuple] = {}
 
-    def get(self, w: Tensor, scale_fmt: str, transposed: bool = False) -> Fp8Tensor:
+    def get(self, w: Tensor, scale_fmt: str, transposed: bool = False):
         key, ver = id(w), w._version
         hit = self._store.get(key)
         if hit is None or hit[0] != ver or hit[1] != scale_fmt:
-            hit = (ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None)
+            low = w.detach().to(torch.bfloat16) if scale_fmt == "bf16" else quant_weight(w.detach(), scale_fmt)
+            hit = (ver, scale_fmt, low, None)
         if transposed and hit[3] is None:
             hit = (*hit[:3], transpose_weight(hit[2]))
         self._store[key] = hit
@@ -61,22 +64,29 @@ def swiglu_backward(h: Tensor, da: Tensor) -> Tensor:
 
 def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str):
     """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I], the cache for backward)."""
-    h = fp8_grouped_gemm(x8, w1_8, off, validate=False)
-    h8 = quant_rowwise(h, scale_fmt)
-    a8 = swiglu_quant(h, scale_fmt)
-    return fp8_grouped_gemm(a8, w2_8, off, validate=False), h8
+    with record_function("fc1"):
+        h = fp8_grouped_gemm(x8, w1_8, off, validate=False)
+    with record_function("swiglu"):
+        h8 = quant_rowwise(h, scale_fmt)
+        a8 = swiglu_quant(h, scale_fmt)
+    with record_function("fc2"):
+        return fp8_grouped_gemm(a8, w2_8, off, validate=False), h8
 
 
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor, w1: Tensor, w2: Tensor,
                      cache: WeightCache, scale_fmt: str, want_dx: bool = True):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32)."""
-    da = fp8_grouped_gemm(dy8, cache.get(w2, scale_fmt, transposed=True), off, validate=False)
-    dw2 = fp8_grouped_gemm_wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt),
-                                 off, validate=False)
-    dh = swiglu_backward(h8.dequantize(), da)
-    dh8 = quant_rowwise(dh, scale_fmt)
-    dw1 = fp8_grouped_gemm_wgrad(quant_colwise(dh, scale_fmt), requant_colwise(x8, scale_fmt), off, validate=False)
-    dx = fp8_grouped_gemm(dh8, cache.get(w1, scale_fmt, transposed=True), off, validate=False) if want_dx else None
+    with record_function("bwd_fc2"):
+        da = fp8_grouped_gemm(dy8, cache.get(w2, scale_fmt, transposed=True), off, validate=False)
+        dw2 = fp8_grouped_gemm_wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt),
+                                     off, validate=False)
+    with record_function("bwd_swiglu"):
+        dh = swiglu_backward(h8.dequantize(), da)
+        dh8 = quant_rowwise(dh, scale_fmt)
+        dh_col = quant_colwise(dh, scale_fmt)
+    with record_function("bwd_fc1"):
+        dw1 = fp8_grouped_gemm_wgrad(dh_col, requant_colwise(x8, scale_fmt), off, validate=False)
+        dx = fp8_grouped_gemm(dh8, cache.get(w1, scale_fmt, transposed=True), off, validate=False) if want_dx else None
     return dx, dw1, dw2
 
 
@@ -111,17 +121,24 @@ def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor) -> Tensor:
 
 
 def bf16_mlp_forward(x: Tensor, off: Tensor, w1: Tensor, w2: Tensor):
-    """x [M, H] bf16 -> (y [M, H] bf16, h [M, 2I] bf16, the cache for backward)."""
-    h = bf16_grouped_mm(x, w1.to(torch.bfloat16), off)
-    a = swiglu_ref(h).to(torch.bfloat16)
-    return bf16_grouped_mm(a, w2.to(torch.bfloat16), off), h
+    """x [M, H] bf16, BF16 weights -> (y [M, H] bf16, h [M, 2I] bf16, the cache for backward)."""
+    with record_function("fc1"):
+        h = bf16_grouped_mm(x, w1, off)
+    with record_function("swiglu"):
+        a = swiglu_ref(h).to(torch.bfloat16)
+    with record_function("fc2"):
+        return bf16_grouped_mm(a, w2, off), h
 
 
 def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor, w1: Tensor, w2: Tensor, want_dx: bool = True):
-    da = bf16_grouped_mm(dy, w2.to(torch.bfloat16), off, transpose_w=False)
-    a = swiglu_ref(h).to(torch.bfloat16)
-    dw2 = bf16_grouped_wgrad(dy, a, off)
-    dh = swiglu_backward(h, da).to(torch.bfloat16)
-    dw1 = bf16_grouped_wgrad(dh, x, off)
-    dx = bf16_grouped_mm(dh, w1.to(torch.bfloat16), off, transpose_w=False) if want_dx else None
+    """BF16 weights -> (dx [M, H] bf16 or None, dW1 fp32, dW2 fp32)."""
+    with record_function("bwd_fc2"):
+        da = bf16_grouped_mm(dy, w2, off, transpose_w=False)
+        a = swiglu_ref(h).to(torch.bfloat16)
+        dw2 = bf16_grouped_wgrad(dy, a, off)
+    with record_function("bwd_swiglu"):
+        dh = swiglu_backward(h, da).to(torch.bfloat16)
+    with record_function("bwd_fc1"):
+        dw1 = bf16_grouped_wgrad(dh, x, off)
+        dx = bf16_grouped_mm(dh, w1, off, transpose_w=False) if want_dx else None
     return dx, dw1, dw2

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
@@ -47,16 +48,21 @@ class _RoutedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer):
         fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
-        d = disp.dispatch(quant_rowwise(x_TH, fmt) if fp8 else x_TH.to(torch.bfloat16), topk_idx_TK, topk_w_TK)
-        L = build_layout(d.topk_idx, disp.num_local_experts)
+        with record_function("quant"):
+            xin = quant_rowwise(x_TH, fmt) if fp8 else x_TH.to(torch.bfloat16)
+        with record_function("dispatch"):
+            d = disp.dispatch(xin, topk_idx_TK, topk_w_TK)
+        with record_function("permute"):
+            L = build_layout(d.topk_idx, disp.num_local_experts)
+            xp = permute_fp8(d.x, L) if fp8 else permute_rows(d.x, L)
         if fp8:
-            y, h = fp8_mlp_forward(permute_fp8(d.x, L), L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt),
-                                   fmt)
+            y, h = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt)
             xs, hs = (d.x.data, d.x.scale), (h.data, h.scale)
         else:
-            y, h = bf16_mlp_forward(permute_rows(d.x, L), L.offsets, w1, w2)
+            y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
             xs, hs = (d.x, None), (h, None)
-        z = unpermute_combine(y, L, d.topk_w)
+        with record_function("combine"):
+            z = unpermute_combine(y, L, d.topk_w)
         ctx.save_for_backward(*xs, *hs, y, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
         ctx.layer, ctx.handle, ctx.counts, ctx.M = layer, d.handle, L.counts, L.M
         return disp.combine(z, d.handle)
@@ -69,22 +75,27 @@ class _RoutedExperts(torch.autograd.Function):
         L = PermuteLayout(row_TK, src_M, offsets, ctx.counts, ctx.M)
         dout = dout.contiguous()
         if fp8:
-            dz8 = disp.dispatch(quant_rowwise(dout, fmt), handle=ctx.handle).x  # FP8 on the wire
-            dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
-            _, dw = combine_backward(dz, y, L, w_TK, want_dy=False)
-            dy8 = permute_fp8(dz8, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
-            x8 = permute_fp8(Fp8Tensor(x_data, x_scale, "1x128"), L)
+            with record_function("bwd_combine"):
+                dz8 = disp.dispatch(quant_rowwise(dout, fmt), handle=ctx.handle).x  # FP8 on the wire
+                dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
+                _, dw = combine_backward(dz, y, L, w_TK, want_dy=False)
+            with record_function("bwd_permute"):
+                dy8 = permute_fp8(dz8, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
+                x8 = permute_fp8(Fp8Tensor(x_data, x_scale, "1x128"), L)
             dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(h_data, h_scale, "1x128"), offsets, w1, w2,
                                              layer.cache, fmt, want_dx=ctx.needs_input_grad[0])
         else:
-            dz = disp.dispatch(dout.to(torch.bfloat16), handle=ctx.handle).x
-            dy, dw = combine_backward(dz, y, L, w_TK, want_dy=True)
-            dxp, dw1, dw2 = bf16_mlp_backward(dy, permute_rows(x_data, L), h_data, offsets, w1, w2,
-                                              want_dx=ctx.needs_input_grad[0])
+            with record_function("bwd_combine"):
+                dz = disp.dispatch(dout.to(torch.bfloat16), handle=ctx.handle).x
+                dy, dw = combine_backward(dz, y, L, w_TK, want_dy=True)
+            with record_function("bwd_permute"):
+                xp = permute_rows(x_data, L)
+            dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, h_data, offsets, layer.cache.get(w1, "bf16"),
+                                              layer.cache.get(w2, "bf16"), want_dx=ctx.needs_input_grad[0])
         dx = None
         if dxp is not None:  # sum each token's rows (their weights are already in dy), then send back
-            ones = torch.ones_like(w_TK)
-            dx = disp.combine(unpermute_combine(dxp, L, ones), ctx.handle).to(dout.dtype)
+            with record_function("bwd_unpermute"):
+                dx = disp.combine(unpermute_combine(dxp, L, torch.ones_like(w_TK)), ctx.handle).to(dout.dtype)
         return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
 
@@ -139,8 +150,10 @@ class MoELayer(nn.Module):
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
         shape = x.shape
         x2 = x.reshape(-1, self.hidden)
-        r = self.router(x2, seq_len)
+        with record_function("router"):
+            r = self.router(x2, seq_len)
         out = _RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
         if self.shared is not None:
-            out = out + self.shared(x2)
+            with record_function("shared"):
+                out = out + self.shared(x2)
         return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)

@@ -91,7 +91,7 @@ def test_routing_weight_gradient_is_exact(recipe):
         from moefp8.experts import bf16_mlp_forward
         from moefp8.kernels.permute import permute_rows
 
-        y, _ = bf16_mlp_forward(permute_rows(x, L), L.offsets, m.w1, m.w2)
+        y, _ = bf16_mlp_forward(permute_rows(x, L), L.offsets, m.cache.get(m.w1, "bf16"), m.cache.get(m.w2, "bf16"))
     yg = y.double()[L.row_TK.long()]  # [T, K, H]
     want = (yg * dout.double()[:, None, :]).sum(-1)
     bound = (yg.abs() * dout.double().abs()[:, None, :]).sum(-1) * H * 2**-24  # fp32 summation
