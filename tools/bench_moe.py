@@ -1,0 +1,150 @@
+"""One MoE layer, forward + backward, FP8 recipe vs BF16 recipe (DESIGN.md §2, §6 JSON).
+
+For DeepSeek-V3-like single-GPU shapes (hidden 7168, expert intermediate 2048, top-8, one shared
+expert, 8-32 local experts, 4096-16384 tokens): median step time (weights converted every step:
+FP8 quantization or BF16 cast, as with one micro-batch per step), useful TFLOP/s (18*H*I per
+routed (token, slot) and per shared expert token; the router's matmul too), peak memory, the
+bytes autograd saves for backward (parameters excluded), a per-stage breakdown (torch profiler,
+the layer's record_function ranges), and the FP8 output's SQNR against the BF16 recipe's.
+Speed-of-light beside the figures: dense BF16 and FP8 per-tensor matmul rates measured in the
+same run. megablocks' dMoE is timed too when `megablocks` imports.
+
+    python tools/bench_moe.py                 # saves bench/results/moe-<device>.json
+    python tools/bench_moe.py --cases 8x4096  # E x T
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moefp8.moe import MoELayer  # noqa: E402
+from moefp8.testing import bench, print_table, results_path, save_results, sqnr  # noqa: E402
+
+STAGES = ["router", "quant", "dispatch", "permute", "fc1", "swiglu", "fc2", "combine", "shared",
+          "bwd_combine", "bwd_permute", "bwd_fc2", "bwd_swiglu", "bwd_fc1", "bwd_unpermute"]
+
+
+def matmul_peaks() -> dict:
+    """Dense 8192^3 BF16 and FP8 (per-tensor _scaled_mm) TFLOP/s on this device, same run."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    bf16 = 2 * n**3 / bench(lambda: a @ b) / 1e9
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * n**3 / bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)) / 1e9
+    return {"bf16_dense_tflops": round(bf16, 1), "fp8_dense_tflops": round(fp8, 1)}
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves while fn runs (parameters excluded)."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter) and t.device.type == "cuda":
+            seen[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def stage_times(step, iters: int = 3) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        if ev.key in STAGES:
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            out[ev.key] = round(t / iters / 1000, 3)  # ms per step
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--cases", default="8x4096,16x8192,32x16384", help="local experts x tokens")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe needs a CUDA GPU (the CPU path is the reference implementation)")
+    H, I, K = args.hidden, args.inter, args.topk
+    peaks = matmul_peaks()
+    print(f"speed-of-light on this device: BF16 dense {peaks['bf16_dense_tflops']} TFLOP/s, "
+          f"FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s")
+    rows = []
+    for case in args.cases.split(","):
+        E, T = (int(v) for v in case.split("x"))
+        flops = 18 * H * I * T * K + 18 * H * I * T + 6 * H * E * T
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_()
+        dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        res = {}
+        for recipe in ("fp8", "bf16"):
+            torch.manual_seed(0)
+            layer = MoELayer(H, I, E, K, n_shared=1, recipe=recipe).cuda()
+
+            def step():
+                layer.cache._store.clear()  # weights change every step: convert them again
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                layer(x).out.backward(dout)
+
+            nbytes, out = saved_bytes(lambda: layer(x).out)
+            out.backward(dout)
+            res[recipe] = out.detach()
+            layer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            ms = bench(step, warmup_ms=100, rep_ms=500)
+            stages = stage_times(step)
+            rows.append({"case": f"moe fwd+bwd E{E} T{T} H{H} I{I} top{K}", "impl": f"moefp8 {recipe}",
+                         "value": round(flops / ms / 1e9, 1), "unit": "TFLOP/s", "ms": round(ms, 3),
+                         "peak_mem_gb": round(peak / 1e9, 2), "saved_act_gb": round(nbytes / 1e9, 3),
+                         "stages_ms": stages})
+            del layer, out
+            torch.cuda.empty_cache()
+        fp8_row, bf16_row = rows[-2], rows[-1]
+        for r in (fp8_row, bf16_row):
+            r.update(baseline="moefp8 bf16 recipe (same run)", baseline_value=bf16_row["value"],
+                     ratio=round(bf16_row["ms"] / r["ms"], 3))
+        fp8_row["saved_act_vs_bf16"] = round(fp8_row["saved_act_gb"] / bf16_row["saved_act_gb"], 3)
+        fp8_row["sqnr_vs_bf16_db"] = round(sqnr(res["fp8"].float(), res["bf16"].float()), 1)
+        try:
+            import megablocks  # noqa: F401
+
+            rows.append({"case": fp8_row["case"], "impl": "megablocks dMoE", "value": None,
+                         "note": "megablocks imports; its dMoE timing is not wired yet"})
+        except ImportError:
+            pass
+    path = Path(args.out) if args.out else results_path("moe")
+    save_results("bench_moe", rows, {"what": "dense matmul 8192^3 on this device", "value": peaks["fp8_dense_tflops"],
+                                     "unit": "TFLOP/s (FP8 per-tensor)", **peaks}, path=path,
+                 megablocks="installed" if any(r["impl"] == "megablocks dMoE" for r in rows) else "not installed")
+    for r in rows:
+        print(r["case"], r["impl"], "stages (ms):", r.get("stages_ms"))
+    print_table(rows, ["case", "impl", "ms", "value", "ratio", "peak_mem_gb", "saved_act_gb", "saved_act_vs_bf16",
+                       "sqnr_vs_bf16_db"])
+    print(f"speed-of-light: BF16 dense {peaks['bf16_dense_tflops']}, FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s; "
+          f"ratio = bf16 time / time. saved {path}")
+
+
+if __name__ == "__main__":
+    main()
