@@ -109,9 +109,9 @@ def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor, transpose_w: bool = True)
 
 
 def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor) -> Tensor:
-    """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32."""
-    if dy.is_cuda:
-        return torch._grouped_mm(dy.t(), x, offs=off[1:].int(), out_dtype=torch.float32)
+    """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32 (BF16-rounded on CUDA)."""
+    if dy.is_cuda:  # torch 2.11's _grouped_mm has no fp32 output for BF16 inputs: BF16, then upcast
+        return torch._grouped_mm(dy.t(), x, offs=off[1:].int()).float()
     h = off.tolist()
     E = len(h) - 1
     out = torch.zeros(E, dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
