@@ -11,8 +11,9 @@ The interface (`Dispatcher`, two methods):
 * ``combine(y, handle) -> out``: sums the rows a rank computed for each token back on the token's
   own rank, in BF16. It is also the backward of ``dispatch``.
 
-Backends: ``local`` (EP=1, no communication, here); ``all_to_all`` (torch.distributed) and
-``deepep`` (DeepEP's Buffer) land with the expert-parallel issue.
+Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.distributed
+all_to_all_single, `all_to_all.py`); ``deepep`` (DeepEP's Buffer: needs `deep_ep`, which is not
+on PyPI; not implemented yet). `build_ep_group` makes the expert-parallel process groups.
 """
 
 from typing import NamedTuple, Protocol
@@ -39,8 +40,15 @@ class Dispatcher(Protocol):
     def combine(self, y: Tensor, handle: object) -> Tensor: ...
 
 
-def build_dispatcher(backend: str, num_experts: int, group=None) -> Dispatcher:
-    """The dispatcher for a backend name; ``group`` is the expert-parallel process group."""
+DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.com/deepseek-ai/DeepEP "
+                  "(clone it, install NVSHMEM if you need internode RDMA, then `python setup.py install` in the "
+                  "same environment as torch), or use dispatch backend 'all_to_all'")
+
+
+def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2") -> Dispatcher:
+    """The dispatcher for a backend name; ``group`` is the expert-parallel process group (None:
+    the default group for the communicating backends); ``scale_fmt`` the FP8 recipe's scale format
+    (it fixes how scales travel)."""
     if backend == "local":
         from moefp8.dispatch.local import LocalDispatcher
 
@@ -48,6 +56,47 @@ def build_dispatcher(backend: str, num_experts: int, group=None) -> Dispatcher:
             raise ValueError(f"dispatch backend 'local' is for EP=1, but the expert-parallel group has "
                              f"{group.size()} ranks: use 'all_to_all' or 'deepep'")
         return LocalDispatcher(num_experts)
-    if backend in ("all_to_all", "deepep"):
-        raise NotImplementedError(f"dispatch backend {backend!r} is not implemented yet; use 'local' (EP=1)")
+    if backend == "all_to_all":
+        from moefp8.dispatch.all_to_all import AllToAllDispatcher
+
+        return AllToAllDispatcher(num_experts, group, scale_fmt)
+    if backend == "deepep":
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"dispatch backend 'deepep' needs DeepEP, but `import deep_ep` failed ({e}). "
+                              f"{DEEPEP_INSTALL}") from e
+        raise NotImplementedError("dispatch backend 'deepep' is not implemented yet (DeepEP imports); "
+                                  "use 'all_to_all'")
     raise ValueError(f"unknown dispatch backend {backend!r}: expected 'local', 'all_to_all' or 'deepep'")
+
+
+def ep_group_ranks(world_size: int, ep_size: int, num_experts: int) -> list[list[int]]:
+    """The expert-parallel groups: consecutive ranks [i * ep_size, (i + 1) * ep_size) (on one node
+    when ep_size <= GPUs per node, as torchrun numbers ranks), world_size / ep_size of them."""
+    for name, v in (("world size", world_size), ("ep size", ep_size), ("expert count", num_experts)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"EP groups: {name} must be a positive integer, got {v!r}")
+    if world_size % ep_size:
+        raise ValueError(f"EP groups: ep size {ep_size} does not divide the world size {world_size}")
+    if num_experts % ep_size:
+        raise ValueError(f"EP groups: ep size {ep_size} does not divide the expert count {num_experts}")
+    return [list(range(i, i + ep_size)) for i in range(0, world_size, ep_size)]
+
+
+def build_ep_group(world_size: int, ep_size: int, num_experts: int):
+    """This rank's expert-parallel process group (torch.distributed must be initialized; every rank
+    must call this, in the same order: new_group is collective). ep_size == world_size: the default group."""
+    import torch.distributed as dist
+
+    groups = ep_group_ranks(world_size, ep_size, num_experts)
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"EP groups: world size {world_size} given, but torch.distributed has {dist.get_world_size()}")
+    if ep_size == world_size:
+        return dist.group.WORLD
+    mine = None
+    for ranks in groups:
+        g = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = g
+    return mine

@@ -96,6 +96,10 @@ class _RoutedExperts(torch.autograd.Function):
         if dxp is not None:  # sum each token's rows (their weights are already in dy), then send back
             with record_function("bwd_unpermute"):
                 dx = disp.combine(unpermute_combine(dxp, L, torch.ones_like(w_TK)), ctx.handle).to(dout.dtype)
+        # dw [T_recv, K] (0 on slots routed elsewhere) -> [T, K] on the token's rank; exact (one
+        # nonzero term per slot); the identity at EP=1
+        if dw is not None:  # needs_input_grad agrees across ranks, so the collective stays matched
+            dw = disp.combine(dw, ctx.handle)
         return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
 
@@ -137,6 +141,12 @@ class MoELayer(nn.Module):
         self.router = Router(hidden, n_experts, topk, **router_kwargs)
         self.dispatcher = dispatcher or build_dispatcher("local", n_experts)
         E_local = self.dispatcher.num_local_experts
+        if getattr(self.dispatcher, "num_experts", n_experts) != n_experts:
+            raise ValueError(f"MoELayer: the dispatcher was built for {self.dispatcher.num_experts} experts, "
+                             f"the layer has {n_experts}")
+        if recipe == "fp8" and getattr(self.dispatcher, "scale_fmt", scale_fmt) != scale_fmt:
+            raise ValueError(f"MoELayer: scale_fmt={scale_fmt!r} but the dispatcher sends "
+                             f"{self.dispatcher.scale_fmt!r} scales: build both with the same scale format")
         if n_experts % E_local:
             raise ValueError(f"MoELayer: {n_experts} experts cannot be split evenly into shards of {E_local}")
         self.hidden, self.inter, self.n_experts, self.topk = hidden, inter, n_experts, topk

@@ -1,0 +1,273 @@
+"""Expert parallelism over `torch.distributed` all-to-all (NCCL on GPUs, gloo on CPU): the
+reference for the DeepEP backend (DESIGN.md §3).
+
+Experts are sharded contiguously: rank r of the EP group (R ranks) owns the global experts
+[r * E_l, (r + 1) * E_l), E_l = E / R.
+
+dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]):
+  1. Each token goes ONCE to every rank owning at least one of its experts (as DeepEP does): the
+     per-expert fan-out happens after receipt, by the layer's permute, from the local ids.
+     Send order: grouped by destination rank (rank order), ascending token index within, so a
+     rank receives rank 0's tokens first, then rank 1's, ... (the order the EP=1 layer would
+     see if the ranks' batches were concatenated: the per-expert segments come out identical).
+  2. One all_to_all_single of int64 [R, 2] = (rows, bytes per row) per peer: the split sizes
+     (the host sync is unavoidable: they size the receive buffer) and a format check.
+  3. One all_to_all_single of uint8 rows, everything a row needs packed in one buffer:
+
+       with routing (forward):  | topk_w fp32 4K | topk_idx int32 4K (global) | data | scales | pad |
+       reusing a handle:        | data | scales | pad |
+
+     data: FP8 H bytes, or BF16 2H bytes; scales (FP8 only): UE8M0 one byte per 128 elements
+     (`pack_ue8m0`, the pow2 recipe) or, with scale_fmt="fp32", the fp32 scales (4 bytes each:
+     amax/448 is not a power of two and has no byte form). Rows are padded to 16 bytes so every
+     field can be viewed in place (no unpacking copy except the UE8M0 -> fp32 scales).
+     Bytes per token at H=7168, K=8: FP8 pow2 7296, BF16 14400 (ratio 0.507); backward (no
+     routing fields) FP8 7232.
+  The receiver turns global ids into local ones (-1 for slots whose expert lives elsewhere).
+
+combine(y [T_recv, H], handle): the reverse all_to_all of the rows (each already the weighted
+sum over this rank's local experts), then each token's rows are summed over source ranks in
+rank order, in fp32, rounded once to BF16: deterministic, no atomics. y may also be fp32 (the
+MoE layer sends the routing weights' gradient [T_recv, K] back this way): summed in fp32 and
+returned fp32.
+
+All ranks of the group must call dispatch and combine the same number of times in the same
+order (they are collectives), including ranks with zero tokens.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moefp8.dispatch import Dispatched
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, pack_ue8m0, unpack_ue8m0
+from moefp8.kernels.permute import PermuteLayout, unpermute_combine
+
+ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
+
+
+@dataclass(frozen=True)
+class AllToAllHandle:
+    """The routes of one dispatch, reused by its combine and by the backward's dispatch.
+
+    send_tok:    int64 [S]     token (row of x) of each sent row, grouped by destination rank
+    pos_TR:      int32 [T, R]  index into the sent rows of (token t, rank r); -1 if t is not sent to r
+    send_splits: tuple[int]    rows sent to each rank (len R)
+    recv_splits: tuple[int]    rows received from each rank (len R)
+    num_tokens:  int           T, rows of x on this rank
+    topk_idx:    int64 [T_recv, K]  received local expert ids, -1 for experts on other ranks
+    topk_w:      fp32  [T_recv, K]  received routing weights (all K slots)
+    """
+
+    send_tok: Tensor
+    pos_TR: Tensor
+    send_splits: tuple
+    recv_splits: tuple
+    num_tokens: int
+    topk_idx: Tensor
+    topk_w: Tensor
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_splits)
+
+
+def row_bytes(H: int, K: int | None, payload: str) -> int:
+    """Bytes of one packed row: payload "fp8-pow2" | "fp8-fp32" | "bf16"; K=None: no routing fields."""
+    if payload == "bf16":
+        n = 2 * H
+    elif payload in ("fp8-pow2", "fp8-fp32"):
+        n = H + (H // TILE) * (1 if payload == "fp8-pow2" else 4)
+    else:
+        raise ValueError(f"row_bytes: payload={payload!r}, expected 'fp8-pow2', 'fp8-fp32' or 'bf16'")
+    if K is not None:
+        n += 8 * K
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+class AllToAllDispatcher:
+    """`Dispatcher` over all_to_all_single in `group` (None: the default group).
+
+    scale_fmt: the FP8 recipe's scale format, which fixes the wire format of the scales
+    ("pow2": UE8M0 bytes; "fp32": 4-byte scales); every rank must use the same."""
+
+    communicates = True
+
+    def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2"):
+        check_scale_fmt(scale_fmt)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if num_experts < 1 or num_experts % self.world:
+            raise ValueError(f"AllToAllDispatcher: {num_experts} experts cannot be split evenly over the "
+                             f"{self.world} ranks of the expert-parallel group")
+        self.num_experts, self.scale_fmt = num_experts, scale_fmt
+        self.num_local_experts = num_experts // self.world
+
+    # ------------------------------------------------------------------------------------------
+
+    def _payload(self, x) -> str:
+        if isinstance(x, Fp8Tensor):
+            if x.layout != "1x128" or x.data.dim() != 2 or x.data.dtype != FP8_DTYPE:
+                raise ValueError(f"dispatch: expected a '1x128' Fp8Tensor [T, H] of {FP8_DTYPE}, got layout "
+                                 f"{x.layout!r}, {x.data.dtype} {tuple(x.data.shape)}")
+            return f"fp8-{self.scale_fmt}"
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"dispatch: expected an Fp8Tensor or a bfloat16 tensor [T, H], got {what}")
+        return "bf16"
+
+    def _check_topk(self, T: int, topk_idx, topk_w) -> None:
+        if topk_idx is None or topk_w is None:
+            raise ValueError("dispatch: topk_idx and topk_w are required without a handle")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != T or topk_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"dispatch: topk_idx must be int32/int64 [T={T}, K], got {topk_idx.dtype} "
+                             f"{tuple(topk_idx.shape)}")
+        if topk_w.shape != topk_idx.shape or not topk_w.is_floating_point():
+            raise ValueError(f"dispatch: topk_w must be float {tuple(topk_idx.shape)} like topk_idx, got "
+                             f"{topk_w.dtype} {tuple(topk_w.shape)}")
+        if T:
+            lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
+            if lo < -1 or hi >= self.num_experts:
+                bad = lo if lo < -1 else hi
+                raise ValueError(f"dispatch: topk_idx holds expert {bad}, expected -1 (no expert) or an id in "
+                                 f"[0, {self.num_experts})")
+
+    def _pack(self, x, payload: str, topk_idx=None, topk_w=None) -> Tensor:
+        """-> uint8 [T, row_bytes], the fields in wire order (module docstring)."""
+        parts = []
+        if topk_idx is not None:
+            parts += [_as_bytes(topk_w.float()), _as_bytes(topk_idx.int())]
+        if payload == "bf16":
+            parts.append(_as_bytes(x))
+        else:
+            parts.append(_as_bytes(x.data))
+            if payload == "fp8-pow2":
+                try:
+                    parts.append(pack_ue8m0(x.scale))
+                except ValueError as e:
+                    raise ValueError(f"dispatch: this dispatcher sends UE8M0 scales (scale_fmt='pow2'), but {e}; "
+                                     f"build it with scale_fmt='fp32' for the fp32-scale recipe") from None
+            else:
+                parts.append(_as_bytes(x.scale.float()))
+        T = parts[0].shape[0]
+        used = sum(p.shape[1] for p in parts)
+        H = x.shape[1]
+        pad = row_bytes(H, topk_idx.shape[1] if topk_idx is not None else None, payload) - used
+        if pad:
+            parts.append(torch.zeros(T, pad, dtype=torch.uint8, device=parts[0].device))
+        return torch.cat(parts, dim=1)
+
+    def _unpack(self, buf: Tensor, H: int, K: int | None, payload: str):
+        """uint8 [N, row_bytes] -> (x, topk_w, global topk_idx) as views of buf (scales: UE8M0 unpacked)."""
+        off, w, idx = 0, None, None
+        if K is not None:
+            w = buf[:, :4 * K].view(torch.float32)
+            idx = buf[:, 4 * K:8 * K].view(torch.int32)
+            off = 8 * K
+        if payload == "bf16":
+            return buf[:, off:off + 2 * H].view(torch.bfloat16), w, idx
+        G = H // TILE
+        data = buf[:, off:off + H].view(FP8_DTYPE)
+        off += H
+        if payload == "fp8-pow2":
+            scale = unpack_ue8m0(buf[:, off:off + G])
+        else:
+            scale = buf[:, off:off + 4 * G].view(torch.float32)
+        return Fp8Tensor(data, scale, "1x128"), w, idx
+
+    def _routes(self, topk_idx: Tensor):
+        """global topk_idx [T, K] -> (send_tok [S], pos_TR [T, R], send_counts [R] on the device)."""
+        T, R = topk_idx.shape[0], self.world
+        dest = torch.where(topk_idx >= 0, topk_idx.long() // self.num_local_experts, R)  # R: no expert
+        mask = torch.zeros(T, R + 1, dtype=torch.bool, device=topk_idx.device)
+        mask.scatter_(1, dest, True)  # dedupe: a token goes to a rank once, however many of its experts live there
+        mask = mask[:, :R]
+        r_idx, t_idx = mask.t().nonzero(as_tuple=True)  # sorted by rank, then token
+        pos = torch.full((T, R), -1, dtype=torch.int32, device=topk_idx.device)
+        pos[t_idx, r_idx] = torch.arange(t_idx.numel(), dtype=torch.int32, device=topk_idx.device)
+        return t_idx, pos, mask.sum(0)
+
+    def _exchange(self, send: Tensor, send_splits, recv_splits) -> Tensor:
+        recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=send.device)
+        dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
+        return recv
+
+    # ------------------------------------------------------------------------------------------
+
+    def dispatch(self, x, topk_idx: Tensor | None = None, topk_w: Tensor | None = None,
+                 handle: AllToAllHandle | None = None) -> Dispatched:
+        """x: "1x128" Fp8Tensor [T, H] or bf16 [T, H]; topk_idx int [T, K] global expert ids (-1: none);
+        topk_w float [T, K]. -> Dispatched(rows [T_recv, H] like x, local topk_idx int64 [T_recv, K]
+        (-1 for experts on other ranks), topk_w fp32 [T_recv, K], AllToAllHandle). With `handle`, its
+        routes are reused (no count exchange, topk_* ignored) and only the rows travel."""
+        payload = self._payload(x)
+        T, H = x.shape
+        if handle is not None:
+            if T != handle.num_tokens:
+                raise ValueError(f"dispatch: x has {T} rows but the handle was made for {handle.num_tokens} tokens")
+            send = self._pack(x, payload).index_select(0, handle.send_tok)
+            xr, _, _ = self._unpack(self._exchange(send, handle.send_splits, handle.recv_splits), H, None, payload)
+            return Dispatched(xr, handle.topk_idx, handle.topk_w, handle)
+
+        self._check_topk(T, topk_idx, topk_w)
+        K = topk_idx.shape[1]
+        send_tok, pos_TR, send_counts = self._routes(topk_idx)
+        nb = row_bytes(H, K, payload)
+        meta = torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1)  # [R, 2] (rows, bytes/row)
+        meta_in = torch.empty_like(meta)
+        dist.all_to_all_single(meta_in, meta, group=self.group)
+        send_splits = tuple(send_counts.tolist())
+        recv_meta = meta_in.tolist()  # the host sync
+        for src, (_, b) in enumerate(recv_meta):
+            if b != nb:
+                raise ValueError(f"dispatch: rank {src} of the EP group sends rows of {b} bytes, this rank "
+                                 f"({self.rank}) packs {nb} ({payload}, H={H}, K={K}): every rank must dispatch "
+                                 f"the same payload kind, scale format, hidden size and top-k")
+        recv_splits = tuple(n for n, _ in recv_meta)
+        send = self._pack(x, payload, topk_idx, topk_w).index_select(0, send_tok)
+        xr, w, gidx = self._unpack(self._exchange(send, send_splits, recv_splits), H, K, payload)
+        lo = self.rank * self.num_local_experts
+        g = gidx.long()
+        local = torch.where((g >= lo) & (g < lo + self.num_local_experts), g - lo, -1)
+        handle = AllToAllHandle(send_tok, pos_TR, send_splits, recv_splits, T, local, w)
+        return Dispatched(xr, local, w, handle)
+
+    def combine(self, y: Tensor, handle: AllToAllHandle) -> Tensor:
+        """y [T_recv, C] bf16 (or fp32) in received order -> [T, C] like y: out[t] = sum over the
+        ranks r that received t, in rank order, of their row for t; fp32 sums, one rounding."""
+        if not isinstance(y, Tensor) or y.dim() != 2 or y.dtype not in (torch.bfloat16, torch.float32):
+            what = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"combine: expected a bfloat16 or float32 tensor [T_recv, C], got {what}")
+        if y.shape[0] != handle.num_recv:
+            raise ValueError(f"combine: y has {y.shape[0]} rows, the dispatch received {handle.num_recv}")
+        C = y.shape[1]
+        back = self._exchange(_as_bytes(y), handle.recv_splits, handle.send_splits)
+        return sum_over_ranks(back.view(y.dtype), handle.pos_TR, C)
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    """[N, C] of any dtype -> uint8 [N, C * itemsize], a view where possible (empty tensors can have
+    any strides, which view(uint8) refuses)."""
+    if t.numel() == 0:
+        return torch.empty(t.shape[0], t.shape[1] * t.element_size(), dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8)
+
+
+def sum_over_ranks(rows_SC: Tensor, pos_TR: Tensor, C: int) -> Tensor:
+    """rows [S, C] (row pos[t, r] belongs to token t, from rank r) -> [T, C] like rows: the sum over r
+    in rank order, in fp32, rounded once. BF16 goes through the permute module's combine kernel
+    (weights 1.0: exact products), fp32 through the PyTorch loop."""
+    T, R = pos_TR.shape
+    if rows_SC.shape[0] == 0:  # nothing came back (no token of this rank had an expert anywhere)
+        return torch.zeros(T, C, dtype=rows_SC.dtype, device=rows_SC.device)
+    if rows_SC.dtype == torch.bfloat16:
+        layout = PermuteLayout(pos_TR, pos_TR.new_empty(0), pos_TR.new_empty(0), [], rows_SC.shape[0])
+        return unpermute_combine(rows_SC, layout, torch.ones(T, R, dtype=torch.float32, device=rows_SC.device))
+    out = torch.zeros(T, C, dtype=torch.float32, device=rows_SC.device)
+    for r in range(R):
+        p = pos_TR[:, r].long()
+        out += torch.where((p >= 0)[:, None], rows_SC[p.clamp(min=0)].float(), 0.0)
+    return out.to(rows_SC.dtype)
