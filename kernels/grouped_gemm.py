@@ -323,6 +323,12 @@ GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
 # cuBLAS loop is 1.1-1.25x faster with >= 1000 tokens per expert, slower at 1024 tokens x 32
 # experts; "triton" stays the default because the MoE layer must not sync with the host.
 WGRAD_IMPL = "triton"
+# Defaults when the caller passes `host_offsets` (no sync needed for a loop): the per-expert
+# cuBLAS loop measured faster than our Triton kernels for the m-grouped GEMM in every DeepSeek-V3
+# case of bench/results/gemm-NVIDIA-H200.json (ours / loop 0.73-0.98) and for the wgrad with
+# >= 2048 tokens per expert (1.21-1.28x BF16 vs 0.86-1.20x).
+MGROUPED_IMPL = "cublas"
+WGRAD_IMPL_HOST = "cublas"
 
 
 def _scratch(size: int, align: int, stream):
@@ -499,7 +505,7 @@ def transpose_weight(w: Fp8Tensor, impl: str | None = None) -> Fp8Tensor:
 
 
 def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: bool = False,
-                     validate: bool = True, impl: str | None = None) -> Tensor:
+                     validate: bool = True, impl: str | None = None, host_offsets: list | None = None) -> Tensor:
     """m-grouped FP8 GEMM (experts fprop / dgrad) -> BF16 [M, N_out].
 
     a: "1x128" [M, Kc] (the stacked, 128-aligned segments of all local experts).
@@ -508,6 +514,9 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     dgrad (transpose_b=True):  Kc == N (N % 128 == 0), out[m] = a[m] · b[e], N_out = K; multiplies
     by `transpose_weight(b)` (pass that yourself with transpose_b=False to reuse the copy).
     group_offsets: see the module docstring (rows outside every segment come out 0).
+    host_offsets: the same offsets as a host list, when the caller has them (the MoE layer does):
+    then the GPU default is `MGROUPED_IMPL`, which may be the per-expert cuBLAS loop (no sync).
+    impl: None, "triton", "cublas" (per-expert loop of blockwise torch._scaled_mm) or "ref".
     """
     check_fp8("fp8_grouped_gemm: a", a, "1x128", 2)
     check_fp8("fp8_grouped_gemm: b", b, "128x128", 3)
@@ -523,6 +532,16 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     if a.data.device != b.data.device:
         raise ValueError(f"fp8_grouped_gemm: a on {a.data.device}, b on {b.data.device}")
     off = prepare_offsets(group_offsets, E, M, a.data.device, validate)
+    Kb, Nout = (N, K) if transpose_b else (K, N)
+    cublas_ok = a.data.is_cuda and (Kb // TILE) % 4 == 0 and Nout % TILE == 0
+    if impl == "cublas" and not cublas_ok:
+        raise ValueError(f"fp8_grouped_gemm: impl='cublas' needs CUDA, K/128 % 4 == 0 and N % 128 == 0 "
+                         f"(K={Kb}, N={Nout})")
+    if impl == "cublas" or (impl is None and cublas_ok and MGROUPED_IMPL == "cublas" and host_offsets is not None):
+        if transpose_b:
+            b = transpose_weight(b)
+        h = host_offsets if host_offsets is not None else off.tolist()
+        return _mgrouped_cublas_loop(a, b, h, torch.empty(M, Nout, dtype=torch.bfloat16, device=a.data.device))
     if not _use_triton(a.data, impl):
         return fp8_grouped_gemm_ref(a, b, off, transpose_b=transpose_b)
     if transpose_b:
@@ -532,7 +551,7 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
 
 
 def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tensor | None = None, *,
-                           validate: bool = True, impl: str | None = None) -> Tensor:
+                           validate: bool = True, impl: str | None = None, host_offsets: list | None = None) -> Tensor:
     """k-grouped FP8 GEMM (experts wgrad) -> FP32 [E, N, K]: out[e] (+)= dY_eᵀ · X_e.
 
     dy: "128x1" of dY [M, N] (data [N, M], scale [N, ceil(M/128)]).
@@ -557,7 +576,9 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
             raise ValueError(f"fp8_grouped_gemm_wgrad: out must be a contiguous float32 [{E}, {N}, {K}], "
                              f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if impl == "cublas" or (impl is None and dy.data.is_cuda and WGRAD_IMPL == "cublas"):
-        return _wgrad_cublas_loop(dy, x, off, out)
+        return _wgrad_cublas_loop(dy, x, host_offsets if host_offsets is not None else off.tolist(), out)
+    if impl is None and dy.data.is_cuda and host_offsets is not None and WGRAD_IMPL_HOST == "cublas":
+        return _wgrad_cublas_loop(dy, x, host_offsets, out)
     if not _use_triton(dy.data, impl):
         return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)
     accumulate = out is not None
@@ -566,12 +587,23 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
     return launch_kgrouped(dy, x, off, out, accumulate)
 
 
-def _wgrad_cublas_loop(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor | None) -> Tensor:
+def _mgrouped_cublas_loop(a: Fp8Tensor, b: Fp8Tensor, h: list, out: Tensor) -> Tensor:
+    """m-grouped GEMM as a loop of blockwise cuBLAS GEMMs, one per non-empty expert, at host
+    offsets h. BF16 out; rows past h[-1] are 0."""
+    for e in range(len(h) - 1):
+        s, t = h[e], h[e + 1]
+        if t > s:
+            torch._scaled_mm(a.data[s:t], b.data[e].t(), a.scale[s:t].t().contiguous().t(),
+                             b.scale[e].contiguous().t(), out_dtype=torch.bfloat16, out=out[s:t])
+    out[h[-1]:].zero_()
+    return out
+
+
+def _wgrad_cublas_loop(dy: Fp8Tensor, x: Fp8Tensor, h: list, out: Tensor | None) -> Tensor:
     """k-grouped wgrad as a loop of cuBLAS blockwise 1x128 x 1x128 GEMMs, one per non-empty
-    expert (reads the offsets on the host: one sync). FP32 out; empty experts get zeros."""
+    expert, at host offsets h. FP32 out; empty experts get zeros."""
     N, M = dy.data.shape
     K = x.data.shape[0]
-    h = off.tolist()
     E = len(h) - 1
     res = out if out is not None else torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
     for e in range(E):

@@ -48,6 +48,14 @@ class PermuteLayout:
     def num_experts(self) -> int:
         return len(self.counts)
 
+    @property
+    def offsets_host(self) -> list[int]:
+        """`offsets` on the host (from the counts: no device sync)."""
+        out = [0]
+        for c in self.counts:
+            out.append(out[-1] + -(-c // ALIGN) * ALIGN)
+        return out
+
 
 def build_layout(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
     """topk_idx_TK int [T, K], values in [0, E) or -1 (not routed here) -> PermuteLayout.
@@ -125,7 +133,8 @@ def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, H, stride_y, stride_o, K: tl.c
 
 @triton.jit
 def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride_dz, stride_y, stride_dy,
-                        K: tl.constexpr, K_PAD: tl.constexpr, WANT_DY: tl.constexpr, BLOCK_H: tl.constexpr):
+                        K: tl.constexpr, K_PAD: tl.constexpr, WANT_DW: tl.constexpr, WANT_DY: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # one token per program: dw needs all of H
     offs_k = tl.arange(0, K_PAD)
     rows = tl.load(row_ptr + t * K + offs_k, mask=offs_k < K, other=-1)
@@ -136,12 +145,14 @@ def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride
         offs_h = h0 + tl.arange(0, BLOCK_H)
         dz = tl.load(dz_ptr + t * stride_dz + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
         mask = ok[:, None] & (offs_h < H)[None, :]
-        y = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :], mask=mask, other=0.0)
-        acc += y.to(tl.float32) * dz[None, :]
+        if WANT_DW:
+            y = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :], mask=mask, other=0.0)
+            acc += y.to(tl.float32) * dz[None, :]
         if WANT_DY:
             tl.store(dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + offs_h[None, :], w[:, None] * dz[None, :],
                      mask=mask)
-    tl.store(dw_ptr + t * K + offs_k, tl.sum(acc, axis=1), mask=offs_k < K)
+    if WANT_DW:
+        tl.store(dw_ptr + t * K + offs_k, tl.sum(acc, axis=1), mask=offs_k < K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,21 +225,24 @@ def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: s
     return out
 
 
-def combine_backward(dz_TH: Tensor, y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, want_dy: bool = True,
-                     impl: str | None = None) -> tuple[Tensor | None, Tensor]:
+def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, w_TK: Tensor, want_dy: bool = True,
+                     impl: str | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of `unpermute_combine`: dw [T, K] fp32 (dw[t, k] = <dz[t], y[row]> in fp32, 0 for
-    unrouted slots) and, if want_dy, dy [M, H] bf16 (w * dz at each routed row, 0 on padding)."""
+    unrouted slots; None when y is None) and, if want_dy, dy [M, H] bf16 (w * dz at each routed
+    row, 0 on padding)."""
     T, K = layout.row_TK.shape
-    H = y_MH.shape[1]
-    if not _use_triton(y_MH, impl):
+    H = dz_TH.shape[1]
+    if not _use_triton(dz_TH, impl):
         return combine_backward_ref(dz_TH, y_MH, layout, w_TK, want_dy)
-    dw = torch.empty(T, K, dtype=torch.float32, device=y_MH.device)
-    dy = torch.zeros(layout.M, H, dtype=torch.bfloat16, device=y_MH.device) if want_dy else None
-    if T:
+    want_dw = y_MH is not None
+    dw = torch.empty(T, K, dtype=torch.float32, device=dz_TH.device) if want_dw else None
+    dy = torch.zeros(layout.M, H, dtype=torch.bfloat16, device=dz_TH.device) if want_dy else None
+    if T and (want_dw or want_dy):
         dz = dz_TH.contiguous()
-        _combine_bwd_kernel[(T,)](dz, y_MH, layout.row_TK, w_TK.float().contiguous(), dw, dy if want_dy else dw, H,
-                                  dz.stride(0), y_MH.stride(0), dy.stride(0) if want_dy else 0, K=K,
-                                  K_PAD=triton.next_power_of_2(K), WANT_DY=want_dy,
+        y = y_MH if want_dw else dz
+        _combine_bwd_kernel[(T,)](dz, y, layout.row_TK, w_TK.float().contiguous(), dw if want_dw else dz,
+                                  dy if want_dy else dz, H, dz.stride(0), y.stride(0), dy.stride(0) if want_dy else 0,
+                                  K=K, K_PAD=triton.next_power_of_2(K), WANT_DW=want_dw, WANT_DY=want_dy,
                                   BLOCK_H=min(512, triton.next_power_of_2(H)), num_warps=4)
     return dy, dw
 
@@ -267,15 +281,17 @@ def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor) -> 
     return out.bfloat16()
 
 
-def combine_backward_ref(dz_TH: Tensor, y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, want_dy: bool = True):
+def combine_backward_ref(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, w_TK: Tensor,
+                         want_dy: bool = True):
     T, K = layout.row_TK.shape
     r = layout.row_TK.long()
     ok = r >= 0
-    yg = y_MH[r.clamp(min=0)].float()  # [T, K, H]
-    dw = torch.where(ok, (yg * dz_TH.float()[:, None, :]).sum(-1), 0.0)
-    dy = None
+    dw = dy = None
+    if y_MH is not None:
+        yg = y_MH[r.clamp(min=0)].float()  # [T, K, H]
+        dw = torch.where(ok, (yg * dz_TH.float()[:, None, :]).sum(-1), 0.0)
     if want_dy:
-        dy = torch.zeros(layout.M, y_MH.shape[1], dtype=torch.bfloat16, device=y_MH.device)
+        dy = torch.zeros(layout.M, dz_TH.shape[1], dtype=torch.bfloat16, device=dz_TH.device)
         val = (w_TK.float()[:, :, None] * dz_TH.float()[:, None, :]).bfloat16()
         dy[r[ok]] = val[ok]
     return dy, dw

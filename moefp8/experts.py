@@ -9,10 +9,11 @@ a = swiglu(h) quantized "1x128" (one fused kernel) -> y = a8 · W2ᵀ (BF16).
 Backward (dy arrives as "1x128" FP8, the combine's gradient): da = dy8 · W2 (dgrad);
 dW2 = dyᵀ · a with dy requantized col-wise and a recomputed from the cached FP8 h and quantized
 col-wise in the same pass; dh = swiglu'(h) · da quantized row-wise (fc1 dgrad) and col-wise
-(fc1 wgrad); dx = dh8 · W1; dW1 = dhᵀ · x with x requantized col-wise from the saved row-wise FP8.
+(fc1 wgrad) in one fused pass; dx = dh8 · W1; dW1 = dhᵀ · x with x requantized col-wise from
+the saved row-wise FP8.
 
 BF16 recipe: the same data flow with BF16 grouped GEMMs (`torch._grouped_mm` on CUDA, a loop of
-matmuls elsewhere) and h cached in BF16: the like-for-like baseline.
+matmuls elsewhere), fused BF16 SwiGLU kernels and h cached in BF16: the like-for-like baseline.
 
 FP8 weights are quantized once per optimizer step: `WeightCache` keys them on the parameter's
 version counter, which the optimizer's in-place update bumps.
@@ -24,8 +25,9 @@ from torch.profiler import record_function
 
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
-from moefp8.kernels.quant import (dequant_swiglu_quant_colwise, quant_colwise, quant_rowwise, quant_weight,
-                                  requant_colwise, swiglu_quant, swiglu_ref)
+from moefp8.kernels.quant import (dequant_swiglu_quant_colwise, quant_rowwise, quant_weight, requant_colwise,
+                                  swiglu_quant)
+from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 
 
 class WeightCache:
@@ -48,45 +50,36 @@ class WeightCache:
         return hit[3] if transposed else hit[2]
 
 
-def swiglu_backward(h: Tensor, da: Tensor) -> Tensor:
-    """h [M, 2I] = [gate | up], da [M, I] -> dh [M, 2I] fp32 (d silu(g)*u / dg and / du)."""
-    g, u = h.float().chunk(2, dim=-1)
-    da = da.float()
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    dg = da * u * sig * (1 + g * (1 - sig))
-    return torch.cat([dg, da * silu], dim=-1)
-
-
 # ----------------------------------------------------------------------------------------------
 # FP8
 
 
-def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str):
-    """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I], the cache for backward)."""
+def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
+                    off_host: list | None = None):
+    """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I], the cache for backward).
+    off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop)."""
     with record_function("fc1"):
-        h = fp8_grouped_gemm(x8, w1_8, off, validate=False)
+        h = fp8_grouped_gemm(x8, w1_8, off, validate=False, host_offsets=off_host)
     with record_function("swiglu"):
         h8 = quant_rowwise(h, scale_fmt)
         a8 = swiglu_quant(h, scale_fmt)
     with record_function("fc2"):
-        return fp8_grouped_gemm(a8, w2_8, off, validate=False), h8
+        return fp8_grouped_gemm(a8, w2_8, off, validate=False, host_offsets=off_host), h8
 
 
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor, w1: Tensor, w2: Tensor,
-                     cache: WeightCache, scale_fmt: str, want_dx: bool = True):
+                     cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32)."""
+    kw = dict(validate=False, host_offsets=off_host)
     with record_function("bwd_fc2"):
-        da = fp8_grouped_gemm(dy8, cache.get(w2, scale_fmt, transposed=True), off, validate=False)
+        da = fp8_grouped_gemm(dy8, cache.get(w2, scale_fmt, transposed=True), off, **kw)
         dw2 = fp8_grouped_gemm_wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt),
-                                     off, validate=False)
+                                     off, **kw)
     with record_function("bwd_swiglu"):
-        dh = swiglu_backward(h8.dequantize(), da)
-        dh8 = quant_rowwise(dh, scale_fmt)
-        dh_col = quant_colwise(dh, scale_fmt)
+        dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt)
     with record_function("bwd_fc1"):
-        dw1 = fp8_grouped_gemm_wgrad(dh_col, requant_colwise(x8, scale_fmt), off, validate=False)
-        dx = fp8_grouped_gemm(dh8, cache.get(w1, scale_fmt, transposed=True), off, validate=False) if want_dx else None
+        dw1 = fp8_grouped_gemm_wgrad(dh_col, requant_colwise(x8, scale_fmt), off, **kw)
+        dx = fp8_grouped_gemm(dh8, cache.get(w1, scale_fmt, transposed=True), off, **kw) if want_dx else None
     return dx, dw1, dw2
 
 
@@ -125,7 +118,7 @@ def bf16_mlp_forward(x: Tensor, off: Tensor, w1: Tensor, w2: Tensor):
     with record_function("fc1"):
         h = bf16_grouped_mm(x, w1, off)
     with record_function("swiglu"):
-        a = swiglu_ref(h).to(torch.bfloat16)
+        a = swiglu_bf16(h)
     with record_function("fc2"):
         return bf16_grouped_mm(a, w2, off), h
 
@@ -134,10 +127,9 @@ def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor, w1: Tensor,
     """BF16 weights -> (dx [M, H] bf16 or None, dW1 fp32, dW2 fp32)."""
     with record_function("bwd_fc2"):
         da = bf16_grouped_mm(dy, w2, off, transpose_w=False)
-        a = swiglu_ref(h).to(torch.bfloat16)
-        dw2 = bf16_grouped_wgrad(dy, a, off)
+        dw2 = bf16_grouped_wgrad(dy, swiglu_bf16(h), off)
     with record_function("bwd_swiglu"):
-        dh = swiglu_backward(h, da).to(torch.bfloat16)
+        dh = swiglu_backward_bf16(h, da)
     with record_function("bwd_fc1"):
         dw1 = bf16_grouped_wgrad(dh, x, off)
         dx = bf16_grouped_mm(dh, w1, off, transpose_w=False) if want_dx else None

@@ -22,7 +22,6 @@ optimizer changes a weight) and the router's bias buffer.
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
@@ -31,8 +30,7 @@ from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8
 from moefp8.fp8 import TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
                                     unpermute_combine)
-from moefp8.kernels.quant import quant_rowwise, swiglu_ref
-from moefp8.linear import Fp8LinearFunction
+from moefp8.kernels.quant import quant_rowwise
 from moefp8.router import Router
 
 RECIPES = ("fp8", "bf16")
@@ -56,14 +54,16 @@ class _RoutedExperts(torch.autograd.Function):
             L = build_layout(d.topk_idx, disp.num_local_experts)
             xp = permute_fp8(d.x, L) if fp8 else permute_rows(d.x, L)
         if fp8:
-            y, h = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt)
+            y, h = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
+                                   L.offsets_host)
             xs, hs = (d.x.data, d.x.scale), (h.data, h.scale)
         else:
             y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
             xs, hs = (d.x, None), (h, None)
         with record_function("combine"):
             z = unpermute_combine(y, L, d.topk_w)
-        ctx.save_for_backward(*xs, *hs, y, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
+        y_saved = y if ctx.needs_input_grad[1] else None  # only the routing weights' gradient reads y
+        ctx.save_for_backward(*xs, *hs, y_saved, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
         ctx.layer, ctx.handle, ctx.counts, ctx.M = layer, d.handle, L.counts, L.M
         return disp.combine(z, d.handle)
 
@@ -78,12 +78,12 @@ class _RoutedExperts(torch.autograd.Function):
             with record_function("bwd_combine"):
                 dz8 = disp.dispatch(quant_rowwise(dout, fmt), handle=ctx.handle).x  # FP8 on the wire
                 dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
-                _, dw = combine_backward(dz, y, L, w_TK, want_dy=False)
+                dw = combine_backward(dz, y, L, w_TK, want_dy=False)[1] if y is not None else None
             with record_function("bwd_permute"):
                 dy8 = permute_fp8(dz8, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
                 x8 = permute_fp8(Fp8Tensor(x_data, x_scale, "1x128"), L)
             dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(h_data, h_scale, "1x128"), offsets, w1, w2,
-                                             layer.cache, fmt, want_dx=ctx.needs_input_grad[0])
+                                             layer.cache, fmt, want_dx=ctx.needs_input_grad[0], off_host=L.offsets_host)
         else:
             with record_function("bwd_combine"):
                 dz = disp.dispatch(dout.to(torch.bfloat16), handle=ctx.handle).x
@@ -104,21 +104,23 @@ class _RoutedExperts(torch.autograd.Function):
 
 
 class SharedExperts(nn.Module):
-    """Dense SwiGLU MLP applied to every token (FP8 linears in the fp8 recipe, BF16 otherwise)."""
+    """Shared experts: a SwiGLU MLP every token goes through, computed as a routed expert that
+    every token picks with weight 1 (the same FP8 caching, fused kernels and recipe switch; one
+    group of the grouped GEMMs is a dense GEMM). Weights [1, 2I, H] and [1, H, I]."""
 
     def __init__(self, hidden: int, inter: int, recipe: str, scale_fmt: str):
         super().__init__()
         self.recipe, self.scale_fmt = recipe, scale_fmt
-        self.w1 = nn.Parameter(torch.randn(2 * inter, hidden) * hidden**-0.5)  # [gate | up]
-        self.w2 = nn.Parameter(torch.randn(hidden, inter) * inter**-0.5)
+        self.w1 = nn.Parameter(torch.randn(1, 2 * inter, hidden) * hidden**-0.5)  # [gate | up]
+        self.w2 = nn.Parameter(torch.randn(1, hidden, inter) * inter**-0.5)
+        self.dispatcher = build_dispatcher("local", 1)
+        self.cache = WeightCache()
 
-    def _linear(self, x: Tensor, w: Tensor) -> Tensor:
-        if self.recipe == "fp8":
-            return Fp8LinearFunction.apply(x, w, self.scale_fmt)
-        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self._linear(swiglu_ref(self._linear(x, self.w1)).to(torch.bfloat16), self.w2)
+    def forward(self, x_TH: Tensor) -> Tensor:
+        T = x_TH.shape[0]
+        idx = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
+        ones = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
+        return _RoutedExperts.apply(x_TH, ones, self.w1, self.w2, idx, self)
 
 
 class MoELayer(nn.Module):

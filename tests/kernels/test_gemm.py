@@ -290,3 +290,36 @@ def test_gpu_all_experts_empty():
     assert torch.equal(fp8_grouped_gemm(a, b, off), torch.zeros(256, 256, dtype=torch.bfloat16, device="cuda"))
     dyc, xc = quant_colwise_ref(torch.randn(256, 256, device="cuda")), quant_colwise_ref(torch.randn(256, 384, device="cuda"))
     assert torch.equal(fp8_grouped_gemm_wgrad(dyc, xc, off), torch.zeros(3, 256, 384, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (256, 640)])
+@pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128]])
+def test_gpu_grouped_cublas_loop_with_host_offsets(N, K, counts):
+    """The per-expert cuBLAS loops the MoE layer picks when it passes host offsets: fprop,
+    dgrad (through the transposed weight) and wgrad, with empty and ragged experts."""
+    off = _segments(counts)
+    E, M = len(counts), off[-1] + 128
+    a = quant_rowwise_ref(_rand(M, K, outliers=True).cuda())
+    b = quant_weight_ref(_rand(E, N, K).cuda())
+    off_dev = torch.tensor(off, dtype=torch.int32, device="cuda")
+    out = fp8_grouped_gemm(a, b, off_dev, host_offsets=off)
+    _gpu_ref_check(out, _ref64_grouped(a, b, off), BF16_TOL)
+    assert torch.equal(out[off[-1]:], torch.zeros_like(out[off[-1]:]))
+    d8 = quant_rowwise_ref(_rand(M, N, outliers=True).cuda())
+    dx = fp8_grouped_gemm(d8, b, off_dev, transpose_b=True, impl="cublas")
+    _gpu_ref_check(dx, _ref64_grouped(d8, b, off, transpose_b=True), BF16_TOL)
+    dyc = quant_colwise_ref(_rand(M, N, outliers=True).cuda())
+    xc = quant_colwise_ref(_rand(M, K).cuda())
+    dw = fp8_grouped_gemm_wgrad(dyc, xc, off_dev, host_offsets=off)
+    _gpu_ref_check(dw, _ref64_wgrad(dyc, xc, off), GPU_FP32_TOL)
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+
+
+def test_cublas_loop_refuses_unsupported_shapes():
+    a = quant_rowwise_ref(torch.randn(128, 384))
+    b = quant_weight_ref(torch.randn(2, 256, 384))
+    with pytest.raises(ValueError, match=r"impl='cublas' needs CUDA, K/128 % 4 == 0"):
+        fp8_grouped_gemm(a, b, [0, 128, 128], impl="cublas")

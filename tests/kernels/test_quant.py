@@ -9,6 +9,7 @@ import torch
 
 from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
 from moefp8.kernels import quant as Q
+from moefp8.testing import assert_fp8_equal
 
 FMTS = ["pow2", "fp32"]
 E4M3_MIN_NORMAL = 2.0**-6
@@ -248,29 +249,6 @@ KERNELS = {
     "dequant_swiglu_quant_colwise": (lambda x: Q.quant_rowwise_ref(x.clamp(-60, 60)), Q.dequant_swiglu_quant_colwise,
                                      Q.dequant_swiglu_quant_colwise_ref),
 }
-
-
-def assert_fp8_equal(got: Fp8Tensor, ref: Fp8Tensor, exact: bool, scale_rtol: float = 0.0) -> None:
-    assert got.layout == ref.layout and got.data.dtype == FP8_DTYPE
-    assert got.data.shape == ref.data.shape and got.scale.shape == ref.scale.shape
-    gs, rs = got.scale.cpu(), ref.scale.cpu()
-    if scale_rtol:
-        assert torch.allclose(gs, rs, rtol=scale_rtol, atol=0, equal_nan=True)
-    else:
-        assert torch.equal(gs.nan_to_num(-1.0), rs.nan_to_num(-1.0)), "scales differ"
-    gb, rb = got.data.cpu().view(torch.uint8), ref.data.cpu().view(torch.uint8)
-    if exact:
-        assert torch.equal(gb, rb), f"{(gb != rb).sum().item()} of {gb.numel()} FP8 bytes differ"
-        return
-    g, r = got.data.cpu().float(), ref.data.cpu().float()
-    bad = gb != rb
-    same_sign = (gb >> 7) == (rb >> 7)
-    one_step = (gb.int() - rb.int()).abs() == 1
-    r_pow2 = torch.frexp(r.abs())[0] == 0.5
-    binade_drop = r_pow2 & (g.abs() * 2 == r.abs())
-    unexplained = bad & ~(same_sign & (one_step | binade_drop))
-    assert not unexplained.any(), (f"{unexplained.sum().item()} FP8 values differ beyond the interpreter's cast "
-                                   f"bugs, e.g. got {g[unexplained][:4].tolist()} want {r[unexplained][:4].tolist()}")
 
 
 SHAPES_INTERP = [(1, 256), (200, 256), (129, 512)]

@@ -1,0 +1,176 @@
+"""SwiGLU backward (FP8 recipe, fused with both quantizations) and the BF16 recipe's SwiGLU.
+
+h [M, 2I] = [gate | up]; a = silu(g) * u. With sig = 1 / (1 + exp(-g)):
+  dg = da * u * sig * (1 + g * (1 - sig)),   du = da * (g * sig).
+
+* `swiglu_backward_quant(h8, da)`: h8 the cached "1x128" FP8 h, da [M, I] bf16 -> dh as "1x128"
+  FP8 [M, 2I] (fc1 dgrad) and "128x1" FP8 (data [2I, M], fc1 wgrad), in one pass over h and da.
+* `swiglu_bf16(h)`, `swiglu_backward_bf16(h, da)`: the BF16 recipe's fused kernels (its
+  like-for-like baseline would otherwise pay for several unfused elementwise passes).
+
+Each program covers 128 rows x 128 columns of one half (gate or up: a constexpr, two launches),
+which is one 1x128 group per row and one 128x1 group per column, so both quantizations finish in
+registers. Math in fp32 with precise exp / IEEE division and no FMA contraction, in the order the
+`_ref` twins use, so GPU results equal the references bit for bit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
+from moefp8.kernels.quant import (_INTERPRET, _quant_cols_store, _quant_rows_store, _swiglu, _use_triton,
+                                  quant_colwise_ref, quant_rowwise_ref, swiglu_ref)
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _sigmoid(g):
+    if _INTERPRET:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+
+
+@triton.jit
+def _swiglu_grad(g, u, da, GATE: tl.constexpr):
+    sig = _sigmoid(g)
+    if GATE:
+        return da * u * sig * (1.0 + g * (1.0 - sig))
+    return da * (g * sig)
+
+
+@triton.jit
+def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
+                             stride_dam, stride_qm, stride_qsm, stride_ck, stride_csk,
+                             GATE: tl.constexpr, POW2: tl.constexpr):
+    pid_k = tl.program_id(0)  # 128 columns of this half
+    pid_m = tl.program_id(1)
+    m0 = pid_m.to(tl.int64) * 128
+    offs_m = tl.arange(0, 128)
+    offs_k = tl.arange(0, 128)
+    m_left = M - m0
+    row_ok = (offs_m < m_left)[:, None]
+    G = I // 128
+    h_tile = h_ptr + m0 * stride_hm + pid_k * 128 + offs_m[:, None] * stride_hm + offs_k[None, :]
+    s_rows = hs_ptr + m0 * stride_hsm + offs_m * stride_hsm
+    g = tl.load(h_tile, mask=row_ok, other=0.0).to(tl.float32) * tl.load(s_rows + pid_k, mask=offs_m < m_left,
+                                                                           other=0.0)[:, None]
+    u = tl.load(h_tile + I, mask=row_ok, other=0.0).to(tl.float32) * tl.load(s_rows + G + pid_k,
+                                                                             mask=offs_m < m_left, other=0.0)[:, None]
+    da = tl.load(da_ptr + m0 * stride_dam + pid_k * 128 + offs_m[:, None] * stride_dam + offs_k[None, :],
+                 mask=row_ok, other=0.0).to(tl.float32)
+    d = _swiglu_grad(g, u, da, GATE)  # masked rows: da = 0 -> d = 0, out of both amaxes
+    col = pid_k + (0 if GATE else G)  # this block's 128-column group in dh [M, 2I]
+    _quant_rows_store(d, offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + col * 128, qs_ptr + m0 * stride_qsm + col,
+                      stride_qm, stride_qsm, POW2)
+    _quant_cols_store(d, offs_m, offs_k, m_left, 128, c_ptr + (col * 128).to(tl.int64) * stride_ck + m0,
+                      cs_ptr + col * 128 * stride_csk + pid_m, stride_ck, stride_csk, POW2)
+
+
+@triton.jit
+def _swiglu_bf16_kernel(h_ptr, da_ptr, o_ptr, M, I, stride_hm, stride_dam, stride_om,
+                        BACKWARD: tl.constexpr, GATE: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_k = tl.program_id(0)
+    m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = pid_k * 128 + tl.arange(0, 128)
+    mask = (offs_m < M - m0)[:, None] & (offs_k < I)[None, :]
+    h_tile = h_ptr + m0 * stride_hm + offs_m[:, None] * stride_hm + offs_k[None, :]
+    g = tl.load(h_tile, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_tile + I, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        da = tl.load(da_ptr + m0 * stride_dam + offs_m[:, None] * stride_dam + offs_k[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        out = _swiglu_grad(g, u, da, GATE)
+        col = offs_k + (0 if GATE else I)
+    else:
+        out = _swiglu(g, u)
+        col = offs_k
+    tl.store(o_ptr + m0 * stride_om + offs_m[:, None] * stride_om + col[None, :], out, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _check_h(name: str, h_cols: int) -> None:
+    if h_cols % (2 * TILE):
+        raise ValueError(f"{name}: h has {h_cols} columns, expected 2I with I % {TILE} == 0")
+
+
+def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2",
+                          impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """h8 "1x128" [M, 2I], da [M, I] -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M])."""
+    if not isinstance(h8, Fp8Tensor) or h8.layout != "1x128" or h8.data.dim() != 2:
+        raise ValueError("swiglu_backward_quant: expected h8 as an Fp8Tensor [M, 2I] with layout '1x128'")
+    M, I2 = h8.data.shape
+    _check_h("swiglu_backward_quant", I2)
+    if da.shape != (M, I2 // 2):
+        raise ValueError(f"swiglu_backward_quant: da has shape {tuple(da.shape)}, expected ({M}, {I2 // 2})")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not _use_triton(h8.data, impl):
+        return swiglu_backward_quant_ref(h8, da, scale_fmt)
+    dev = h8.data.device
+    q = torch.empty(M, I2, dtype=FP8_DTYPE, device=dev)
+    qs = torch.empty(M, I2 // TILE, dtype=torch.float32, device=dev)
+    c = torch.empty(I2, M, dtype=FP8_DTYPE, device=dev)
+    cs = torch.empty(I2, triton.cdiv(M, TILE), dtype=torch.float32, device=dev)
+    if M:
+        da = da if da.stride(-1) == 1 else da.contiguous()
+        for gate in (True, False):
+            _swiglu_bwd_quant_kernel[(I2 // 2 // TILE, triton.cdiv(M, TILE))](
+                h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0), da.stride(0),
+                q.stride(0), qs.stride(0), c.stride(0), cs.stride(0), GATE=gate, POW2=pow2, num_warps=8,
+                enable_fp_fusion=False)
+    return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
+
+
+def swiglu_bf16(h: Tensor, impl: str | None = None) -> Tensor:
+    """h [M, 2I] (any even width) -> a = silu(gate) * up [M, I] bf16 (computed in fp32)."""
+    if not _use_triton(h, impl):
+        return swiglu_ref(h).to(torch.bfloat16)
+    M, I = h.shape[0], h.shape[1] // 2
+    out = torch.empty(M, I, dtype=torch.bfloat16, device=h.device)
+    if M:
+        h = h if h.stride(-1) == 1 else h.contiguous()
+        _swiglu_bf16_kernel[(triton.cdiv(I, TILE), triton.cdiv(M, 16))](h, h, out, M, I, h.stride(0), 0, out.stride(0),
+                                                             BACKWARD=False, GATE=True, BLOCK_M=16, num_warps=4)
+    return out
+
+
+def swiglu_backward_bf16(h: Tensor, da: Tensor, impl: str | None = None) -> Tensor:
+    """h [M, 2I] (any even width), da [M, I] -> dh [M, 2I] bf16 (computed in fp32)."""
+    if not _use_triton(h, impl):
+        return swiglu_backward_ref(h.float(), da).to(torch.bfloat16)
+    M, I = h.shape[0], h.shape[1] // 2
+    out = torch.empty(M, 2 * I, dtype=torch.bfloat16, device=h.device)
+    if M:
+        h = h if h.stride(-1) == 1 else h.contiguous()
+        da = da if da.stride(-1) == 1 else da.contiguous()
+        for gate in (True, False):
+            _swiglu_bf16_kernel[(triton.cdiv(I, TILE), triton.cdiv(M, 16))](h, da, out, M, I, h.stride(0), da.stride(0),
+                                                                 out.stride(0), BACKWARD=True, GATE=gate, BLOCK_M=16,
+                                                                 num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# References: the kernels' formulas, in the same order, in fp32
+
+
+def swiglu_backward_ref(h: Tensor, da: Tensor) -> Tensor:
+    """h [M, 2I] fp32, da [M, I] -> dh [M, 2I] fp32."""
+    g, u = h.float().chunk(2, dim=-1)
+    da = da.float()
+    sig = torch.ones_like(g) / (1.0 + torch.exp(-g))  # a tensor numerator: an IEEE division on CUDA too
+    dg = da * u * sig * (1.0 + g * (1.0 - sig))
+    du = da * (g * sig)
+    return torch.cat([dg, du], dim=-1)
+
+
+def swiglu_backward_quant_ref(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2") -> tuple[Fp8Tensor, Fp8Tensor]:
+    dh = swiglu_backward_ref(h8.dequantize(torch.float32), da)
+    return quant_rowwise_ref(dh, scale_fmt), quant_colwise_ref(dh, scale_fmt)

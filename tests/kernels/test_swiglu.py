@@ -1,0 +1,74 @@
+"""SwiGLU backward fused with both FP8 quantizations, and the BF16 recipe's SwiGLU kernels."""
+
+import pytest
+import torch
+
+from moefp8.kernels import swiglu as S
+from moefp8.kernels.quant import quant_rowwise_ref, swiglu_ref
+from moefp8.testing import assert_fp8_equal
+
+
+def inputs(M, I, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(M, 2 * I, generator=g) * 3).bfloat16()
+    h[0] = 0  # a zero row
+    da = torch.randn(M, I, generator=g).bfloat16()
+    return h.to(device), da.to(device)
+
+
+def test_backward_ref_matches_float64_autograd():
+    h, da = inputs(70, 256)
+    h64 = h.double().requires_grad_()
+    g, u = h64.chunk(2, -1)
+    (torch.nn.functional.silu(g) * u).backward(da.double())
+    got = S.swiglu_backward_ref(h.float(), da).double()
+    # fp32 evaluation of a few products: relative error ~1e-6 of the magnitudes involved
+    assert torch.allclose(got, h64.grad, rtol=1e-5, atol=1e-5 * float(h64.grad.abs().max()))
+
+
+def test_backward_quant_ref_is_the_quantized_gradient():
+    h, da = inputs(150, 256)
+    h8 = quant_rowwise_ref(h)
+    row, col = S.swiglu_backward_quant_ref(h8, da)
+    dh = S.swiglu_backward_ref(h8.dequantize(), da)
+    assert row.layout == "1x128" and row.shape == (150, 512) and col.layout == "128x1" and col.shape == (150, 512)
+    err_r, err_c = (row.dequantize() - dh).abs(), (col.dequantize() - dh).abs()
+    sr = row.scale.repeat_interleave(128, 1)
+    sc = col.scale.repeat_interleave(128, 1)[:, :150].t()
+    assert torch.all(err_r <= torch.maximum(dh.abs() * 2**-4, sr * 2**-10))  # half an FP8 ulp
+    assert torch.all(err_c <= torch.maximum(dh.abs() * 2**-4, sc * 2**-10))
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("M,I", [(1, 128), (200, 256)])
+def test_interpreter_vs_ref(M, I):
+    h, da = inputs(M, I, seed=M)
+    h8 = quant_rowwise_ref(h)
+    for got, want in zip(S.swiglu_backward_quant(h8, da, impl="triton"), S.swiglu_backward_quant_ref(h8, da)):
+        assert_fp8_equal(got, want, exact=False, scale_rtol=1e-6)  # numpy exp vs torch exp: last-bit amaxes
+    for got, want in ((S.swiglu_bf16(h, impl="triton"), S.swiglu_bf16(h, impl="ref")),
+                      (S.swiglu_backward_bf16(h, da, impl="triton"), S.swiglu_backward_bf16(h, da, impl="ref"))):
+        # the interpreter truncates fp32 -> bf16: one bf16 ulp
+        assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7)
+
+
+def test_bf16_any_width_and_errors():
+    h, da = inputs(5, 100)
+    assert torch.equal(S.swiglu_bf16(h), swiglu_ref(h).bfloat16())
+    with pytest.raises(ValueError, match="h has 200 columns, expected 2I with I % 128 == 0"):
+        S.swiglu_backward_quant(quant_rowwise_ref(torch.zeros(4, 256))._replace(
+            data=torch.zeros(4, 200, dtype=torch.float8_e4m3fn)), torch.zeros(4, 100))
+    with pytest.raises(ValueError, match=r"da has shape \(4, 64\), expected \(4, 128\)"):
+        S.swiglu_backward_quant(quant_rowwise_ref(torch.zeros(4, 256)), torch.zeros(4, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,I", [(1, 128), (127, 256), (4113, 2048), (16384, 1024)])
+@pytest.mark.parametrize("fmt", ["pow2", "fp32"])
+def test_gpu_bit_exact(M, I, fmt):
+    h, da = inputs(M, I, seed=M + I, device="cuda")
+    h8 = quant_rowwise_ref(h, fmt)
+    for got, want in zip(S.swiglu_backward_quant(h8, da, fmt), S.swiglu_backward_quant_ref(h8, da, fmt)):
+        assert_fp8_equal(got, want, exact=True)
+    assert torch.equal(S.swiglu_bf16(h), S.swiglu_bf16(h, impl="ref"))
+    assert torch.equal(S.swiglu_backward_bf16(h, da), S.swiglu_backward_bf16(h, da, impl="ref"))
