@@ -216,6 +216,7 @@ class AllToAllDispatcher:
         K = topk_idx.shape[1]
         send_tok, pos_TR, send_counts = self._routes(topk_idx)
         nb = row_bytes(H, K, payload)
+        packed = self._pack(x, payload, topk_idx, topk_w)  # before any collective: a bad input raises on its own
         meta = torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1)  # [R, 2] (rows, bytes/row)
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
@@ -227,7 +228,7 @@ class AllToAllDispatcher:
                                  f"({self.rank}) packs {nb} ({payload}, H={H}, K={K}): every rank must dispatch "
                                  f"the same payload kind, scale format, hidden size and top-k")
         recv_splits = tuple(n for n, _ in recv_meta)
-        send = self._pack(x, payload, topk_idx, topk_w).index_select(0, send_tok)
+        send = packed.index_select(0, send_tok)
         xr, w, gidx = self._unpack(self._exchange(send, send_splits, recv_splits), H, K, payload)
         lo = self.rank * self.num_local_experts
         g = gidx.long()

@@ -1,0 +1,203 @@
+"""Expert-parallel dispatch/combine bandwidth, modeled on DeepEP's intranode test.
+
+    torchrun --nproc_per_node 4 tools/bench_dispatch.py            # GPUs, NCCL, DeepSeek-V3 shapes
+    torchrun --nproc_per_node 2 tools/bench_dispatch.py --smoke    # CPU (gloo), tiny shapes
+
+Traffic: 4096 tokens per rank, hidden 7168, top-8 of 256 experts (rounded down to a multiple
+of the rank count), random routing (top-k of |randn| + 1 scores, as DeepEP's test). For each
+backend (`all_to_all`; DeepEP's Buffer if `deep_ep` imports): dispatch FP8, dispatch BF16 (full,
+with the count exchange; and reusing the handle, as the backward does and as DeepEP tunes),
+combine BF16. Time: per rank the median of CUDA-event timings over --iters iterations after
+--warmup, then the max over ranks. GB/s counted as DeepEP does, per rank: dispatch = bytes of
+the tokens this rank receives (BF16 2H per token; FP8 H + 4H/128, DeepEP's FP8 format with
+fp32 scales, so figures compare with DeepEP's printout), combine = bytes of the BF16 rows this
+rank sends back. Our own wire bytes per token (UE8M0 scales, routing fields, 16-byte padding)
+are in the JSON too, and the FP8 wire row must be <= 0.55x the BF16 one (asserted).
+
+Speed of light: the NCCL all-reduce bus bandwidth measured in the same run
+(busbw = 2 (n-1)/n * bytes / t, --allreduce-mb); ratio = GB/s / busbw.
+Rank 0 prints the table and writes bench/results/dispatch-<device>-ep<N>.json (DESIGN.md §6).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
+from moefp8.kernels.quant import quant_rowwise
+from moefp8.testing import print_table, results_path, save_results
+
+
+def timed(fn, warmup: int, iters: int, dev) -> float:
+    """Median seconds of fn() on this rank, max over the ranks."""
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    times = []
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in ev]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def allreduce_busbw(nbytes: int, warmup: int, iters: int, dev) -> tuple[float, float]:
+    """(bus bandwidth GB/s, seconds) of an all-reduce of nbytes of BF16."""
+    n = dist.get_world_size()
+    buf = torch.randn(nbytes // 2, device=dev).bfloat16()
+    t = timed(lambda: dist.all_reduce(buf), warmup, iters, dev)
+    return (2 * (n - 1) / n * nbytes / t / 1e9 if n > 1 else float("nan")), t
+
+
+def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev):
+    """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic."""
+    disp = AllToAllDispatcher(E, None)
+    T, H = x.shape
+    K = idx.shape[1]
+    d16 = disp.dispatch(x, idx, w)
+    n_recv = d16.handle.num_recv
+    b16, b8 = n_recv * 2 * H, n_recv * (H + 4 * H // 128)  # DeepEP's byte counts
+    y = d16.x.contiguous()  # the rows a rank sends back in combine
+    out = []
+    t = timed(lambda: disp.dispatch(x8, idx, w), warmup, iters, dev)
+    out.append(("dispatch fp8", t, b8, n_recv * row_bytes(H, K, "fp8-pow2")))
+    t = timed(lambda: disp.dispatch(x, idx, w), warmup, iters, dev)
+    out.append(("dispatch bf16", t, b16, n_recv * row_bytes(H, K, "bf16")))
+    t = timed(lambda: disp.dispatch(x8, handle=d16.handle), warmup, iters, dev)
+    out.append(("dispatch fp8, cached handle", t, b8, n_recv * row_bytes(H, None, "fp8-pow2")))
+    t = timed(lambda: disp.dispatch(x, handle=d16.handle), warmup, iters, dev)
+    out.append(("dispatch bf16, cached handle", t, b16, n_recv * row_bytes(H, None, "bf16")))
+    t = timed(lambda: disp.combine(y, d16.handle), warmup, iters, dev)
+    out.append(("combine bf16", t, b16, n_recv * 2 * H))
+    return out
+
+
+def bench_deepep(x, x8, idx, w, E, warmup, iters, dev):
+    """DeepEP's normal (intranode) kernels with its default configs; the same traffic."""
+    import deep_ep
+
+    buffer = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
+    H = x.shape[1]
+    n_tok_rank, _, n_tok_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=n_tok_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_tok_expert)
+    x8_deepep = (x8.data, x8.scale.contiguous())  # DeepEP's FP8 format: e4m3 + fp32 scales [T, H/128]
+    recv, _, _, _, handle, _ = buffer.dispatch(x=x, topk_idx=idx, topk_weights=w, **layout)
+    n_recv = recv.shape[0]
+    b16, b8 = n_recv * 2 * H, n_recv * (H + 4 * H // 128)
+    out = []
+    t = timed(lambda: buffer.dispatch(x=x8_deepep, topk_idx=idx, topk_weights=w, **layout), warmup, iters, dev)
+    out.append(("dispatch fp8", t, b8, b8))
+    t = timed(lambda: buffer.dispatch(x=x, topk_idx=idx, topk_weights=w, **layout), warmup, iters, dev)
+    out.append(("dispatch bf16", t, b16, b16))
+    t = timed(lambda: buffer.dispatch(x=x8_deepep, handle=handle), warmup, iters, dev)
+    out.append(("dispatch fp8, cached handle", t, b8, b8))
+    t = timed(lambda: buffer.dispatch(x=x, handle=handle), warmup, iters, dev)
+    out.append(("dispatch bf16, cached handle", t, b16, b16))
+    t = timed(lambda: buffer.combine(x=recv, handle=handle), warmup, iters, dev)
+    out.append(("combine bf16", t, b16, b16))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256, help="rounded down to a multiple of the rank count")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--allreduce-mb", type=int, default=256)
+    p.add_argument("--backends", default="all_to_all,deepep", help="comma list; deepep is skipped if it does not import")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
+    p.add_argument("--out", default=None, help="results JSON path (default bench/results/dispatch-<device>-ep<N>.json)")
+    a = p.parse_args()
+    if a.smoke:
+        a.tokens, a.hidden, a.topk, a.experts, a.warmup, a.iters, a.allreduce_mb = 64, 512, 4, 32, 1, 3, 1
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    E = (a.experts // n) * n
+    if E < n or a.topk > E or a.hidden % 128:
+        raise SystemExit(f"bench_dispatch: experts {a.experts} (-> {E} for {n} ranks), top-k {a.topk}, hidden "
+                         f"{a.hidden}: need at least one expert per rank, top-k <= experts, hidden % 128 == 0")
+    ratio8 = row_bytes(a.hidden, a.topk, "fp8-pow2") / row_bytes(a.hidden, a.topk, "bf16")
+    assert ratio8 <= 0.55, f"FP8 dispatch row is {ratio8:.3f}x the BF16 row, more than 0.55x"
+
+    torch.manual_seed(rank)
+    x = torch.randn(a.tokens, a.hidden, device=dev).bfloat16()
+    x8 = quant_rowwise(x)
+    scores = torch.randn(a.tokens, E, device=dev).abs() + 1
+    idx = scores.topk(a.topk, dim=-1, sorted=False).indices
+    w = torch.rand(a.tokens, a.topk, device=dev)
+
+    busbw, t_ar = allreduce_busbw(a.allreduce_mb << 20, a.warmup, a.iters, dev)
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    rows = []
+    for backend in backends:
+        if backend == "all_to_all":
+            fn = bench_all_to_all
+        elif backend == "deepep":
+            try:
+                import deep_ep  # noqa: F401
+            except ImportError as e:
+                if rank == 0:
+                    print(f"deepep: skipped (`import deep_ep` failed: {e})")
+                continue
+            fn = bench_deepep
+        else:
+            raise SystemExit(f"bench_dispatch: unknown backend {backend!r} (all_to_all, deepep)")
+        try:
+            results = fn(x, x8, idx, w, E, a.warmup, a.iters, dev)
+        except Exception as e:  # noqa: BLE001  (an API mismatch with the installed DeepEP: keep the other rows)
+            if backend == "all_to_all":
+                raise
+            print(f"rank {rank}: {backend} failed: {type(e).__name__}: {e}")
+            continue
+        for case, t, nbytes, wire in results:
+            gbs = nbytes / t / 1e9
+            rows.append({"case": f"{case} T{a.tokens} H{a.hidden} top{a.topk}/E{E} EP{n}", "impl": backend,
+                         "value": round(gbs, 1 if gbs >= 1 else 4), "unit": "GB/s", "time_us": round(t * 1e6, 1),
+                         "bytes_per_rank": nbytes, "wire_bytes_per_rank": wire,
+                         "baseline": f"{dist.get_backend()} all-reduce busbw {a.allreduce_mb} MB", "baseline_value": round(busbw, 1),
+                         "ratio": round(gbs / busbw, 3) if busbw == busbw else None})
+    # the received-token count differs per rank; the table shows rank 0's bytes with the max time
+    if rank == 0:
+        print(f"EP={n} on {dev.type}; all-reduce {a.allreduce_mb} MB: {t_ar * 1e6:.0f} us, busbw {busbw:.1f} GB/s; "
+              f"wire bytes/token FP8 {row_bytes(a.hidden, a.topk, 'fp8-pow2')} vs BF16 "
+              f"{row_bytes(a.hidden, a.topk, 'bf16')} ({ratio8:.3f}x)")
+        print_table(rows, ["case", "impl", "time_us", "value", "unit", "baseline_value", "ratio"])
+        peak = {"what": f"{dist.get_backend()} all-reduce bus bandwidth, {a.allreduce_mb} MB, {n} ranks", "value": round(busbw, 1),
+                "unit": "GB/s"}
+        path = save_results("bench_dispatch", rows, peak, path=a.out or results_path("dispatch", ep=n),
+                            ranks=n, tokens_per_rank=a.tokens, hidden=a.hidden, topk=a.topk, experts=E,
+                            wire_bytes_per_token={"fp8": row_bytes(a.hidden, a.topk, "fp8-pow2"),
+                                                  "bf16": row_bytes(a.hidden, a.topk, "bf16"),
+                                                  "fp8_cached_handle": row_bytes(a.hidden, None, "fp8-pow2")})
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
