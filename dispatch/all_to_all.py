@@ -220,8 +220,9 @@ class AllToAllDispatcher:
         meta = torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1)  # [R, 2] (rows, bytes/row)
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
-        send_splits = tuple(send_counts.tolist())
-        recv_meta = meta_in.tolist()  # the host sync
+        both = torch.cat([send_counts, meta_in.reshape(-1)]).tolist()  # the host sync
+        send_splits = tuple(both[:self.world])
+        recv_meta = [both[self.world + 2 * i:self.world + 2 * i + 2] for i in range(self.world)]
         for src, (_, b) in enumerate(recv_meta):
             if b != nb:
                 raise ValueError(f"dispatch: rank {src} of the EP group sends rows of {b} bytes, this rank "

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moefp8.dispatch import build_dispatcher, ep_group_ranks
+from moefp8.dispatch import build_dispatcher, build_ep_group, ep_group_ranks
 from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
 from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
 from moefp8.kernels.quant import quant_rowwise
@@ -382,8 +382,23 @@ def _bad_inputs(rank, world, dev):
         disp.combine(torch.zeros(1, H, dtype=torch.bfloat16), d.handle)
 
 
-def test_bad_inputs_gloo():
+def _groups(rank, world, dev):
+    assert build_ep_group(world, world, 8) is dist.group.WORLD
+    g = build_ep_group(world, 1, 8)  # EP=1 groups of one rank each: all_to_all with itself
+    disp = build_dispatcher("all_to_all", 8, g)
+    assert disp.world == 1 and disp.num_local_experts == 8
+    x = torch.randn(5, H).bfloat16()
+    idx = torch.tensor([[0, 7]] * 5)
+    d = disp.dispatch(x, idx, torch.ones(5, 2))
+    assert torch.equal(d.x, x) and torch.equal(d.topk_idx, idx)
+    assert torch.equal(disp.combine(d.x, d.handle), x)
+    with pytest.raises(ValueError, match="world size 3 given, but torch.distributed has 2"):
+        build_ep_group(3, 1, 8)
+
+
+def test_bad_inputs_and_groups_gloo():
     spawn(_bad_inputs, 2)
+    spawn(_groups, 2)
 
 
 def test_bench_dispatch_smoke(tmp_path):
