@@ -56,7 +56,8 @@ class WeightCache:
 
 def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
                     off_host: list | None = None):
-    """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I], the cache for backward).
+    """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I] the cache for backward, a8 "1x128"
+    [M, I] fc2's input: y = fp8_grouped_gemm(a8, w2_8) again gives y bit for bit).
     off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop)."""
     with record_function("fc1"):
         h = fp8_grouped_gemm(x8, w1_8, off, validate=False, host_offsets=off_host)
@@ -64,7 +65,7 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor
         h8 = quant_rowwise(h, scale_fmt)
         a8 = swiglu_quant(h, scale_fmt)
     with record_function("fc2"):
-        return fp8_grouped_gemm(a8, w2_8, off, validate=False, host_offsets=off_host), h8
+        return fp8_grouped_gemm(a8, w2_8, off, validate=False, host_offsets=off_host), h8, a8
 
 
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor, w1: Tensor, w2: Tensor,

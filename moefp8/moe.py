@@ -9,10 +9,12 @@ The routed path is one autograd Function with an explicit backward, in this orde
             row's scales multiplied by its routing weight (dy = w * dout stays FP8) -> expert MLP
             backward -> dx rows summed per token (unpermute) -> combine -> dx.
             The routing weights' gradient dw[t,k] = <dout[t], y[row]> is computed in fp32 from
-            the BF16 y saved in forward: exact (it is what BF16 autograd computes for the
-            combine). With EP > 1 the gradient arrives in FP8 and dw uses its dequantized value.
+            y recomputed bit for bit from fc2's saved FP8 input: exact (it is what BF16 autograd
+            computes for the combine). With EP > 1 the gradient arrives in FP8 and dw uses its
+            dequantized value.
 Saved for backward: the dispatched FP8 rows (row-wise, not a permuted copy: the backward
-permutes again), the FP8 SwiGLU input h, y, the routing weights and the layout.
+permutes again), the FP8 SwiGLU input h, fc2's FP8 input (for y), the routing weights and the
+layout. The BF16 recipe saves the BF16 rows, h and y.
 
 `recipe="bf16"` runs the same pipeline with BF16 rows and BF16 grouped GEMMs: the like-for-like
 baseline. Nothing here keeps hidden state besides the FP8 weight cache (re-quantized when the
@@ -27,6 +29,7 @@ from torch.profiler import record_function
 
 from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
+from moefp8.kernels.grouped_gemm import fp8_grouped_gemm
 from moefp8.fp8 import TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
                                     unpermute_combine)
@@ -53,23 +56,25 @@ class _RoutedExperts(torch.autograd.Function):
         with record_function("permute"):
             L = build_layout(d.topk_idx, disp.num_local_experts)
             xp = permute_fp8(d.x, L) if fp8 else permute_rows(d.x, L)
+        want_dw = ctx.needs_input_grad[1]  # only the routing weights' gradient reads y
         if fp8:
-            y, h = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
-                                   L.offsets_host)
-            xs, hs = (d.x.data, d.x.scale), (h.data, h.scale)
+            y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
+                                       L.offsets_host)
+            # Keep fc2's FP8 input, not y: backward recomputes y bit for bit (one more fc2 GEMM)
+            # for the exact dw, and a8 is 1 byte x I where y is 2 bytes x H.
+            xs, hs, ys = (d.x.data, d.x.scale), (h.data, h.scale), (a8.data, a8.scale) if want_dw else (None, None)
         else:
             y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
-            xs, hs = (d.x, None), (h, None)
+            xs, hs, ys = (d.x, None), (h, None), (y if want_dw else None, None)
         with record_function("combine"):
             z = unpermute_combine(y, L, d.topk_w)
-        y_saved = y if ctx.needs_input_grad[1] else None  # only the routing weights' gradient reads y
-        ctx.save_for_backward(*xs, *hs, y_saved, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
+        ctx.save_for_backward(*xs, *hs, *ys, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
         ctx.layer, ctx.handle, ctx.counts, ctx.M = layer, d.handle, L.counts, L.M
         return disp.combine(z, d.handle)
 
     @staticmethod
     def backward(ctx, dout):
-        x_data, x_scale, h_data, h_scale, y, w_TK, row_TK, src_M, offsets, w1, w2 = ctx.saved_tensors
+        x_data, x_scale, h_data, h_scale, y_data, y_scale, w_TK, row_TK, src_M, offsets, w1, w2 = ctx.saved_tensors
         layer = ctx.layer
         fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
         L = PermuteLayout(row_TK, src_M, offsets, ctx.counts, ctx.M)
@@ -77,8 +82,12 @@ class _RoutedExperts(torch.autograd.Function):
         if fp8:
             with record_function("bwd_combine"):
                 dz8 = disp.dispatch(quant_rowwise(dout, fmt), handle=ctx.handle).x  # FP8 on the wire
-                dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
-                dw = combine_backward(dz, y, L, w_TK, want_dy=False)[1] if y is not None else None
+                dw = None
+                if y_data is not None:
+                    y = fp8_grouped_gemm(Fp8Tensor(y_data, y_scale, "1x128"), layer.cache.get(w2, fmt), offsets,
+                                         validate=False, host_offsets=L.offsets_host)  # = forward's y
+                    dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
+                    dw = combine_backward(dz, y, L, w_TK, want_dy=False)[1]
             with record_function("bwd_permute"):
                 dy8 = permute_fp8(dz8, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
                 x8 = permute_fp8(Fp8Tensor(x_data, x_scale, "1x128"), L)
@@ -87,7 +96,7 @@ class _RoutedExperts(torch.autograd.Function):
         else:
             with record_function("bwd_combine"):
                 dz = disp.dispatch(dout.to(torch.bfloat16), handle=ctx.handle).x
-                dy, dw = combine_backward(dz, y, L, w_TK, want_dy=True)
+                dy, dw = combine_backward(dz, y_data, L, w_TK, want_dy=True)
             with record_function("bwd_permute"):
                 xp = permute_rows(x_data, L)
             dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, h_data, offsets, layer.cache.get(w1, "bf16"),

@@ -55,7 +55,7 @@ class Router(nn.Module):
         """x [T, H] (any float dtype; computed in fp32, fp64 if x is fp64). seq_len: tokens per
         sequence, for the sequence-wise auxiliary loss (default: all T tokens are one sequence)."""
         dt = torch.float64 if x_TH.dtype == torch.float64 else torch.float32
-        logits = F.linear(x_TH.to(dt), self.weight.to(dt))
+        logits = _Logits.apply(x_TH, self.weight, dt)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         idx = select_experts(scores.detach(), self.bias.to(dt), self.topk, self.n_groups, self.topk_groups)
         w = scores.gather(1, idx)
@@ -74,6 +74,23 @@ class Router(nn.Module):
         when experts are sharded, all ranks): bias += rate * sign(mean - load)."""
         load = load_E.to(self.bias.device, torch.float32)
         self.bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class _Logits(torch.autograd.Function):
+    """x · Wᵀ computed in fp32 (or fp64) that saves x as it came (bf16), not its fp32 copy."""
+
+    @staticmethod
+    def forward(ctx, x, w, dt):
+        ctx.save_for_backward(x, w)
+        ctx.dt = dt
+        return F.linear(x.to(dt), w.to(dt))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = (g @ w.to(ctx.dt)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = (g.t() @ x.to(ctx.dt)).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def select_experts(scores_TE: Tensor, bias_E: Tensor, topk: int, n_groups: int = 1, topk_groups: int = 1) -> Tensor:

@@ -57,6 +57,21 @@ def bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def saved_bytes(fn):
+    """(bytes of the distinct tensors autograd saves while fn runs, fn's result); parameters
+    are not counted (they are not activations)."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            seen[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

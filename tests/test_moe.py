@@ -9,7 +9,7 @@ from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.permute import build_layout, permute_fp8
 from moefp8.kernels.quant import quant_rowwise_ref, quant_weight_ref, swiglu_quant_ref
 from moefp8.moe import MoELayer, _RoutedExperts
-from moefp8.testing import rel_err, sqnr
+from moefp8.testing import rel_err, saved_bytes, sqnr
 
 H, I, E, K = 256, 128, 8, 2
 
@@ -85,8 +85,8 @@ def test_routing_weight_gradient_is_exact(recipe):
     # y, recomputed the way forward computed it, and dw = <dout, y> in float64
     L = build_layout(r.topk_idx_TK, E)
     if recipe == "fp8":
-        y, _ = fp8_mlp_forward(permute_fp8(quant_rowwise_ref(x), L), L.offsets, m.cache.get(m.w1, "pow2"),
-                               m.cache.get(m.w2, "pow2"), "pow2")
+        y, _, _ = fp8_mlp_forward(permute_fp8(quant_rowwise_ref(x), L), L.offsets, m.cache.get(m.w1, "pow2"),
+                                  m.cache.get(m.w2, "pow2"), "pow2")
     else:
         from moefp8.experts import bf16_mlp_forward
         from moefp8.kernels.permute import permute_rows
@@ -156,17 +156,24 @@ def test_bf16_recipe_accepts_any_size():
 
 @pytest.mark.gpu
 def test_gpu_fp8_vs_bf16_and_memory():
-    torch.manual_seed(0)
-    Hg, Ig, Eg, Kg, T = 2048, 512, 16, 4, 4096
-    res = {}
+    Hg, Ig, Eg, Kg, T = 2048, 512, 16, 8, 4096
+    res, saved, peak = {}, {}, {}
     for recipe in ("fp8", "bf16"):
         torch.manual_seed(0)
         m = MoELayer(Hg, Ig, Eg, Kg, n_shared=1, recipe=recipe).cuda()
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(T, Hg, device="cuda", generator=g).bfloat16().requires_grad_()
         dout = torch.randn(T, Hg, device="cuda", generator=g).bfloat16()
-        o = m(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        saved[recipe], o = saved_bytes(lambda: m(x))
         o.out.backward(dout)
+        torch.cuda.synchronize()
+        peak[recipe] = torch.cuda.max_memory_allocated() - base
         res[recipe] = [o.out, x.grad, m.w1.grad, m.w2.grad, m.router.weight.grad]
     for u, v in zip(res["fp8"], res["bf16"]):
         assert torch.isfinite(u).all() and sqnr(u.float(), v.float()) > 20
+    # FP8 keeps x, h and fc2's input in FP8 and recomputes y; BF16 keeps x, h and y in BF16
+    assert saved["fp8"] <= 0.6 * saved["bf16"], f"saved {saved['fp8'] / saved['bf16']:.2f}x of BF16"
+    assert peak["fp8"] < peak["bf16"]

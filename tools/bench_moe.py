@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefp8.moe import MoELayer  # noqa: E402
-from moefp8.testing import bench, print_table, results_path, save_results, sqnr  # noqa: E402
+from moefp8.testing import bench, print_table, results_path, save_results, saved_bytes, sqnr  # noqa: E402
 
 STAGES = ["router", "quant", "dispatch", "permute", "fc1", "swiglu", "fc2", "combine", "shared",
           "bwd_combine", "bwd_permute", "bwd_fc2", "bwd_swiglu", "bwd_fc1", "bwd_unpermute"]
@@ -38,20 +37,6 @@ def matmul_peaks() -> dict:
     one = torch.ones((), device="cuda")
     fp8 = 2 * n**3 / bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)) / 1e9
     return {"bf16_dense_tflops": round(bf16, 1), "fp8_dense_tflops": round(fp8, 1)}
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd saves while fn runs (parameters excluded)."""
-    seen = {}
-
-    def pack(t):
-        if not isinstance(t, nn.Parameter) and t.device.type == "cuda":
-            seen[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
 
 
 def stage_times(step, iters: int = 3) -> dict:
