@@ -92,7 +92,7 @@ def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor, transpose_w: bool = True)
     """x [M, K] bf16, w [E, N, K] -> [M, N] (x · w[e]ᵀ per segment); transpose_w=False: w [E, K, N]
     used as is. offsets[E] == M (the permute layout's)."""
     wt = w.transpose(1, 2) if transpose_w else w
-    if x.is_cuda:
+    if x.is_cuda and x.shape[0]:  # M == 0 (an EP rank that received no token): the loop below
         return torch._grouped_mm(x, wt.to(x.dtype), offs=off[1:].int())
     out = torch.zeros(x.shape[0], wt.shape[2], dtype=x.dtype, device=x.device)
     h = off.tolist()
@@ -104,7 +104,10 @@ def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor, transpose_w: bool = True)
 
 def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor) -> Tensor:
     """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32 (BF16-rounded on CUDA)."""
-    if dy.is_cuda:  # torch 2.11's _grouped_mm has no fp32 output for BF16 inputs: BF16, then upcast
+    # torch 2.11's _grouped_mm has no fp32 output for BF16 inputs: BF16, then upcast. M == 0 (an EP
+    # rank that received no token) takes the loop: _grouped_mm rejects a zero-length contraction
+    # ("strides should be multiple of 16 bytes", pytorch PR #192497)
+    if dy.is_cuda and dy.shape[0]:
         return torch._grouped_mm(dy.t(), x, offs=off[1:].int()).float()
     h = off.tolist()
     E = len(h) - 1
