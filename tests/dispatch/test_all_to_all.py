@@ -216,10 +216,14 @@ def test_dispatch_combine_gloo(world):
 TOL = {"fp8": {"out": 6e-3, "dx": 1.5e-2, "drouter": 5e-2, "dx_vs_fp8dout": 6e-3, "drouter_vs_fp8dout": 1e-5,
                "dshared0": 1e-2, "dshared1": 1e-2},
        "bf16": {"out": 6e-3, "dx": 6e-3, "drouter": 1e-5, "dshared0": 1e-5, "dshared1": 1e-5}}
-# GPU: the same kernels see the same segments, so dW should be bit-exact there too; not yet
-# measured (cuBLAS / _grouped_mm may pick other algorithms for another total M): 1e-3 allowed,
-# against the ~5% an FP8 gradient differs from BF16.
-GPU_TOL_W = 1e-3
+# GPU (NCCL): not measured yet; run with -s, the measured values are printed, then freeze them.
+# The Triton GEMMs pick tile configs by M (EP ranks see fewer rows than the EP=1 run), which may
+# round fc1/fc2 outputs differently and flip a rare FP8 rounding of h or a: FP8-level
+# differences, so the bounds below are looser than on CPU (max of both) but still well under an
+# FP8-vs-BF16 difference (~5e-2) and far under a lost or doubled rank (O(1)).
+GPU_TOL = {"out": 1.5e-2, "dx": 1.5e-2, "dx_vs_fp8dout": 1.5e-2, "drouter": 5e-2, "drouter_vs_fp8dout": 1e-2,
+           "dshared0": 1e-2, "dshared1": 1e-2}
+GPU_TOL_W = 1e-2  # dW1, dW2 on GPU (bit-exact on CPU)
 
 
 def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0):
@@ -279,6 +283,7 @@ def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0):
         errs[f"dshared{i}"] = rel_err(g, g_shared[i])
     report.append((recipe, T_r, E, K, skew, errs))
     for name, tol in TOL[recipe].items():
+        tol = tol if dev == "cpu" else max(tol, GPU_TOL[name])
         assert errs.get(name, 0.0) <= tol, f"{recipe} {name}: rel. error {errs[name]:.2e} > {tol:.0e} ({T_r}, skew={skew})"
     if skew:
         empty = [e for e in range(E_l) if rank * E_l + e not in (0, 1)]
