@@ -42,10 +42,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefp8.dispatch import Dispatched
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, pack_ue8m0, unpack_ue8m0
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, pack_ue8m0, ue8m0_invalid, unpack_ue8m0
 from moefp8.kernels.permute import PermuteLayout, unpermute_combine
 
 ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
+
+
+_BAD_EXPERT, _BAD_SCALE = 1, 2  # error codes carried by the count exchange
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,8 @@ class AllToAllDispatcher:
         return "bf16"
 
     def _check_topk(self, T: int, topk_idx, topk_w) -> None:
+        """Shapes and dtypes, on the host; the id range is checked on the device and reported with
+        the count exchange (`_BAD_*` codes), so that every rank raises together."""
         if topk_idx is None or topk_w is None:
             raise ValueError("dispatch: topk_idx and topk_w are required without a handle")
         if topk_idx.dim() != 2 or topk_idx.shape[0] != T or topk_idx.dtype not in (torch.int32, torch.int64):
@@ -128,12 +133,27 @@ class AllToAllDispatcher:
         if topk_w.shape != topk_idx.shape or not topk_w.is_floating_point():
             raise ValueError(f"dispatch: topk_w must be float {tuple(topk_idx.shape)} like topk_idx, got "
                              f"{topk_w.dtype} {tuple(topk_w.shape)}")
-        if T:
-            lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
-            if lo < -1 or hi >= self.num_experts:
-                bad = lo if lo < -1 else hi
-                raise ValueError(f"dispatch: topk_idx holds expert {bad}, expected -1 (no expert) or an id in "
-                                 f"[0, {self.num_experts})")
+
+    def _bad_input(self, x, payload: str, topk_idx: Tensor) -> Tensor:
+        """int64 [2] on the device: (code, offending value); code 0 when the input is fine."""
+        idx = topk_idx.long()
+        bad_idx = (idx < -1) | (idx >= self.num_experts)
+        any_idx = bad_idx.any()
+        val = torch.where(bad_idx, idx, torch.iinfo(torch.int64).min).amax() if idx.numel() else idx.new_zeros(())
+        code = torch.where(any_idx, _BAD_EXPERT, 0)
+        if payload == "fp8-pow2" and x.scale.numel():
+            code = torch.where((code == 0) & ue8m0_invalid(x.scale), _BAD_SCALE, code)
+        return torch.stack([code.to(torch.int64), torch.where(any_idx, val, 0)])
+
+    def _raise_bad(self, bad: list, payload: str) -> None:
+        for src, (code, val) in enumerate(bad):
+            if code == _BAD_EXPERT:
+                raise ValueError(f"dispatch: rank {src} of the EP group passed topk_idx holding expert {val}, "
+                                 f"expected -1 (no expert) or an id in [0, {self.num_experts})")
+            if code == _BAD_SCALE:
+                raise ValueError(f"dispatch: rank {src} of the EP group passed FP8 scales that are not powers of "
+                                 f"two, but this dispatcher sends UE8M0 scales (scale_fmt='pow2'); build it with "
+                                 f"scale_fmt='fp32' for the fp32-scale recipe")
 
     def _pack(self, x, payload: str, topk_idx=None, topk_w=None) -> Tensor:
         """-> uint8 [T, row_bytes], the fields in wire order (module docstring)."""
@@ -145,11 +165,7 @@ class AllToAllDispatcher:
         else:
             parts.append(_as_bytes(x.data))
             if payload == "fp8-pow2":
-                try:
-                    parts.append(pack_ue8m0(x.scale))
-                except ValueError as e:
-                    raise ValueError(f"dispatch: this dispatcher sends UE8M0 scales (scale_fmt='pow2'), but {e}; "
-                                     f"build it with scale_fmt='fp32' for the fp32-scale recipe") from None
+                parts.append(pack_ue8m0(x.scale, check=False))  # validated with the count exchange
             else:
                 parts.append(_as_bytes(x.scale.float()))
         T = parts[0].shape[0]
@@ -178,17 +194,25 @@ class AllToAllDispatcher:
             scale = buf[:, off:off + 4 * G].view(torch.float32)
         return Fp8Tensor(data, scale, "1x128"), w, idx
 
-    def _routes(self, topk_idx: Tensor):
-        """global topk_idx [T, K] -> (send_tok [S], pos_TR [T, R], send_counts [R] on the device)."""
+    def _route_mask(self, topk_idx: Tensor) -> Tensor:
+        """global topk_idx [T, K] -> bool [T, R]: token t goes to rank r (once, however many of its
+        experts live there: the dedupe)."""
         T, R = topk_idx.shape[0], self.world
-        dest = torch.where(topk_idx >= 0, topk_idx.long() // self.num_local_experts, R)  # R: no expert
+        idx = topk_idx.long()
+        ok = (idx >= 0) & (idx < self.num_experts)
+        dest = torch.where(ok, idx // self.num_local_experts, R)  # R: no expert (or a bad id)
         mask = torch.zeros(T, R + 1, dtype=torch.bool, device=topk_idx.device)
-        mask.scatter_(1, dest, True)  # dedupe: a token goes to a rank once, however many of its experts live there
-        mask = mask[:, :R]
-        r_idx, t_idx = mask.t().nonzero(as_tuple=True)  # sorted by rank, then token
-        pos = torch.full((T, R), -1, dtype=torch.int32, device=topk_idx.device)
-        pos[t_idx, r_idx] = torch.arange(t_idx.numel(), dtype=torch.int32, device=topk_idx.device)
-        return t_idx, pos, mask.sum(0)
+        mask.scatter_(1, dest, True)
+        return mask[:, :R]
+
+    def _routes(self, mask: Tensor, n_send: int):
+        """mask [T, R], its number of set entries (known on the host) -> (send_tok [S], pos_TR [T, R]),
+        rows sorted by rank then token; nonzero_static needs no host sync."""
+        T, R = mask.shape
+        r_idx, t_idx = torch.nonzero_static(mask.t(), size=n_send).unbind(1)
+        pos = torch.full((T, R), -1, dtype=torch.int32, device=mask.device)
+        pos[t_idx, r_idx] = torch.arange(n_send, dtype=torch.int32, device=mask.device)
+        return t_idx, pos
 
     def _exchange(self, send: Tensor, send_splits, recv_splits) -> Tensor:
         recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=send.device)
@@ -214,21 +238,28 @@ class AllToAllDispatcher:
 
         self._check_topk(T, topk_idx, topk_w)
         K = topk_idx.shape[1]
-        send_tok, pos_TR, send_counts = self._routes(topk_idx)
+        mask = self._route_mask(topk_idx)
+        send_counts = mask.sum(0)
         nb = row_bytes(H, K, payload)
-        packed = self._pack(x, payload, topk_idx, topk_w)  # before any collective: a bad input raises on its own
-        meta = torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1)  # [R, 2] (rows, bytes/row)
+        packed = self._pack(x, payload, topk_idx, topk_w)
+        # One exchange, one host sync: (rows, bytes per row, error code, offending value) per rank,
+        # so a bad input on any rank makes every rank raise the same error (no rank left waiting).
+        bad = self._bad_input(x, payload, topk_idx)
+        meta = torch.cat([torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1),
+                          bad.expand(self.world, 2)], dim=1)  # [R, 4]
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
         both = torch.cat([send_counts, meta_in.reshape(-1)]).tolist()  # the host sync
         send_splits = tuple(both[:self.world])
-        recv_meta = [both[self.world + 2 * i:self.world + 2 * i + 2] for i in range(self.world)]
-        for src, (_, b) in enumerate(recv_meta):
+        recv_meta = [both[self.world + 4 * i:self.world + 4 * i + 4] for i in range(self.world)]
+        self._raise_bad([m[2:] for m in recv_meta], payload)
+        send_tok, pos_TR = self._routes(mask, sum(send_splits))
+        for src, (_, b, _, _) in enumerate(recv_meta):
             if b != nb:
                 raise ValueError(f"dispatch: rank {src} of the EP group sends rows of {b} bytes, this rank "
                                  f"({self.rank}) packs {nb} ({payload}, H={H}, K={K}): every rank must dispatch "
                                  f"the same payload kind, scale format, hidden size and top-k")
-        recv_splits = tuple(n for n, _ in recv_meta)
+        recv_splits = tuple(m[0] for m in recv_meta)
         send = packed.index_select(0, send_tok)
         xr, w, gidx = self._unpack(self._exchange(send, send_splits, recv_splits), H, K, payload)
         lo = self.rank * self.num_local_experts

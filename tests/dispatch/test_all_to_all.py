@@ -374,7 +374,7 @@ def _bad_inputs(rank, world, dev):
     disp = AllToAllDispatcher(4, None)
     x = torch.zeros(3, H, dtype=torch.bfloat16)
     w = torch.ones(3, 2)
-    with pytest.raises(ValueError, match="topk_idx holds expert 4"):
+    with pytest.raises(ValueError, match="rank 0 of the EP group passed topk_idx holding expert 4"):
         disp.dispatch(x, torch.tensor([[0, 4]] * 3), w)
     with pytest.raises(ValueError, match="expected an Fp8Tensor or a bfloat16 tensor"):
         disp.dispatch(x.float(), torch.zeros(3, 2, dtype=torch.long), w)
