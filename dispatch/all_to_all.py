@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefp8.dispatch import Dispatched
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, pack_ue8m0, ue8m0_invalid, unpack_ue8m0
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, ue8m0_invalid, unpack_ue8m0
+from moefp8.kernels.pack import pack_rows
 from moefp8.kernels.permute import PermuteLayout, unpermute_combine
 
 ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
@@ -155,26 +156,11 @@ class AllToAllDispatcher:
                                  f"two, but this dispatcher sends UE8M0 scales (scale_fmt='pow2'); build it with "
                                  f"scale_fmt='fp32' for the fp32-scale recipe")
 
-    def _pack(self, x, payload: str, topk_idx=None, topk_w=None) -> Tensor:
-        """-> uint8 [T, row_bytes], the fields in wire order (module docstring)."""
-        parts = []
-        if topk_idx is not None:
-            parts += [_as_bytes(topk_w.float()), _as_bytes(topk_idx.int())]
-        if payload == "bf16":
-            parts.append(_as_bytes(x))
-        else:
-            parts.append(_as_bytes(x.data))
-            if payload == "fp8-pow2":
-                parts.append(pack_ue8m0(x.scale, check=False))  # validated with the count exchange
-            else:
-                parts.append(_as_bytes(x.scale.float()))
-        T = parts[0].shape[0]
-        used = sum(p.shape[1] for p in parts)
-        H = x.shape[1]
-        pad = row_bytes(H, topk_idx.shape[1] if topk_idx is not None else None, payload) - used
-        if pad:
-            parts.append(torch.zeros(T, pad, dtype=torch.uint8, device=parts[0].device))
-        return torch.cat(parts, dim=1)
+    def _send_rows(self, x, payload: str, send_tok: Tensor, topk_idx=None, topk_w=None) -> Tensor:
+        """-> uint8 [S, row_bytes]: the tokens in send order, packed (one fused pass on CUDA)."""
+        scales = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}[payload]
+        K = topk_idx.shape[1] if topk_idx is not None else None
+        return pack_rows(x, send_tok, row_bytes(x.shape[1], K, payload), scales, topk_idx, topk_w)
 
     def _unpack(self, buf: Tensor, H: int, K: int | None, payload: str):
         """uint8 [N, row_bytes] -> (x, topk_w, global topk_idx) as views of buf (scales: UE8M0 unpacked)."""
@@ -232,7 +218,7 @@ class AllToAllDispatcher:
         if handle is not None:
             if T != handle.num_tokens:
                 raise ValueError(f"dispatch: x has {T} rows but the handle was made for {handle.num_tokens} tokens")
-            send = self._pack(x, payload).index_select(0, handle.send_tok)
+            send = self._send_rows(x, payload, handle.send_tok)
             xr, _, _ = self._unpack(self._exchange(send, handle.send_splits, handle.recv_splits), H, None, payload)
             return Dispatched(xr, handle.topk_idx, handle.topk_w, handle)
 
@@ -241,7 +227,6 @@ class AllToAllDispatcher:
         mask = self._route_mask(topk_idx)
         send_counts = mask.sum(0)
         nb = row_bytes(H, K, payload)
-        packed = self._pack(x, payload, topk_idx, topk_w)
         # One exchange, one host sync: (rows, bytes per row, error code, offending value) per rank,
         # so a bad input on any rank makes every rank raise the same error (no rank left waiting).
         bad = self._bad_input(x, payload, topk_idx)
@@ -260,7 +245,7 @@ class AllToAllDispatcher:
                                  f"({self.rank}) packs {nb} ({payload}, H={H}, K={K}): every rank must dispatch "
                                  f"the same payload kind, scale format, hidden size and top-k")
         recv_splits = tuple(m[0] for m in recv_meta)
-        send = packed.index_select(0, send_tok)
+        send = self._send_rows(x, payload, send_tok, topk_idx, topk_w)
         xr, w, gidx = self._unpack(self._exchange(send, send_splits, recv_splits), H, K, payload)
         lo = self.rank * self.num_local_experts
         g = gidx.long()
