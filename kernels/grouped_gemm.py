@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+from moefp8.kernels import use_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -346,13 +347,6 @@ def _ensure_allocator():
 # Public wrappers: validate, allocate, launch.
 
 
-def _use_triton(x: Tensor, impl: str | None) -> bool:
-    if impl is None:
-        return x.is_cuda
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref' ('cublas' for the wgrad on CUDA)")
-    return impl == "triton"
-
 
 def check_fp8(name: str, q, layout: str, dims: int) -> None:
     """Raises ValueError unless q is an Fp8Tensor of `layout` with `dims`-D data whose contraction
@@ -492,7 +486,7 @@ def transpose_weight(w: Fp8Tensor, impl: str | None = None) -> Fp8Tensor:
     if N % TILE:
         raise ValueError(f"transpose_weight: N={N} is not divisible by {TILE}")
     scale_t = w.scale.transpose(-1, -2).contiguous()
-    if not _use_triton(w.data, impl):
+    if not use_triton(w.data, impl):
         return Fp8Tensor(w.data.transpose(-1, -2).contiguous(), scale_t, "128x128")
     x = w.data.contiguous().view(torch.uint8)
     x3 = x.unsqueeze(0) if x.dim() == 2 else x
@@ -542,7 +536,7 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
             b = transpose_weight(b)
         h = host_offsets if host_offsets is not None else off.tolist()
         return _mgrouped_cublas_loop(a, b, h, torch.empty(M, Nout, dtype=torch.bfloat16, device=a.data.device))
-    if not _use_triton(a.data, impl):
+    if not use_triton(a.data, impl):
         return fp8_grouped_gemm_ref(a, b, off, transpose_b=transpose_b)
     if transpose_b:
         b = transpose_weight(b, impl)
@@ -579,7 +573,7 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
         return _wgrad_cublas_loop(dy, x, host_offsets if host_offsets is not None else off.tolist(), out)
     if impl is None and dy.data.is_cuda and host_offsets is not None and WGRAD_IMPL_HOST == "cublas":
         return _wgrad_cublas_loop(dy, x, host_offsets, out)
-    if not _use_triton(dy.data, impl):
+    if not use_triton(dy.data, impl):
         return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)
     accumulate = out is not None
     if out is None:

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import Fp8Tensor, pack_ue8m0
-from moefp8.kernels.quant import _use_triton
+from moefp8.kernels import use_triton
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def pack_rows(x, send_tok: Tensor, row_bytes: int, scales: str, topk_idx: Tensor
     """x: "1x128" Fp8Tensor [T, H] or bf16 [T, H]; send_tok int64 [S]; scales "ue8m0"|"fp32"|"none"
     -> uint8 [S, row_bytes] (row_bytes a multiple of 16, as `row_bytes()` of the dispatcher)."""
     data = x.data if isinstance(x, Fp8Tensor) else x
-    if not _use_triton(data, impl):
+    if not use_triton(data, impl):
         return pack_rows_ref(x, send_tok, row_bytes, scales, topk_idx, topk_w)
     S = send_tok.numel()
     out = torch.empty(S, row_bytes, dtype=torch.uint8, device=data.device)

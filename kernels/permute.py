@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+from moefp8.kernels import use_triton
 
 ALIGN = 128  # expert segments start at multiples of the grouped GEMMs' row block
 
@@ -159,13 +160,6 @@ def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride
 # Wrappers
 
 
-def _use_triton(x: Tensor, impl: str | None) -> bool:
-    if impl is None:
-        return x.is_cuda
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
-    return impl == "triton"
-
 
 def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None,
                 impl: str | None = None) -> Fp8Tensor:
@@ -178,7 +172,7 @@ def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None
     T, H = x8.data.shape
     if layout.row_TK.shape[0] != T:
         raise ValueError(f"permute_fp8: x8 has {T} tokens but the layout was built for {layout.row_TK.shape[0]}")
-    if not _use_triton(x8.data, impl):
+    if not use_triton(x8.data, impl):
         return permute_fp8_ref(x8, layout, scale_by_TK)
     G = H // TILE
     out = torch.empty(layout.M, H, dtype=FP8_DTYPE, device=x8.data.device)
@@ -198,7 +192,7 @@ def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -
     T, H = x_TH.shape
     if layout.row_TK.shape[0] != T:
         raise ValueError(f"permute_rows: x has {T} tokens but the layout was built for {layout.row_TK.shape[0]}")
-    if not _use_triton(x_TH, impl):
+    if not use_triton(x_TH, impl):
         return permute_rows_ref(x_TH, layout)
     out = torch.empty(layout.M, H, dtype=x_TH.dtype, device=x_TH.device)
     if layout.M:
@@ -214,7 +208,7 @@ def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: s
     in slot order. Padding rows are never read."""
     T, K = layout.row_TK.shape
     H = y_MH.shape[1]
-    if not _use_triton(y_MH, impl):
+    if not use_triton(y_MH, impl):
         return unpermute_combine_ref(y_MH, layout, w_TK)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=y_MH.device)
     if T:
@@ -232,7 +226,7 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
     row, 0 on padding)."""
     T, K = layout.row_TK.shape
     H = dz_TH.shape[1]
-    if not _use_triton(dz_TH, impl):
+    if not use_triton(dz_TH, impl):
         return combine_backward_ref(dz_TH, y_MH, layout, w_TK, want_dy)
     want_dw = y_MH is not None
     dw = torch.empty(T, K, dtype=torch.float32, device=dz_TH.device) if want_dw else None

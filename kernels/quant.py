@@ -19,6 +19,7 @@ from triton.language.extra import libdevice
 from torch import Tensor
 
 from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, FP8_MAX, TILE, Fp8Tensor, check_scale_fmt
+from moefp8.kernels import use_triton
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Triton kernels read module globals only as constexprs.
@@ -233,13 +234,6 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
 }
 
 
-def _use_triton(x: Tensor, impl: str | None) -> bool:
-    if impl is None:
-        return x.is_cuda
-    if impl not in ("triton", "ref"):
-        raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
-    return impl == "triton"
-
 
 def _check_input(name: str, x: Tensor, k_multiple_of_128: bool = True) -> None:
     if x.dtype not in _IN_DTYPES:
@@ -264,7 +258,7 @@ def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
     """x [..., K] bf16|fp16|fp32, K % 128 == 0 -> "1x128": q [..., K] e4m3, s [..., K/128] fp32."""
     _check_input("quant_rowwise", x)
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(x, impl):
+    if not use_triton(x, impl):
         return quant_rowwise_ref(x, scale_fmt)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -287,7 +281,7 @@ def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
     if x.dim() != 2:
         raise ValueError(f"quant_colwise: expected x [M, K], got shape {tuple(x.shape)}")
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(x, impl):
+    if not use_triton(x, impl):
         return quant_colwise_ref(x, scale_fmt)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -308,7 +302,7 @@ def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None) ->
     if w.dim() not in (2, 3):
         raise ValueError(f"quant_weight: expected w [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(w, impl):
+    if not use_triton(w, impl):
         return quant_weight_ref(w, scale_fmt)
     w3 = w.unsqueeze(0) if w.dim() == 2 else w
     if w3.stride(-1) != 1 or w3.stride(0) != w3.shape[1] * w3.stride(1):
@@ -331,7 +325,7 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     was subnormal in one of the two quantizations (tested)."""
     _check_fp8("requant_colwise", q, "1x128")
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(q.data, impl):
+    if not use_triton(q.data, impl):
         return requant_colwise_ref(q, scale_fmt)
     data, sc = q.data, q.scale
     M, K = data.shape
@@ -351,7 +345,7 @@ def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None) ->
     if h.dim() != 2 or h.shape[1] % (2 * TILE):
         raise ValueError(f"swiglu_quant: expected h [M, 2I] with I % {TILE} == 0, got shape {tuple(h.shape)}")
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(h, impl):
+    if not use_triton(h, impl):
         return swiglu_quant_ref(h, scale_fmt)
     if h.stride(-1) != 1:
         h = h.contiguous()
@@ -372,7 +366,7 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
     if h8.data.shape[1] % (2 * TILE):
         raise ValueError(f"dequant_swiglu_quant_colwise: 2I={h8.data.shape[1]} is not divisible by {2 * TILE}")
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(h8.data, impl):
+    if not use_triton(h8.data, impl):
         return dequant_swiglu_quant_colwise_ref(h8, scale_fmt)
     data, sc = h8.data, h8.scale
     M, I = data.shape[0], data.shape[1] // 2

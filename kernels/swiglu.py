@@ -20,8 +20,9 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
-from moefp8.kernels.quant import (_INTERPRET, _quant_cols_store, _quant_rows_store, _swiglu, _use_triton,
-                                  quant_colwise_ref, quant_rowwise_ref, swiglu_ref)
+from moefp8.kernels import use_triton
+from moefp8.kernels.quant import (_INTERPRET, _quant_cols_store, _quant_rows_store, _swiglu, quant_colwise_ref,
+                                  quant_rowwise_ref, swiglu_ref)
 from triton.language.extra import libdevice
 
 
@@ -111,7 +112,7 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2",
     if da.shape != (M, I2 // 2):
         raise ValueError(f"swiglu_backward_quant: da has shape {tuple(da.shape)}, expected ({M}, {I2 // 2})")
     pow2 = check_scale_fmt(scale_fmt)
-    if not _use_triton(h8.data, impl):
+    if not use_triton(h8.data, impl):
         return swiglu_backward_quant_ref(h8, da, scale_fmt)
     dev = h8.data.device
     q = torch.empty(M, I2, dtype=FP8_DTYPE, device=dev)
@@ -130,7 +131,7 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2",
 
 def swiglu_bf16(h: Tensor, impl: str | None = None) -> Tensor:
     """h [M, 2I] (any even width) -> a = silu(gate) * up [M, I] bf16 (computed in fp32)."""
-    if not _use_triton(h, impl):
+    if not use_triton(h, impl):
         return swiglu_ref(h).to(torch.bfloat16)
     M, I = h.shape[0], h.shape[1] // 2
     out = torch.empty(M, I, dtype=torch.bfloat16, device=h.device)
@@ -143,7 +144,7 @@ def swiglu_bf16(h: Tensor, impl: str | None = None) -> Tensor:
 
 def swiglu_backward_bf16(h: Tensor, da: Tensor, impl: str | None = None) -> Tensor:
     """h [M, 2I] (any even width), da [M, I] -> dh [M, 2I] bf16 (computed in fp32)."""
-    if not _use_triton(h, impl):
+    if not use_triton(h, impl):
         return swiglu_backward_ref(h.float(), da).to(torch.bfloat16)
     M, I = h.shape[0], h.shape[1] // 2
     out = torch.empty(M, 2 * I, dtype=torch.bfloat16, device=h.device)
