@@ -1,0 +1,200 @@
+"""Training configuration: one small dataclass per concern (STYLE 10).
+
+These dataclasses are the schema of the Hydra configs in `configs/` (`train.py` registers
+`Config` as the structured schema, composes the YAML presets onto it and converts the result once
+with `OmegaConf.to_object`); nothing here imports Hydra, and everything below `train.py` receives
+plain dataclasses. `validate(cfg)` checks the values that the type system cannot and raises
+ValueError naming the offending key and value.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+from moefp8.fp8 import TILE
+
+RECIPES = ("fp8", "bf16")
+SCALE_FMTS = ("pow2", "fp32")
+BACKENDS = ("local", "all_to_all", "deepep")
+DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("offline", "online", "disabled")
+NAN_POLICIES = ("stop", "skip")
+MOMENT_DTYPES = ("bf16", "fp32")
+SCORE_FUNCS = ("sigmoid", "softmax")
+BYTE_VOCAB = 257  # 256 byte values + EOS (moefp8.data)
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only MoE transformer (moefp8.model). Attention: n_heads x head_dim (RoPE);
+    the first n_dense_layers MLPs are dense SwiGLU (dense_inter), the rest MoE layers."""
+    name: str = "tiny"
+    vocab_size: int = BYTE_VOCAB
+    hidden: int = 128
+    n_layers: int = 3
+    n_dense_layers: int = 1
+    n_heads: int = 2
+    head_dim: int = 64
+    dense_inter: int = 256  # SwiGLU intermediate size of the dense MLPs
+    moe_inter: int = 128  # intermediate size I of each routed (and shared) expert
+    n_experts: int = 8
+    topk: int = 2
+    n_shared: int = 1
+    score_func: str = "sigmoid"
+    n_groups: int = 1  # group-limited routing: keep the best topk_groups of n_groups groups
+    topk_groups: int = 1
+    route_scale: float = 1.0
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing step per optimizer step
+    seq_aux_alpha: float = 1e-4  # sequence-wise balance loss weight (0: off)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+
+@dataclass
+class RecipeConfig:
+    recipe: str = "fp8"  # fp8: the DeepSeek-V3 recipe for every linear but embedding/head/router; bf16: baseline
+    scale_fmt: str = "pow2"  # FP8 scales: powers of two (pow2) or exact amax/448 (fp32)
+
+
+@dataclass
+class DispatchConfig:
+    backend: str = "local"
+    ep_size: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+    warmup_steps: int = 10
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # on matrices only: not norms, biases or embeddings
+    grad_clip: float = 1.0  # global grad norm; 0: off
+    moment_dtype: str = "bf16"  # Adam moments: bf16 (DeepSeek-V3) or fp32
+
+
+@dataclass
+class DataConfig:
+    """Byte-level token shards (moefp8.data). If `path` holds no index.json yet, it is prepared
+    from `prepare_from`: "stdlib" (the Python standard library's *.py sources: real text found
+    offline on any machine), a folder of text files, or "" (then a missing path is an error)."""
+    path: str = "outputs/data/stdlib"
+    prepare_from: str = "stdlib"
+    glob: str = "*.py"
+    max_bytes: int = 32_000_000  # cap on the text read when preparing
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    micro_batch: int = 8  # sequences per micro-batch per data-parallel rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 256
+    log_every: int = 10
+    ckpt_every: int = 100  # 0: only at the end
+    out_dir: str = "outputs/runs/default"  # the run dir: checkpoints, metrics, wandb files
+    resume: str = "auto"  # auto: the latest complete checkpoint in out_dir if any; none; or a step dir
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available, else cpu
+    nan_policy: str = "stop"  # non-finite loss or grad norm: stop (keep the last good checkpoint) | skip the step
+    peak_tflops: float = 0.0  # for MFU; 0: look up the GPU (H100/H200 dense BF16 or FP8), none on CPU
+    progress: bool = True  # a progress bar when the console is a terminal
+
+
+@dataclass
+class LoggerConfig:
+    mode: str = "offline"  # wandb: offline (run files in the run dir), online (needs a key), disabled
+    project: str = "moefp8"
+    name: str = ""  # wandb run name; "": the run dir's name
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r}: expected one of {', '.join(map(repr, allowed))}")
+
+
+def _positive(key: str, value) -> None:
+    if value <= 0:
+        raise ValueError(f"{key}={value!r}: must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Raises ValueError naming the first offending `key=value` (and why)."""
+    m, r, d, o, data, t, lg = cfg.model, cfg.recipe, cfg.dispatch, cfg.optim, cfg.data, cfg.train, cfg.logger
+    _one_of("recipe.recipe", r.recipe, RECIPES)
+    _one_of("recipe.scale_fmt", r.scale_fmt, SCALE_FMTS)
+    _one_of("dispatch.backend", d.backend, BACKENDS)
+    _one_of("train.device", t.device, DEVICES)
+    _one_of("train.nan_policy", t.nan_policy, NAN_POLICIES)
+    _one_of("logger.mode", lg.mode, WANDB_MODES)
+    _one_of("optim.moment_dtype", o.moment_dtype, MOMENT_DTYPES)
+    _one_of("model.score_func", m.score_func, SCORE_FUNCS)
+    for key in ("hidden", "n_layers", "n_heads", "head_dim", "moe_inter", "n_experts", "topk", "vocab_size"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("optim.lr", o.lr)
+    _positive("dispatch.ep_size", d.ep_size)
+    if m.vocab_size < BYTE_VOCAB:
+        raise ValueError(f"model.vocab_size={m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB}")
+    if m.head_dim % 2:
+        raise ValueError(f"model.head_dim={m.head_dim}: RoPE needs an even head dimension")
+    if not 0 <= m.n_dense_layers <= m.n_layers:
+        raise ValueError(f"model.n_dense_layers={m.n_dense_layers}: must be between 0 and model.n_layers={m.n_layers}")
+    if m.n_dense_layers and m.dense_inter <= 0:
+        raise ValueError(f"model.dense_inter={m.dense_inter}: must be > 0 with dense layers")
+    if m.n_shared < 0:
+        raise ValueError(f"model.n_shared={m.n_shared}: must be >= 0")
+    if m.topk > m.n_experts:
+        raise ValueError(f"model.topk={m.topk}: more than model.n_experts={m.n_experts}")
+    if m.n_groups < 1 or m.n_experts % m.n_groups:
+        raise ValueError(f"model.n_groups={m.n_groups}: must divide model.n_experts={m.n_experts}")
+    if not 1 <= m.topk_groups <= m.n_groups:
+        raise ValueError(f"model.topk_groups={m.topk_groups}: must be between 1 and model.n_groups={m.n_groups}")
+    if m.topk > m.topk_groups * (m.n_experts // m.n_groups):
+        raise ValueError(f"model.topk={m.topk}: cannot pick that many experts from model.topk_groups="
+                         f"{m.topk_groups} groups of {m.n_experts // m.n_groups}")
+    if r.recipe == "fp8":  # 1x128 activation tiles and 128x128 weight blocks on every FP8 linear's K and N
+        sizes = {"model.hidden": m.hidden, "model.moe_inter": m.moe_inter,
+                 "model.n_heads*model.head_dim": m.n_heads * m.head_dim}
+        if m.n_dense_layers:
+            sizes["model.dense_inter"] = m.dense_inter
+        for key, v in sizes.items():
+            if v % TILE:
+                raise ValueError(f"{key}={v}: not a multiple of {TILE}, which recipe=fp8 needs (1x{TILE} and "
+                                 f"{TILE}x{TILE} tiles); pick another size or recipe=bf16")
+    if m.n_experts % d.ep_size:
+        raise ValueError(f"dispatch.ep_size={d.ep_size}: does not divide model.n_experts={m.n_experts}")
+    if d.backend == "local" and d.ep_size != 1:
+        raise ValueError(f"dispatch.ep_size={d.ep_size}: dispatch=local is EP=1; use dispatch=all_to_all")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    if not 0 <= o.warmup_steps <= t.steps:
+        raise ValueError(f"optim.warmup_steps={o.warmup_steps}: must be in [0, train.steps={t.steps}]")
+    if o.grad_clip < 0 or o.weight_decay < 0:
+        raise ValueError(f"optim.grad_clip={o.grad_clip}, optim.weight_decay={o.weight_decay}: must be >= 0")
+    if t.ckpt_every < 0:
+        raise ValueError(f"train.ckpt_every={t.ckpt_every}: must be >= 0 (0: only at the end)")
+    if not t.out_dir:
+        raise ValueError("train.out_dir='': the run needs a directory")
+    if not os.path.exists(os.path.join(data.path, "index.json")):
+        src = data.prepare_from
+        if not src:
+            raise ValueError(f"data.path={data.path!r}: no index.json there and data.prepare_from is empty; "
+                             f"run `python -m moefp8.data prepare --src DIR --out {data.path}`")
+        if src != "stdlib" and not os.path.isdir(src):
+            raise ValueError(f"data.prepare_from={src!r}: not a directory (nor 'stdlib')")
+        _positive("data.max_bytes", data.max_bytes)

@@ -1,0 +1,200 @@
+"""A decoder-only MoE transformer in DeepSeek-V3's mould, in one file.
+
+    tokens [B, S] -> embedding (BF16 out) -> n_layers x Block -> RMSNorm -> LM head (BF16) -> logits
+    Block:  h = x + Attention(RMSNorm(x));  out = h + MLP(RMSNorm(h))
+    MLP:    the first n_dense_layers are dense SwiGLU, the rest `MoELayer` (routed + shared experts)
+
+Precision (DESIGN.md §1): every weight is an fp32 master; activations between layers are BF16.
+Under recipe "fp8" the attention projections and the dense MLPs are `Fp8Linear`s and the experts
+run the FP8 MoE path; under "bf16" the same linears compute in BF16 (`Bf16Linear`). Embedding,
+LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention, causal) and the
+router stay in high precision. Attention is multi-head attention with RoPE, not DeepSeek-V3's MLA.
+
+Shapes: B batch, S sequence, H hidden, T = B*S tokens, L layers, E experts, V vocabulary.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moefp8.config import ModelConfig
+from moefp8.dispatch import Dispatcher, build_dispatcher
+from moefp8.kernels.quant import swiglu_ref
+from moefp8.linear import Fp8Linear
+from moefp8.moe import MoELayer
+
+BF16 = torch.bfloat16
+
+
+class ModelOutput(NamedTuple):
+    out: Tensor  # the mean cross-entropy (fp32 scalar) when targets are given, else logits [B, S, V] fp32
+    aux_loss: Tensor  # sum over MoE layers of their sequence-wise balance losses (0 when off)
+    load_LE: Tensor  # int64 [L_moe, E] tokens routed to each expert in each MoE layer
+
+
+class Bf16Linear(nn.Module):
+    """nn.Linear without bias on an fp32 master weight [N, K], computed in BF16 (the baseline)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(BF16), self.weight.to(BF16))
+
+
+def make_linear(in_features: int, out_features: int, recipe: str, scale_fmt: str) -> nn.Module:
+    return Fp8Linear(in_features, out_features, scale_fmt=scale_fmt) if recipe == "fp8" else Bf16Linear(
+        in_features, out_features)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(BF16)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
+    """cos, sin [S, head_dim/2] fp32 for rotating pairs (x[2i], x[2i+1])."""
+    inv = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, nh, S, hd] -> rotated, same dtype (math in fp32)."""
+    x32 = x.float().unflatten(-1, (-1, 2))
+    a, b = x32[..., 0], x32[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, recipe: str, scale_fmt: str):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        d = cfg.n_heads * cfg.head_dim
+        self.wqkv = make_linear(cfg.hidden, 3 * d, recipe, scale_fmt)
+        self.wo = make_linear(d, cfg.hidden, recipe, scale_fmt)
+
+    def forward(self, x_BSH: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, S, _ = x_BSH.shape
+        q, k, v = self.wqkv(x_BSH).view(B, S, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, S, hd] bf16
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: w1 [2I, H] (gate rows, then up rows) -> silu(gate) * up -> w2 [H, I]."""
+
+    def __init__(self, hidden: int, inter: int, recipe: str, scale_fmt: str):
+        super().__init__()
+        self.w1 = make_linear(hidden, 2 * inter, recipe, scale_fmt)
+        self.w2 = make_linear(inter, hidden, recipe, scale_fmt)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(swiglu_ref(self.w1(x)).to(BF16))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, recipe: str, scale_fmt: str, dispatcher: Dispatcher):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg, recipe, scale_fmt)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.is_moe = layer >= cfg.n_dense_layers
+        if self.is_moe:
+            self.mlp = MoELayer(cfg.hidden, cfg.moe_inter, cfg.n_experts, cfg.topk, cfg.n_shared, recipe, scale_fmt,
+                                dispatcher, score_func=cfg.score_func, n_groups=cfg.n_groups,
+                                topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
+                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha)
+        else:
+            self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, recipe, scale_fmt)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor):
+        """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.mlp_norm(x)
+        if not self.is_moe:
+            return x + self.mlp(h), None, None
+        o = self.mlp(h, seq_len=x.shape[1])
+        return x + o.out, o.aux_loss, o.load_E
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, recipe: str = "fp8", scale_fmt: str = "pow2",
+                 dispatcher: Dispatcher | None = None):
+        """dispatcher: this rank's expert-parallel dispatcher, shared by the MoE layers (default:
+        the EP=1 `local` backend)."""
+        super().__init__()
+        self.cfg, self.recipe = cfg, recipe
+        dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for every matrix and expert, the output projections (wo, w2)
+        scaled by 1/sqrt(2 L) (GPT-2); norms at 1; the router keeps its own init."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1 or ".router." in name:
+                continue
+            scale = (2 * self.cfg.n_layers) ** -0.5 if name.endswith(("wo.weight", "w2.weight", "w2")) else 1.0
+            p.normal_(0.0, std * scale)
+
+    def forward(self, idx_BS: Tensor, targets_BS: Tensor | None = None) -> ModelOutput:
+        B, S = idx_BS.shape
+        cos, sin = rope_tables(S, self.cfg.head_dim, self.cfg.rope_theta, idx_BS.device)
+        x = self.embed(idx_BS).to(BF16)
+        aux = torch.zeros((), device=idx_BS.device)
+        loads = []
+        for layer in self.layers:
+            x, a, load = layer(x, cos, sin)
+            if a is not None:
+                aux = aux + a
+            if load is not None:
+                loads.append(load)
+        logits = F.linear(self.norm(x), self.head.weight.to(BF16)).float()  # [B, S, V]
+        load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64)
+        if targets_BS is None:
+            return ModelOutput(logits, aux, load_LE)
+        loss = F.cross_entropy(logits.view(B * S, -1), targets_BS.reshape(-1))
+        return ModelOutput(loss, aux, load_LE)
+
+    def routers(self) -> list:
+        return [b.mlp.router for b in self.layers if b.is_moe]
+
+
+def param_counts(cfg: ModelConfig) -> dict:
+    """Parameters of the whole model (all experts, all ranks) from the config alone:
+    total, active per token (top-k of the routed experts), and the embedding's share."""
+    H, d, L, Lm = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_layers, cfg.n_layers - cfg.n_dense_layers
+    attn = 4 * H * d + 2 * H  # wqkv, wo, two norms
+    dense = 3 * H * cfg.dense_inter
+    expert = 3 * H * cfg.moe_inter
+    moe_fixed = cfg.n_shared * expert + cfg.n_experts * H  # shared experts + router
+    embed = cfg.vocab_size * H
+    head = cfg.vocab_size * H + H  # LM head + final norm
+    total = L * attn + cfg.n_dense_layers * dense + Lm * (moe_fixed + cfg.n_experts * expert) + embed + head
+    active = L * attn + cfg.n_dense_layers * dense + Lm * (moe_fixed + cfg.topk * expert) + embed + head
+    return {"total": total, "active": active, "embedding": embed}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6 x the active matrix parameters
+    (everything but the embedding lookup) plus causal attention's QK^T and PV, 6 * L * S * d
+    (12 * L * S * d halved by the causal mask)."""
+    n = param_counts(cfg)
+    d = cfg.n_heads * cfg.head_dim
+    return 6.0 * (n["active"] - n["embedding"]) + 6.0 * cfg.n_layers * seq_len * d

@@ -1,0 +1,92 @@
+"""AdamW on FP32 master weights with BF16 (default) or FP32 moments, the LR schedule and grad
+clipping (DESIGN.md §1: "optimizer moments BF16 by default, FP32 optional").
+
+Hand-written because torch.optim.AdamW keeps its moments in the parameters' dtype (fp32 here).
+The moments are stored in `moment_dtype`; each update reads them in fp32, updates in fp32 and
+stores them back rounded (DeepSeek-V3 keeps BF16 moments the same way). Parameters are updated in
+place under no_grad, which bumps their version counters: the FP8/BF16 weight caches
+(moefp8.experts.WeightCache) re-quantize on the next forward. The state is keyed by parameter
+name, so it checkpoints as plain nested dicts of tensors.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from moefp8.config import OptimConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def decays(name: str, p: Tensor) -> bool:
+    """Weight decay on matrices and expert weights; not on norms, biases or the embedding (the
+    router's bias is a buffer, not a parameter, and never decays)."""
+    return p.dim() >= 2 and not name.startswith("embed.")
+
+
+class AdamW:
+    def __init__(self, named_params, cfg: OptimConfig):
+        self.params = {n: p for n, p in named_params if p.requires_grad}
+        self.cfg = cfg
+        dt = DTYPES[cfg.moment_dtype]
+        self.exp_avg = {n: torch.zeros_like(p, dtype=dt) for n, p in self.params.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(p, dtype=dt) for n, p in self.params.items()}
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        c = self.cfg
+        self.step_count += 1
+        bc1, bc2 = 1 - c.beta1 ** self.step_count, 1 - c.beta2 ** self.step_count
+        for n, p in self.params.items():
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            m = self.exp_avg[n].float().lerp_(g, 1 - c.beta1)
+            v = self.exp_avg_sq[n].float().mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+            self.exp_avg[n].copy_(m)
+            self.exp_avg_sq[n].copy_(v)
+            if c.weight_decay and decays(n, p):
+                p.mul_(1 - lr * c.weight_decay)
+            p.addcdiv_(m, v.div_(bc2).sqrt_().add_(c.eps), value=-lr / bc1)
+
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = getattr(self, key)
+            if set(sd[key]) != set(mine):
+                raise ValueError(f"optimizer state: {key} names differ from the model's parameters "
+                                 f"(missing {sorted(set(mine) - set(sd[key]))[:3]}, "
+                                 f"extra {sorted(set(sd[key]) - set(mine))[:3]})")
+            for n, t in sd[key].items():
+                if t is not mine[n]:
+                    mine[n].copy_(t)
+        self.step_count = int(sd["step"])
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warm-up over warmup_steps (step 0 gets lr/warmup), then cosine from lr to
+    lr * min_lr_ratio at total_steps. `step` counts optimizer steps from 0."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def clip_grad_norm(params, max_norm: float) -> Tensor:
+    """Global L2 norm of all gradients (fp32 scalar tensor), scaled down to max_norm when larger
+    (max_norm 0: measured, not clipped). A non-finite norm leaves the gradients as they are."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        torch._foreach_mul_(grads, coef)
+    return norm

@@ -1,0 +1,110 @@
+"""Byte-level data: prepare (tokens, caps, shards, atomic output), the loader (determinism,
+data-parallel ranks, exact resume across epochs) and clear errors for broken shards."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moefp8.data import EOS, Loader, decode, encode, load_shards, main, prepare
+
+
+@pytest.fixture
+def texts(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "b.txt").write_text("hello wörld\n" * 50)
+    (src / "a.txt").write_text("".join(f"line {i}\n" for i in range(300)))
+    (src / "sub" / "c.txt").write_text("x" * 1000)
+    (src / "skip.md").write_text("not matched")
+    return src
+
+
+def test_prepare_tokens(texts, tmp_path):
+    idx = prepare(str(texts), str(tmp_path / "out"), glob="*.txt")
+    toks = np.concatenate(load_shards(str(tmp_path / "out")))
+    want = b"".join((texts / f).read_bytes() for f in ("a.txt", "b.txt", "sub/c.txt"))  # sorted paths
+    assert idx["files"] == 3 and idx["bytes"] == len(want)
+    assert len(toks) == len(want) + 3 and (toks == EOS).sum() == 3
+    assert bytes(toks[toks != EOS].astype(np.uint8)) == want
+    assert decode(encode("grüße\n")) == "grüße\n"
+    assert not (tmp_path / "out.tmp").exists()
+
+
+def test_prepare_cap_and_shards(texts, tmp_path):
+    idx = prepare(str(texts), str(tmp_path / "out"), glob="*.txt", max_bytes=1500, shard_tokens=512)
+    assert idx["bytes"] == 1500
+    assert [s["tokens"] for s in idx["shards"]][:-1] == [512] * (len(idx["shards"]) - 1)
+    assert sum(s["tokens"] for s in idx["shards"]) == 1500 + idx["files"]
+
+
+def test_prepare_stdlib_cli(tmp_path, capsys):
+    main(["prepare", "--src", "stdlib", "--out", str(tmp_path / "std"), "--max-bytes", "200000"])
+    idx = json.loads((tmp_path / "std" / "index.json").read_text())
+    assert idx["bytes"] == 200000 and "site-packages" not in capsys.readouterr().out
+    text = decode(np.concatenate(load_shards(str(tmp_path / "std")))[:5000])
+    assert "import" in text or "def " in text
+
+
+@pytest.fixture
+def data(texts, tmp_path):
+    prepare(str(texts), str(tmp_path / "d"), glob="*.txt", shard_tokens=1000)
+    return str(tmp_path / "d")
+
+
+def batches(loader, n):
+    return [loader.next() for _ in range(n)]
+
+
+def test_loader_shapes_and_determinism(data):
+    a, b = Loader(data, 3, 128, seed=5), Loader(data, 3, 128, seed=5)
+    assert a.n_windows // 3 < 20  # the 20 batches cross an epoch boundary
+    for (x, y), (x2, y2) in zip(batches(a, 20), batches(b, 20)):
+        assert x.shape == y.shape == (3, 128) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    c = Loader(data, 3, 16, seed=6)
+    assert not torch.equal(c.next()[0], Loader(data, 3, 16, seed=5).next()[0])
+
+
+def test_loader_ranks_partition_the_global_batch(data):
+    one = Loader(data, 4, 16, rank=0, world=1)
+    r0, r1 = Loader(data, 2, 16, rank=0, world=2), Loader(data, 2, 16, rank=1, world=2)
+    for _ in range(12):
+        x = one.next()[0]
+        assert torch.equal(torch.cat([r0.next()[0], r1.next()[0]]), x)
+
+
+def test_loader_resume_exact(data):
+    a = Loader(data, 3, 128, seed=1)
+    batches(a, 7)
+    sd = a.state_dict()
+    rest = batches(a, 15)
+    assert a.epoch >= 1  # crossed an epoch boundary
+    b = Loader(data, 3, 128, seed=1)
+    b.load_state_dict(sd)
+    for (x, y), (x2, y2) in zip(rest, batches(b, 15)):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    with pytest.raises(ValueError, match="seq_len=128"):
+        Loader(data, 3, 64, seed=1).load_state_dict(sd)
+
+
+def test_errors_name_the_path(data, tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope" / "index.json")):
+        Loader(str(tmp_path / "nope"), 1, 8)
+    shard = tmp_path / "d" / "shard_00001.bin"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-6])
+    with pytest.raises(ValueError, match=f"{shard} has {len(raw) - 6} bytes.*truncated"):
+        Loader(data, 1, 8)
+    shard.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"{shard} is empty"):
+        Loader(data, 1, 8)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{shard} listed in"):
+        Loader(data, 1, 8)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prepare(str(tmp_path / "missing"), str(tmp_path / "o"))
+    with pytest.raises(ValueError, match="no file matches"):
+        prepare(str(tmp_path / "d"), str(tmp_path / "o"), glob="*.rst")

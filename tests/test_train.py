@@ -1,0 +1,129 @@
+"""Training end to end on CPU: the real Hydra entry point trains the tiny model (loss goes down,
+checkpoint, wandb offline files), kill-and-resume reproduces the loss sequence bit for bit,
+partial or corrupt checkpoints are refused, bad configs fail with one line, a diverging run stops
+and keeps its last good checkpoint."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefp8 import checkpoint
+from moefp8.data import prepare
+from moefp8.train import Diverged, compose_config, train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare("stdlib", str(d), max_bytes=2_000_000)
+    return str(d)
+
+
+def base(data_dir, out, **kw):
+    o = {"train.micro_batch": 4, "train.seq_len": 64, "train.log_every": 5, "train.progress": False,
+         "logger.mode": "disabled", "data.path": data_dir, "train.out_dir": str(out), "optim.warmup_steps": 2}
+    o.update(kw)
+    return [f"{k}={v}" for k, v in o.items()]
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(args, timeout=300):
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, "-m", "moefp8.train", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_cli_trains_tiny_model(data_dir, tmp_path):
+    out = tmp_path / "run"
+    r = cli(base(data_dir, out, **{"model": "tiny", "train.steps": 30, "train.micro_batch": 8, "optim.warmup_steps": 5,
+                                   "train.ckpt_every": 0, "logger.mode": "offline"}))
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(out)
+    assert [x["step"] for x in m] == list(range(1, 31))
+    first, last = m[0]["loss"], sum(x["loss"] for x in m[-5:]) / 5
+    assert first > 5.0 and last < first - 1.5, (first, last)  # ln(257) = 5.55 at init
+    assert (out / "latest").read_text().strip() == "step_0000030"
+    assert checkpoint.check_complete(out / "step_0000030")["step"] == 30
+    assert list((out / "wandb").glob("offline-run-*")), "wandb offline run files in the run dir"
+    assert "name: tiny" in (out / "config.yaml").read_text()  # the resolved config, written by rank 0
+
+
+def test_resume_is_bit_exact(data_dir, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(compose_config(base(data_dir, a, **{"train.steps": 8, "train.ckpt_every": 4})))
+    # a run of the same config killed after step 4's checkpoint: its run dir holds step 4 and the pointer
+    b.mkdir()
+    shutil.copytree(a / "step_0000004", b / "step_0000004")
+    (b / "latest").write_text("step_0000004\n")
+    train(compose_config(base(data_dir, b, **{"train.steps": 8, "train.ckpt_every": 4})))  # resume=auto
+    ma, mb = metrics(a), metrics(b)
+    assert [x["step"] for x in mb] == list(range(5, 9))
+    for x, y in zip(ma[4:], mb):
+        assert (x["loss"], x["grad_norm"], x["aux_loss"], x["lr"]) == (y["loss"], y["grad_norm"], y["aux_loss"], y["lr"])
+    # the two final checkpoints hold the same weights, moments and router biases
+    sa, sb = {}, {}
+    for d, s in ((a, sa), (b, sb)):
+        cfg = compose_config(base(data_dir, d, **{"train.steps": 8}))
+        from moefp8.model import Transformer
+        from moefp8.optim import AdamW
+        model = Transformer(cfg.model, cfg.recipe.recipe)
+        opt = AdamW(model.named_parameters(), cfg.optim)
+        s.update({"model": model.state_dict(), "optim": opt.state_dict()})
+        checkpoint.load(d / "step_0000008", s)
+    for k, v in sa["model"].items():
+        assert torch.equal(v, sb["model"][k]), k
+    assert any("router.bias" in k and v.abs().sum() > 0 for k, v in sa["model"].items())
+    for k, v in sa["optim"]["exp_avg_sq"].items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, sb["optim"]["exp_avg_sq"][k]), k
+
+
+def test_partial_and_corrupt_checkpoints_refused(data_dir, tmp_path):
+    run = tmp_path / "r"
+    train(compose_config(base(data_dir, run, **{"train.steps": 2, "train.ckpt_every": 1})))
+    assert checkpoint.find_latest(run) == run / "step_0000002"
+    # a save killed before its rename: step_3.tmp is ignored by auto, refused when named
+    shutil.copytree(run / "step_0000002", run / "step_0000003.tmp")
+    assert checkpoint.find_latest(run) == run / "step_0000002"
+    with pytest.raises(ValueError, match=r"step_0000003.tmp: a partial save"):
+        train(compose_config(base(data_dir, run, **{"train.steps": 4, "train.resume": run / "step_0000003.tmp"})))
+    # killed between the rename and the pointer update: the newest complete step dir wins
+    (run / "latest").unlink()
+    assert checkpoint.find_latest(run) == run / "step_0000002"
+    (run / "step_0000002" / ".metadata").unlink()
+    assert checkpoint.find_latest(run) == run / "step_0000001"
+    # the pointer names a corrupt checkpoint: refused, naming it
+    (run / "latest").write_text("step_0000002\n")
+    with pytest.raises(ValueError, match=r"step_0000002: DCP's .metadata is missing"):
+        train(compose_config(base(data_dir, run, **{"train.steps": 4})))
+    (run / "step_0000001" / "meta.json").write_text("{")
+    with pytest.raises(ValueError, match=r"step_0000001: meta.json is missing or unreadable"):
+        checkpoint.check_complete(run / "step_0000001")
+
+
+def test_diverging_run_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
+    run = tmp_path / "nan"
+    train(compose_config(base(data_dir, run, **{"train.steps": 2})))
+    cfg = compose_config(base(data_dir, run, **{"train.steps": 6, "optim.lr": 1e30, "optim.grad_clip": 0}))
+    with pytest.raises(Diverged, match=r"non-finite loss .* last good checkpoint: .*step_0000002"):
+        train(cfg)
+    assert (run / "latest").read_text().strip() == "step_0000002"
+    assert not list(run.glob("step_*.tmp"))
+
+
+def test_bad_config_is_one_line(data_dir):
+    r = cli(["model.hidden=100", "recipe=fp8", f"data.path={data_dir}", "logger.mode=disabled"], timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert lines == [lines[-1]] and lines[-1].startswith("config error: model.hidden=100: not a multiple of 128"), \
+        r.stderr
