@@ -14,7 +14,7 @@ dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]):
      (the host sync is unavoidable: they size the receive buffer) and a format check.
   3. One all_to_all_single of uint8 rows, everything a row needs packed in one buffer:
 
-       with routing (forward):  | topk_w fp32 4K | topk_idx int32 4K (global) | data | scales | pad |
+       with routing (forward):  | topk_w fp32 4K | topk_idx int32 4K (local) | data | scales | pad |
        reusing a handle:        | data | scales | pad |
 
      data: FP8 H bytes, or BF16 2H bytes; scales (FP8 only): UE8M0 one byte per 128 elements
@@ -23,7 +23,8 @@ dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]):
      field can be viewed in place (no unpacking copy except the UE8M0 -> fp32 scales).
      Bytes per token at H=7168, K=8: FP8 pow2 7296, BF16 14400 (ratio 0.507); backward (no
      routing fields) FP8 7232.
-  The receiver turns global ids into local ones (-1 for slots whose expert lives elsewhere).
+  The sender writes each row's expert ids as its destination rank's local ids (-1 for slots
+  whose expert lives elsewhere), in the pack kernel: the receiver uses them as they arrive.
 
 combine(y [T_recv, H], handle): the reverse all_to_all of the rows (each already the weighted
 sum over this rank's local experts), then each token's rows are summed over source ranks in
@@ -163,7 +164,7 @@ class AllToAllDispatcher:
         return pack_rows(x, send_tok, row_bytes(x.shape[1], K, payload), scales, topk_idx, topk_w)
 
     def _unpack(self, buf: Tensor, H: int, K: int | None, payload: str):
-        """uint8 [N, row_bytes] -> (x, topk_w, global topk_idx) as views of buf (scales: UE8M0 unpacked)."""
+        """uint8 [N, row_bytes] -> (x, topk_w, local topk_idx) as views of buf (scales: UE8M0 unpacked)."""
         off, w, idx = 0, None, None
         if K is not None:
             w = buf[:, :4 * K].view(torch.float32)
@@ -191,15 +192,6 @@ class AllToAllDispatcher:
         mask.scatter_(1, dest, True)
         return mask[:, :R]
 
-    def _routes(self, mask: Tensor, n_send: int):
-        """mask [T, R], its number of set entries (known on the host) -> (send_tok [S], pos_TR [T, R]),
-        rows sorted by rank then token; nonzero_static needs no host sync."""
-        T, R = mask.shape
-        r_idx, t_idx = torch.nonzero_static(mask.t(), size=n_send).unbind(1)
-        pos = torch.full((T, R), -1, dtype=torch.int32, device=mask.device)
-        pos[t_idx, r_idx] = torch.arange(n_send, dtype=torch.int32, device=mask.device)
-        return t_idx, pos
-
     def _exchange(self, send: Tensor, send_splits, recv_splits) -> Tensor:
         recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=send.device)
         dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
@@ -223,34 +215,44 @@ class AllToAllDispatcher:
             return Dispatched(xr, handle.topk_idx, handle.topk_w, handle)
 
         self._check_topk(T, topk_idx, topk_w)
-        K = topk_idx.shape[1]
-        mask = self._route_mask(topk_idx)
+        K, R = topk_idx.shape[1], self.world
+        # Everything that does not need the host-side counts happens before the one host sync, so
+        # that only the payload exchange follows it: the send order (rows by destination rank,
+        # then token), each token's row position per rank, and the packed send buffer, sized for
+        # every (rank, token) pair and filled up to the device-side count.
+        mask = self._route_mask(topk_idx)  # [T, R]
         send_counts = mask.sum(0)
+        flat = mask.t().reshape(-1)  # (rank, token) order
+        order = torch.argsort((~flat).to(torch.int8), stable=True)  # the set pairs first, in order
+        pos_flat = torch.empty(R * T, dtype=torch.int32, device=flat.device)
+        pos_flat[order] = torch.arange(R * T, dtype=torch.int32, device=flat.device)
+        pos_TR = torch.where(mask, pos_flat.view(R, T).t(), -1)
+        send_tok, dest = order % max(T, 1), order // max(T, 1)
         nb = row_bytes(H, K, payload)
+        scales = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}[payload]
+        packed = pack_rows(x, send_tok, nb, scales, topk_idx, topk_w, dest, self.num_local_experts,
+                           n_valid=send_counts.sum())
         # One exchange, one host sync: (rows, bytes per row, error code, offending value) per rank,
         # so a bad input on any rank makes every rank raise the same error (no rank left waiting).
         bad = self._bad_input(x, payload, topk_idx)
         meta = torch.cat([torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1),
-                          bad.expand(self.world, 2)], dim=1)  # [R, 4]
+                          bad.expand(R, 2)], dim=1)  # [R, 4]
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
         both = torch.cat([send_counts, meta_in.reshape(-1)]).tolist()  # the host sync
-        send_splits = tuple(both[:self.world])
-        recv_meta = [both[self.world + 4 * i:self.world + 4 * i + 4] for i in range(self.world)]
+        send_splits = tuple(both[:R])
+        recv_meta = [both[R + 4 * i:R + 4 * i + 4] for i in range(R)]
         self._raise_bad([m[2:] for m in recv_meta], payload)
-        send_tok, pos_TR = self._routes(mask, sum(send_splits))
         for src, (_, b, _, _) in enumerate(recv_meta):
             if b != nb:
                 raise ValueError(f"dispatch: rank {src} of the EP group sends rows of {b} bytes, this rank "
                                  f"({self.rank}) packs {nb} ({payload}, H={H}, K={K}): every rank must dispatch "
                                  f"the same payload kind, scale format, hidden size and top-k")
         recv_splits = tuple(m[0] for m in recv_meta)
-        send = self._send_rows(x, payload, send_tok, topk_idx, topk_w)
-        xr, w, gidx = self._unpack(self._exchange(send, send_splits, recv_splits), H, K, payload)
-        lo = self.rank * self.num_local_experts
-        g = gidx.long()
-        local = torch.where((g >= lo) & (g < lo + self.num_local_experts), g - lo, -1)
-        handle = AllToAllHandle(send_tok, pos_TR, send_splits, recv_splits, T, local, w)
+        S = sum(send_splits)
+        xr, w, local = self._unpack(self._exchange(packed[:S], send_splits, recv_splits), H, K, payload)
+        local = local.long()  # already the local ids: the sender wrote them for this rank
+        handle = AllToAllHandle(send_tok[:S], pos_TR, send_splits, recv_splits, T, local, w)
         return Dispatched(xr, local, w, handle)
 
     def combine(self, y: Tensor, handle: AllToAllHandle) -> Tensor:

@@ -21,11 +21,20 @@ def run_case(payload, scales, K, T, H, device, impl):
     idx = torch.randint(-1, 16, (T, K), generator=g).to(device) if K else None
     w = torch.rand(T, K, generator=g).to(device) if K else None
     nb = row_bytes(H, K, payload)
-    used = nb - (nb - (8 * (K or 0) + (2 * H if payload == "bf16" else H + (H // 128) * (1 if scales == "ue8m0" else 4))))
+    used = 8 * (K or 0) + (2 * H if payload == "bf16" else H + (H // 128) * (1 if scales == "ue8m0" else 4))
     got = impl(x, send, nb, scales, idx, w)
     want = P.pack_rows_ref(x, send, nb, scales, idx, w)
     assert got.shape == want.shape == (send.numel(), nb)
     assert torch.equal(got[:, :used], want[:, :used])
+    if K:  # local ids for each row's destination rank, and only the first n rows written
+        dest = torch.randint(0, 4, (send.numel(),), generator=g).to(device)
+        n = send.numel() // 2
+        got = impl(x, send, nb, scales, idx, w, dest, 4, torch.tensor(n, device=device))
+        want = P.pack_rows_ref(x, send, nb, scales, idx, w, dest, 4)
+        assert torch.equal(got[:n, :used], want[:n, :used])
+        ids = want[:, 4 * K:8 * K].view(torch.int32).long()
+        gl = idx.long()[send]
+        assert torch.equal(ids, torch.where((gl >= 0) & (gl // 4 == dest[:, None]), gl % 4, -1))
 
 
 @pytest.mark.parametrize("payload,scales,K", CASES)
@@ -48,6 +57,10 @@ def test_ref_layout(payload, scales, K, T):
 @pytest.mark.parametrize("payload,scales,K", CASES)
 def test_interpreter_kernel_vs_ref(payload, scales, K):
     run_case(payload, scales, K, 6, 256, "cpu", lambda *a: P.pack_rows(*a, impl="triton"))
+
+
+def test_ref_is_the_default_on_cpu():
+    run_case("fp8-pow2", "ue8m0", 8, 6, 256, "cpu", P.pack_rows)
 
 
 @pytest.mark.gpu
