@@ -43,14 +43,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefp8.dispatch import Dispatched
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, ue8m0_invalid, unpack_ue8m0
-from moefp8.kernels.pack import pack_rows
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, unpack_ue8m0
+from moefp8.kernels.pack import dispatch_layout, pack_rows
 from moefp8.kernels.permute import PermuteLayout, unpermute_combine
 
 ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
 
 
-_BAD_EXPERT, _BAD_SCALE = 1, 2  # error codes carried by the count exchange
+_BAD_EXPERT, _BAD_SCALE = 1, 2  # error codes carried by the count exchange (kernels/pack.py)
 
 
 @dataclass(frozen=True)
@@ -136,17 +136,6 @@ class AllToAllDispatcher:
             raise ValueError(f"dispatch: topk_w must be float {tuple(topk_idx.shape)} like topk_idx, got "
                              f"{topk_w.dtype} {tuple(topk_w.shape)}")
 
-    def _bad_input(self, x, payload: str, topk_idx: Tensor) -> Tensor:
-        """int64 [2] on the device: (code, offending value); code 0 when the input is fine."""
-        idx = topk_idx.long()
-        bad_idx = (idx < -1) | (idx >= self.num_experts)
-        any_idx = bad_idx.any()
-        val = torch.where(bad_idx, idx, torch.iinfo(torch.int64).min).amax() if idx.numel() else idx.new_zeros(())
-        code = torch.where(any_idx, _BAD_EXPERT, 0)
-        if payload == "fp8-pow2" and x.scale.numel():
-            code = torch.where((code == 0) & ue8m0_invalid(x.scale), _BAD_SCALE, code)
-        return torch.stack([code.to(torch.int64), torch.where(any_idx, val, 0)])
-
     def _raise_bad(self, bad: list, payload: str) -> None:
         for src, (code, val) in enumerate(bad):
             if code == _BAD_EXPERT:
@@ -181,17 +170,6 @@ class AllToAllDispatcher:
             scale = buf[:, off:off + 4 * G].view(torch.float32)
         return Fp8Tensor(data, scale, "1x128"), w, idx
 
-    def _route_mask(self, topk_idx: Tensor) -> Tensor:
-        """global topk_idx [T, K] -> bool [T, R]: token t goes to rank r (once, however many of its
-        experts live there: the dedupe)."""
-        T, R = topk_idx.shape[0], self.world
-        idx = topk_idx.long()
-        ok = (idx >= 0) & (idx < self.num_experts)
-        dest = torch.where(ok, idx // self.num_local_experts, R)  # R: no expert (or a bad id)
-        mask = torch.zeros(T, R + 1, dtype=torch.bool, device=topk_idx.device)
-        mask.scatter_(1, dest, True)
-        return mask[:, :R]
-
     def _exchange(self, send: Tensor, send_splits, recv_splits) -> Tensor:
         recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=send.device)
         dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
@@ -216,30 +194,19 @@ class AllToAllDispatcher:
 
         self._check_topk(T, topk_idx, topk_w)
         K, R = topk_idx.shape[1], self.world
-        # Everything that does not need the host-side counts happens before the one host sync, so
-        # that only the payload exchange follows it: the send order (rows by destination rank,
-        # then token), each token's row position per rank, and the packed send buffer, sized for
-        # every (rank, token) pair and filled up to the device-side count.
-        mask = self._route_mask(topk_idx)  # [T, R]
-        send_counts = mask.sum(0)
-        flat = mask.t().reshape(-1)  # (rank, token) order
-        order = torch.argsort((~flat).to(torch.int8), stable=True)  # the set pairs first, in order
-        pos_flat = torch.empty(R * T, dtype=torch.int32, device=flat.device)
-        pos_flat[order] = torch.arange(R * T, dtype=torch.int32, device=flat.device)
-        pos_TR = torch.where(mask, pos_flat.view(R, T).t(), -1)
-        send_tok, dest = order % max(T, 1), order // max(T, 1)
         nb = row_bytes(H, K, payload)
+        # One launch computes the routes (each token once per destination rank), the send order
+        # (rank, then token), the positions, the input checks and this rank's row of the count
+        # exchange; one more packs the send buffer (destination-local ids). Then one exchange of
+        # (rows, bytes per row, error code, offending value) and the one host sync: a bad input
+        # on any rank makes every rank raise the same error (no rank left waiting).
+        meta, pos_TR, send_tok, dest, n_send = dispatch_layout(topk_idx, self.num_experts, R, nb,
+                                                              x.scale if payload == "fp8-pow2" else None)
         scales = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}[payload]
-        packed = pack_rows(x, send_tok, nb, scales, topk_idx, topk_w, dest, self.num_local_experts,
-                           n_valid=send_counts.sum())
-        # One exchange, one host sync: (rows, bytes per row, error code, offending value) per rank,
-        # so a bad input on any rank makes every rank raise the same error (no rank left waiting).
-        bad = self._bad_input(x, payload, topk_idx)
-        meta = torch.cat([torch.stack([send_counts, torch.full_like(send_counts, nb)], dim=1),
-                          bad.expand(R, 2)], dim=1)  # [R, 4]
+        packed = pack_rows(x, send_tok, nb, scales, topk_idx, topk_w, dest, self.num_local_experts, n_valid=n_send)
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
-        both = torch.cat([send_counts, meta_in.reshape(-1)]).tolist()  # the host sync
+        both = torch.cat([meta[:, 0], meta_in.reshape(-1)]).tolist()  # the host sync
         send_splits = tuple(both[:R])
         recv_meta = [both[R + 4 * i:R + 4 * i + 4] for i in range(R)]
         self._raise_bad([m[2:] for m in recv_meta], payload)

@@ -78,7 +78,7 @@ def pack_rows(x, send_tok: Tensor, row_bytes: int, scales: str, topk_idx: Tensor
     G = sc.shape[1] if isinstance(x, Fp8Tensor) else 0
     K = topk_idx.shape[1] if topk_idx is not None else 0
     w = topk_w.float().contiguous() if topk_w is not None else words
-    idx = topk_idx.int().contiguous() if topk_idx is not None else words
+    idx = topk_idx.contiguous() if topk_idx is not None else words  # int32 or int64: stores cast
     n = n_valid if n_valid is not None else torch.full((), S, dtype=torch.int64, device=data.device)
     _pack_rows_kernel[(S,)](send_tok, dest if dest is not None else send_tok, n, w, idx, words, sc,
                             out.view(torch.int32), K, max(experts_per_rank, 1), words.shape[1], G,
@@ -116,3 +116,113 @@ def pack_rows_ref(x, send_tok: Tensor, row_bytes: int, scales: str, topk_idx: Te
         K = topk_idx.shape[1]
         out[:, 4 * K:8 * K] = as_bytes(ids)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch layout: routes, counts, positions and input checks in one launch
+
+
+@triton.jit
+def _route_tile(idx_ptr, t, T, K, E, E_LOCAL, R, K_PAD: tl.constexpr, R_PAD: tl.constexpr):
+    """-> (m [BLOCK_T, R_PAD] int32: token goes to rank, bad [BLOCK_T, K_PAD] bool, ids)."""
+    k = tl.arange(0, K_PAD)
+    ids = tl.load(idx_ptr + t[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=-1)
+    ids = ids.to(tl.int64)
+    ok = (ids >= 0) & (ids < E)
+    r_of = tl.where(ok, ids // E_LOCAL, R_PAD)
+    r = tl.arange(0, R_PAD)
+    m = tl.max((r_of[:, :, None] == r[None, None, :]).to(tl.int32), axis=1)  # dedupe over the k slots
+    m = tl.where((t < T)[:, None] & (r < R)[None, :], m, 0)
+    return m, (ids < -1) | (ids >= E), ids
+
+
+@triton.jit
+def _dispatch_layout_kernel(idx_ptr, sc_ptr, meta_ptr, pos_ptr, tok_ptr, dest_ptr, n_ptr, T, K, E, E_LOCAL, R, G,
+                            ROW_BYTES, CHECK_SCALES: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                            G_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    r = tl.arange(0, R_PAD)
+    counts = tl.zeros((R_PAD,), dtype=tl.int32)
+    bad_any = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    bad_val = tl.full((BLOCK_T, K_PAD), -(2**62), dtype=tl.int64)
+    for t0 in range(0, T, BLOCK_T):  # pass 1: tokens per destination rank, bad ids
+        t = t0 + tl.arange(0, BLOCK_T)
+        m, bad, ids = _route_tile(idx_ptr, t, T, K, E, E_LOCAL, R, K_PAD, R_PAD)
+        counts += tl.sum(m, axis=0)
+        bad_any = tl.maximum(bad_any, bad.to(tl.int32))
+        bad_val = tl.maximum(bad_val, tl.where(bad, ids, -(2**62)))
+    code = (tl.max(tl.max(bad_any, axis=1), axis=0) > 0).to(tl.int64)  # 1: a bad expert id
+    val = tl.where(code > 0, tl.max(tl.max(bad_val, axis=1), axis=0), 0)
+    if CHECK_SCALES:  # 2: a scale that is not a positive power of two (no UE8M0 byte for it)
+        g = tl.arange(0, G_PAD)
+        worst = tl.zeros((BLOCK_T, G_PAD), dtype=tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            sc = tl.load(sc_ptr + t[:, None] * G + g[None, :], mask=(t < T)[:, None] & (g < G)[None, :], other=1.0)
+            bits = sc.to(tl.int32, bitcast=True)  # sign bit or mantissa set: not a positive power of two
+            worst = tl.maximum(worst, ((bits < 0) | ((bits & 0x7FFFFF) != 0)).to(tl.int32))
+        code = tl.where((code == 0) & (tl.max(tl.max(worst, axis=1), axis=0) > 0), 2, code)
+    start = tl.cumsum(counts, axis=0) - counts  # each rank's first row in send order
+    running = tl.zeros((R_PAD,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):  # pass 2: positions (rank, then token order), send_tok, dest
+        t = t0 + tl.arange(0, BLOCK_T)
+        m, bad, ids = _route_tile(idx_ptr, t, T, K, E, E_LOCAL, R, K_PAD, R_PAD)
+        pos = start[None, :] + running[None, :] + tl.cumsum(m, axis=0) - m
+        pos = tl.where(m > 0, pos, -1)
+        tl.store(pos_ptr + t[:, None] * R + r[None, :], pos, mask=(t < T)[:, None] & (r < R)[None, :])
+        tl.store(tok_ptr + pos, (t[:, None] + r[None, :] * 0).to(tl.int64), mask=m > 0)
+        tl.store(dest_ptr + pos, (r[None, :] + t[:, None] * 0).to(tl.int64), mask=m > 0)
+        running += tl.sum(m, axis=0)
+    tl.store(n_ptr, tl.sum(counts, axis=0).to(tl.int64))
+    rm = r < R  # the count exchange's rows: (rows, bytes per row, error code, offending value)
+    tl.store(meta_ptr + r * 4, counts.to(tl.int64), mask=rm)
+    tl.store(meta_ptr + r * 4 + 1, (r * 0 + ROW_BYTES).to(tl.int64), mask=rm)
+    tl.store(meta_ptr + r * 4 + 2, (r * 0).to(tl.int64) + code, mask=rm)
+    tl.store(meta_ptr + r * 4 + 3, (r * 0).to(tl.int64) + val, mask=rm)
+
+
+def dispatch_layout(topk_idx: Tensor, num_experts: int, world: int, row_bytes: int, scale: Tensor | None = None,
+                    impl: str | None = None):
+    """topk_idx int [T, K] global ids -> (meta int64 [R, 4] = (rows, row_bytes, code, value) per
+    destination rank, pos_TR int32 [T, R] (-1: not sent there), send_tok int64 [R*T] and dest int64
+    [R*T] (the first n entries valid, rows by rank then token), n int64 scalar), all on the device,
+    one launch. code 1: an id outside [-1, E) (value: the largest such id); code 2: `scale` given and
+    holding a value that is not a positive power of two."""
+    if not use_triton(topk_idx, impl):
+        return dispatch_layout_ref(topk_idx, num_experts, world, row_bytes, scale)
+    T, K = topk_idx.shape
+    dev = topk_idx.device
+    meta = torch.empty(world, 4, dtype=torch.int64, device=dev)
+    pos = torch.empty(T, world, dtype=torch.int32, device=dev)
+    tok = torch.empty(world * T, dtype=torch.int64, device=dev)
+    dest = torch.empty(world * T, dtype=torch.int64, device=dev)
+    n = torch.empty((), dtype=torch.int64, device=dev)
+    idx = topk_idx.contiguous()
+    sc = scale.float().contiguous() if scale is not None else meta
+    G = sc.shape[1] if scale is not None else 1
+    _dispatch_layout_kernel[(1,)](idx, sc, meta, pos, tok, dest, n, T, K, num_experts, num_experts // world, world,
+                                  G, row_bytes, CHECK_SCALES=scale is not None,
+                                  K_PAD=triton.next_power_of_2(max(K, 1)), R_PAD=triton.next_power_of_2(world),
+                                  G_PAD=triton.next_power_of_2(G), BLOCK_T=128, num_warps=8)
+    return meta, pos, tok, dest, n
+
+
+def dispatch_layout_ref(topk_idx: Tensor, num_experts: int, world: int, row_bytes: int, scale: Tensor | None = None):
+    T, R = topk_idx.shape[0], world
+    idx = topk_idx.long()
+    ok = (idx >= 0) & (idx < num_experts)
+    dest_TK = torch.where(ok, idx // (num_experts // world), R)
+    mask = torch.zeros(T, R + 1, dtype=torch.bool, device=idx.device).scatter_(1, dest_TK, True)[:, :R]
+    counts = mask.sum(0)
+    order = torch.argsort((~mask.t().reshape(-1)).to(torch.int8), stable=True)  # set (rank, token) pairs first
+    pos_flat = torch.empty(R * T, dtype=torch.int32, device=idx.device)
+    pos_flat[order] = torch.arange(R * T, dtype=torch.int32, device=idx.device)
+    pos = torch.where(mask, pos_flat.view(R, T).t(), -1)
+    bad = (idx < -1) | (idx >= num_experts)
+    code = bad.any().long()
+    val = torch.where(bad, idx, torch.iinfo(torch.int64).min).amax() if idx.numel() else idx.new_zeros(())
+    val = torch.where(code > 0, val, 0)
+    if scale is not None and scale.numel():
+        inval = ((scale.float().contiguous().view(torch.int32) & 0x807FFFFF) != 0).any()
+        code = torch.where((code == 0) & inval, 2, code)
+    meta = torch.stack([counts, torch.full_like(counts, row_bytes), code.expand(R), val.expand(R)], dim=1)
+    return meta, pos, order % max(T, 1), order // max(T, 1), counts.sum()

@@ -84,8 +84,8 @@ def pack_ue8m0(scale: Tensor, check: bool = True) -> Tensor:
     """fp32 power-of-two scales -> uint8 biased exponents (UE8M0: byte = exponent + 127).
 
     Raises if a scale is not a positive power of two (fp32-format scales cannot be packed); the
-    check reads a flag on the host, so hot paths that validate otherwise pass check=False (see
-    `ue8m0_invalid`). Inf packs to 255 and unpacks to Inf.
+    check reads a flag on the host, so hot paths that validate otherwise pass check=False (the
+    dispatch checks on the device, in its layout kernel). Inf packs to 255 and unpacks to Inf.
     """
     bits = scale.float().contiguous().view(torch.int32)
     if not check:
@@ -95,11 +95,6 @@ def pack_ue8m0(scale: Tensor, check: bool = True) -> Tensor:
         v = scale.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
         raise ValueError(f"pack_ue8m0: scale {v!r} is not a positive power of two (use scale_fmt='pow2')")
     return (bits >> 23).to(torch.uint8)
-
-
-def ue8m0_invalid(scale: Tensor) -> Tensor:
-    """Device-side bool scalar: some scale is not a positive power of two (no host sync)."""
-    return ((scale.float().contiguous().view(torch.int32) & 0x807FFFFF) != 0).any()
 
 
 def unpack_ue8m0(e8: Tensor) -> Tensor:

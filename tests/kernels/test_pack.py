@@ -68,3 +68,42 @@ def test_ref_is_the_default_on_cpu():
 @pytest.mark.parametrize("T,H", [(0, 256), (7, 384), (4096, 7168)])
 def test_gpu_kernel_vs_ref(payload, scales, K, T, H):
     run_case(payload, scales, K, T, H, "cuda", P.pack_rows)
+
+
+LAYOUT_CASES = [(37, 3, 8, 2), (300, 8, 16, 4), (0, 2, 4, 2), (5, 2, 4, 4), (129, 8, 256, 8)]
+
+
+def check_layout(T, K, E, R, device, impl):
+    g = torch.Generator().manual_seed(T * K + R)
+    idx = torch.randint(-1, E, (T, K), generator=g).to(device)
+    sc = torch.exp2(torch.randint(-5, 5, (T, 3), generator=g).float()).to(device)
+    got = P.dispatch_layout(idx, E, R, 7296, sc, impl=impl)
+    want = P.dispatch_layout_ref(idx, E, R, 7296, sc)
+    n = int(want[4])
+    assert int(got[4]) == n and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2][:n], want[2][:n]) and torch.equal(got[3][:n], want[3][:n])
+    # the reference itself: every routed (token, rank) pair once, in (rank, token) order
+    tok, dest = want[2][:n].cpu(), want[3][:n].cpu()
+    pairs = sorted({(int(r), t) for t in range(T) for e in idx[t].tolist() if e >= 0 for r in [e // (E // R)]})
+    assert list(zip(dest.tolist(), tok.tolist())) == pairs
+    bad = ((torch.tensor([[0, E + 1]]), None, (1, E + 1)), (torch.tensor([[0, 1]]), torch.tensor([[3.0]]), (2, 0)))
+    for i, s, (code, val) in bad:
+        meta = P.dispatch_layout(i.to(device), E, R, 16, s.to(device) if s is not None else None, impl=impl)[0]
+        assert meta[:, 2].tolist() == [code] * R and meta[:, 3].tolist() == [val] * R
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,R", LAYOUT_CASES)
+def test_layout_interpreter_vs_ref(T, K, E, R):
+    check_layout(T, K, E, R, "cpu", "triton")
+
+
+def test_layout_ref_on_cpu():
+    check_layout(37, 3, 8, 2, "cpu", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K,E,R", LAYOUT_CASES + [(4096, 8, 256, 4)])
+def test_layout_gpu_vs_ref(T, K, E, R):
+    check_layout(T, K, E, R, "cuda", None)
+
