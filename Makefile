@@ -24,10 +24,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@touch $@
 
-# Main job. Until the training loop lands (issue 6) this runs the quantization benchmark on the
-# default device (the GPU if there is one, else small shapes on the CPU reference path).
+# Main job: MoE pretraining (README "Training"). On a CPU the tiny model trains for ~2 minutes; on
+# a GPU the small model. Hydra overrides go in ARGS, e.g. `make train ARGS="recipe=bf16 train.steps=50"`.
+# Outputs: outputs/runs/<model>-<recipe>/ (checkpoints, metrics.jsonl, wandb offline run); running
+# it again resumes from the latest checkpoint there.
+ARGS ?=
 train: setup
-	$(BIN)/python tools/bench_quant.py
+	$(BIN)/python -m moefp8.train $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -25,6 +25,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 FORMAT = "moefp8-ckpt-v1"
@@ -49,9 +50,12 @@ def save(run_dir: str | Path, step: int, state: dict, meta: dict | None = None, 
     """Writes `state` as checkpoint `step` of run_dir and points `latest` at it. Returns its path."""
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
+    multi = dist.is_available() and dist.is_initialized()
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    if multi:
+        dist.barrier()  # the directory exists before any rank writes into it
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         dcp.save(state, checkpoint_id=str(tmp))
@@ -61,6 +65,8 @@ def save(run_dir: str | Path, step: int, state: dict, meta: dict | None = None, 
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(Path(run_dir) / "latest", final.name + "\n")
+    if multi:
+        dist.barrier()  # no rank goes on (or loads) before the rename
     return final
 
 

@@ -167,10 +167,12 @@ class Loader:
                 "seq_len": self.seq_len, "batch": self.batch}
 
     def load_state_dict(self, sd: dict) -> None:
-        for k in ("seed", "world", "seq_len", "batch"):
-            if sd[k] != getattr(self, k):
-                raise ValueError(f"data loader: the checkpoint was taken with {k}={sd[k]}, this run has "
-                                 f"{k}={getattr(self, k)}; the position would not mean the same tokens")
+        mine = {"seed": self.seed, "seq_len": self.seq_len, "global batch": self.batch * self.world}
+        theirs = {"seed": sd["seed"], "seq_len": sd["seq_len"], "global batch": sd["batch"] * sd["world"]}
+        for k in mine:  # the position counts windows of the global batch: ranks x batch may be re-split
+            if mine[k] != theirs[k]:
+                raise ValueError(f"data loader: the checkpoint was taken with {k}={theirs[k]}, this run has "
+                                 f"{k}={mine[k]}; the position would not mean the same tokens")
         self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
 
 

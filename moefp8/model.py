@@ -13,6 +13,7 @@ router stay in high precision. Attention is multi-head attention with RoPE, not 
 Shapes: B batch, S sequence, H hidden, T = B*S tokens, L layers, E experts, V vocabulary.
 """
 
+import zlib
 from typing import NamedTuple
 
 import torch
@@ -130,9 +131,10 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: str = "fp8", scale_fmt: str = "pow2",
-                 dispatcher: Dispatcher | None = None):
+                 dispatcher: Dispatcher | None = None, ep_rank: int = 0, seed: int = 0):
         """dispatcher: this rank's expert-parallel dispatcher, shared by the MoE layers (default:
-        the EP=1 `local` backend)."""
+        the EP=1 `local` backend); ep_rank: this rank's index in its EP group (it holds global
+        experts [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed."""
         super().__init__()
         self.cfg, self.recipe = cfg, recipe
         dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
@@ -140,18 +142,35 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+        self.expert_offset = ep_rank * dispatcher.num_local_experts
+        self.reset_parameters(seed)
+
+    def routed_expert_names(self) -> list[str]:
+        """Parameters sharded over the EP group: [E_l, ...] slices of the routed experts."""
+        return [f"layers.{i}.mlp.{w}" for i, b in enumerate(self.layers) if b.is_moe for w in ("w1", "w2")]
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) for every matrix and expert, the output projections (wo, w2)
-        scaled by 1/sqrt(2 L) (GPT-2); norms at 1; the router keeps its own init."""
-        std = self.cfg.init_std
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Normal(0, init_std) for every matrix and expert, the output projections (wo, w2) scaled
+        by 1/sqrt(2 L) (GPT-2); routers Normal(0, 1/sqrt(H)); norms at 1. Each tensor (each expert:
+        by its global index) draws from its own generator seeded from (seed, name): the weights do
+        not depend on construction order or on how the experts are sharded."""
+        std, experts = self.cfg.init_std, set(self.routed_expert_names())
+
+        def gen(key: str) -> torch.Generator:
+            return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+
         for name, p in self.named_parameters():
-            if p.dim() == 1 or ".router." in name:
+            if p.dim() == 1:
                 continue
-            scale = (2 * self.cfg.n_layers) ** -0.5 if name.endswith(("wo.weight", "w2.weight", "w2")) else 1.0
-            p.normal_(0.0, std * scale)
+            s = self.cfg.hidden ** -0.5 if ".router." in name else std
+            if name.endswith(("wo.weight", "w2.weight", "w2")):
+                s *= (2 * self.cfg.n_layers) ** -0.5
+            if name in experts:  # one generator per global expert
+                for e in range(p.shape[0]):
+                    p[e].copy_(torch.randn(p.shape[1:], generator=gen(f"{name}/{self.expert_offset + e}")) * s)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen(name)) * s)
 
     def forward(self, idx_BS: Tensor, targets_BS: Tensor | None = None) -> ModelOutput:
         B, S = idx_BS.shape
@@ -166,7 +185,8 @@ class Transformer(nn.Module):
             if load is not None:
                 loads.append(load)
         logits = F.linear(self.norm(x), self.head.weight.to(BF16)).float()  # [B, S, V]
-        load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64)
+        load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64,
+                                                               device=idx_BS.device)
         if targets_BS is None:
             return ModelOutput(logits, aux, load_LE)
         loss = F.cross_entropy(logits.view(B * S, -1), targets_BS.reshape(-1))

@@ -80,11 +80,24 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def clip_grad_norm(params, max_norm: float) -> Tensor:
+def clip_grad_norm(params, max_norm: float, sharded=(), group=None) -> Tensor:
     """Global L2 norm of all gradients (fp32 scalar tensor), scaled down to max_norm when larger
-    (max_norm 0: measured, not clipped). A non-finite norm leaves the gradients as they are."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    (max_norm 0: measured, not clipped). `params` are replicated on every rank (counted once);
+    `sharded` hold a different slice on each rank of `group` (the routed experts over the EP
+    group): their squared norms are summed over the group. A non-finite norm leaves the gradients
+    as they are."""
+    def sq(ps):
+        gs = [p.grad.float() for p in ps if p.grad is not None]
+        return sum((torch.linalg.vector_norm(g) ** 2 for g in gs), torch.zeros((), device=gs[0].device)) if gs else 0.0
+
+    total = sq(params)
+    if sharded:
+        shard_sq = sq(sharded)
+        if group is not None:
+            torch.distributed.all_reduce(shard_sq, group=group)
+        total = total + shard_sq
+    norm = torch.sqrt(total)
+    grads = [p.grad for p in (*params, *sharded) if p.grad is not None]
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))

@@ -14,7 +14,12 @@ the newest complete checkpoint there.
 One loop (`train`): per step, grad_accum micro-batches (loss + the routers' balance losses,
 backward), non-finite check, global-norm clipping, AdamW on the fp32 masters, then the routers'
 aux-loss-free bias update from the load summed over the step, logging, checkpointing.
-Single process for now: data parallelism x expert parallelism under torchrun is the next slice.
+Under torchrun every process is a data-parallel rank and consecutive groups of dispatch.ep_size
+ranks shard the routed experts (`Parallel`): gradients are averaged over all ranks (the experts'
+over the ranks holding the same shard), the expert load is summed over all ranks before the bias
+update, and each expert is checkpointed under its global index (resumable under another EP size).
+
+    torchrun --nproc_per_node 4 -m moefp8.train dispatch=all_to_all dispatch.ep_size=4
 """
 
 import json
@@ -26,13 +31,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import Loader, prepare
-from moefp8.dispatch import build_dispatcher
+from moefp8.dispatch import build_dispatcher, build_ep_group
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.router import load_stats
@@ -67,10 +73,9 @@ def peak_flops(cfg: Config, device: torch.device) -> float | None:
     return None  # CPU or an unknown GPU: no MFU
 
 
-def ensure_data(cfg: Config, is_main: bool, console: Console) -> None:
-    """Prepares data.path from data.prepare_from on first use (rank 0; the others would wait at a
-    barrier once multi-process training lands)."""
-    if os.path.exists(os.path.join(cfg.data.path, "index.json")) or not is_main:
+def ensure_data(cfg: Config, console: Console) -> None:
+    """Prepares data.path from data.prepare_from on first use (rank 0 only; the others wait)."""
+    if os.path.exists(os.path.join(cfg.data.path, "index.json")):
         return
     console.print(f"data: preparing {cfg.data.path} from {cfg.data.prepare_from!r} ({cfg.data.glob}, "
                   f"<= {cfg.data.max_bytes / 1e6:.0f} MB)")
@@ -88,47 +93,115 @@ def start_wandb(cfg: Config, run_dir: Path, is_main: bool):
                       mode=cfg.logger.mode, config=asdict(cfg))
 
 
+def check_parallel(cfg: Config, world: int) -> None:
+    """The checks that need the process count (torchrun's WORLD_SIZE): ValueError naming the value."""
+    ep, backend = cfg.dispatch.ep_size, cfg.dispatch.backend
+    if world % ep:
+        raise ValueError(f"dispatch.ep_size={ep}: does not divide the {world} processes")
+    if backend != "local" and world == 1:
+        raise ValueError(f"dispatch={backend}: expert parallelism needs several processes (torchrun "
+                         f"--nproc_per_node N -m moefp8.train ...); use dispatch=local on one process")
+
+
+class Parallel:
+    """This process's place in the data x expert parallel layout (all ranks read different data;
+    consecutive groups of dispatch.ep_size ranks share one copy of the routed experts).
+
+    world, rank: all processes (torchrun's WORLD_SIZE, RANK); ep_group: this rank's EP group (None
+    on one process); ep_rank = rank % ep_size; expert_dp_group: the ranks holding the same expert
+    shard (rank % ep_size equal), over which the experts' gradients are summed; None when alone."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        ep, d = cfg.dispatch.ep_size, cfg.dispatch
+        check_parallel(cfg, self.world)
+        self.ep_size, self.ep_rank = ep, self.rank % ep
+        self.ep_group = self.expert_dp_group = None
+        if self.world == 1:
+            return
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if d.backend != "local":
+            self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts)
+        for r in range(ep):  # new_group is collective: every rank creates every group, in order
+            g = dist.new_group(list(range(r, self.world, ep)))
+            if r == self.ep_rank:
+                self.expert_dp_group = g
+
+    def all_reduce_(self, x: torch.Tensor, group=None) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x, group=group)
+        return x
+
+
+def expert_keys(sd: dict, names: list[str], offset: int) -> dict:
+    """A state dict with each routed expert tensor [E_l, ...] replaced by one entry per expert,
+    keyed by its global index (`layers.1.mlp.w1.expert5`, views sharing the storage): DCP then
+    saves each expert once from the rank that holds it, and loads it into whichever rank holds it
+    under any EP size."""
+    out = dict(sd)
+    for n in names:
+        t = out.pop(n)
+        out.update({f"{n}.expert{offset + e}": t[e] for e in range(t.shape[0])})
+    return out
+
+
+def model_state(model: Transformer, opt: AdamW) -> dict:
+    """The checkpointed model and optimizer state: {"model": ..., "optim": {"step", "exp_avg",
+    "exp_avg_sq"}} with the routed experts keyed per global expert (`expert_keys`)."""
+    names, off = model.routed_expert_names(), model.expert_offset
+    optim = opt.state_dict()
+    return {"model": expert_keys(model.state_dict(), names, off),
+            "optim": {**optim, "exp_avg": expert_keys(optim["exp_avg"], names, off),
+                      "exp_avg_sq": expert_keys(optim["exp_avg_sq"], names, off)}}
+
+
 def train(cfg: Config) -> dict:
-    """Runs (or resumes) the training described by a validated config; returns the last step's
-    metrics. Raises Diverged on a non-finite loss under nan_policy=stop."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise NotImplementedError("multi-process training (DP x EP under torchrun) is not wired into "
-                                  "moefp8.train yet; run one process")
-    rank, is_main = 0, True
+    """Runs (or resumes) the training described by a validated config, on one process or as one
+    rank under torchrun; returns the last step's metrics. Raises Diverged on a non-finite loss
+    under nan_policy=stop."""
     t, o = cfg.train, cfg.optim
-    console = Console(soft_wrap=True)
     device = resolve_device(t.device)
-    run_dir = Path(t.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    par = Parallel(cfg, device)
+    world, rank, is_main = par.world, par.rank, par.rank == 0
+    console = Console(soft_wrap=True, quiet=not is_main)
+    run_dir = Path(t.out_dir)  # the same path on every rank: computed from the config
     if is_main:
         from omegaconf import OmegaConf  # only to write the resolved config as YAML
 
+        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        ensure_data(cfg, console)
+    if world > 1:
+        dist.barrier()  # the run dir and the data exist
     torch.manual_seed(t.seed)
-    ensure_data(cfg, is_main, console)
     loader = Loader(cfg.data.path, t.micro_batch, t.seq_len, rank, world, t.seed)
-    dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, None, cfg.recipe.scale_fmt)
-    model = Transformer(cfg.model, cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher).to(device)
+    dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt)
+    model = Transformer(cfg.model, cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
+                        t.seed).to(device)
     opt = AdamW(model.named_parameters(), o)
+    sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
+    replicated_params = [p for n, p in opt.params.items() if n not in sharded]
+    sharded_params = [p for n, p in opt.params.items() if n in sharded]
     n = param_counts(cfg.model)
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     fpt, peak = flops_per_token(cfg.model, t.seq_len), peak_flops(cfg, device)
 
     def state(step: int) -> dict:  # everything a resume needs; tensors are loaded into in place
-        rng = {"cpu": torch.get_rng_state()}
+        rng = {"cpu": torch.get_rng_state()}  # rank 0's (the ranks share the seed; training draws none)
         if device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(device)
-        return {"model": model.state_dict(), "optim": opt.state_dict(), "data": loader.state_dict(),
-                "rng": rng, "step": step}
+        return {**model_state(model, opt), "data": loader.state_dict(), "rng": rng, "step": step}
 
     start = 0
     ckpt = checkpoint.find_latest(run_dir) if t.resume == "auto" else None if t.resume in ("none", "") else Path(
         t.resume)
     if ckpt is not None:
         st = state(0)
-        checkpoint.load(ckpt, st)
-        opt.load_state_dict(st["optim"])
+        checkpoint.load(ckpt, st)  # tensors in place: model, moments (expert views included)
+        opt.step_count = st["optim"]["step"]
         loader.load_state_dict(st["data"])
         torch.set_rng_state(st["rng"]["cpu"])
         if "cuda" in st["rng"]:
@@ -144,15 +217,15 @@ def train(cfg: Config) -> dict:
                       f"(raise train.steps, or pick a new train.out_dir)")
         return {"step": start}
     console.print(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; "
-                  f"recipe {cfg.recipe.recipe}; {device}; {tokens_per_step} tokens/step; run dir {run_dir}")
+                  f"recipe {cfg.recipe.recipe}; {device} x {world} (EP {par.ep_size}); {tokens_per_step} "
+                  f"tokens/step; run dir {run_dir}")
     run = start_wandb(cfg, run_dir, is_main)
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         TextColumn("{task.fields[info]}"), console=console,
-                        disable=not (t.progress and console.is_terminal))
+                        disable=not (t.progress and is_main and console.is_terminal))
     task = progress.add_task("train", total=t.steps, completed=start, info="")
-    params = list(opt.params.values())
     last_saved, m = None, {}
-    with progress, open(metrics_path, "a") as mf:
+    with progress, open(metrics_path, "a") if is_main else open(os.devnull, "w") as mf:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, o, t.steps)
@@ -167,9 +240,17 @@ def train(cfg: Config) -> dict:
                 loss_sum += out.out.detach()
                 aux_sum += out.aux_loss.detach()
                 load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
-            gnorm = clip_grad_norm(params, o.grad_clip)
+            if world > 1:  # gradients of the mean loss over all ranks' tokens
+                for name, p in opt.params.items():  # one collective per tensor: bucketing is for later
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    par.all_reduce_(p.grad, par.expert_dp_group if name in sharded else None).div_(world)
+                par.all_reduce_(loss_sum).div_(world)
+                par.all_reduce_(aux_sum).div_(world)
+                par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
+            gnorm = clip_grad_norm(replicated_params, o.grad_clip, sharded_params, par.ep_group)
             loss, aux, gn = (loss_sum / t.grad_accum).item(), (aux_sum / t.grad_accum).item(), gnorm.item()
-            if not (math.isfinite(loss) and math.isfinite(gn)):
+            if not (math.isfinite(loss) and math.isfinite(gn)):  # the same values on every rank
                 msg = (f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g}); "
                        f"last good checkpoint: {last_saved or checkpoint.find_latest(run_dir) or 'none'}")
                 if t.nan_policy == "stop":
@@ -188,27 +269,28 @@ def train(cfg: Config) -> dict:
                  "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
                  "experts_empty": sum(s["experts_empty"] for s in stats)}
             if peak:
-                m["mfu"] = fpt * m["tokens_per_s"] / peak
-            if is_main:
-                mf.write(json.dumps(m) + "\n")
-                mf.flush()
+                m["mfu"] = fpt * m["tokens_per_s"] / (peak * world)
+            mf.write(json.dumps(m) + "\n")
+            mf.flush()
             if run is not None:
                 run.log({**m, **{f"load/max_over_mean/layer{i}": s["load_max_over_mean"]
                                  for i, s in enumerate(stats)}}, step=step + 1)
             info = f"loss {loss:.4f} lr {lr:.2e} {m['tokens_per_s']:,.0f} tok/s"
             progress.update(task, completed=step + 1, info=info)
-            if is_main and ((step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start):
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
                 mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
                 console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f} aux {aux:.2e} lr {lr:.2e} "
                               f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}")
             if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps:
                 last_saved = checkpoint.save(run_dir, step + 1, state(step + 1),
-                                             {"loss": loss, "tokens": (step + 1) * tokens_per_step},
-                                             is_writer=is_main)
+                                             {"loss": loss, "tokens": (step + 1) * tokens_per_step,
+                                              "world": world, "ep_size": par.ep_size}, is_writer=is_main)
                 console.print(f"checkpoint {last_saved}")
     if run is not None:
         run.finish()
+    if world > 1:
+        dist.destroy_process_group()
     return m
 
 
@@ -258,11 +340,12 @@ def _main() -> None:
         try:
             validate(cfg)
             resolve_device(cfg.train.device)
+            check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         except ValueError as e:
             sys.exit(f"config error: {e}")
         try:
             train(cfg)
-        except (Diverged, NotImplementedError) as e:
+        except Diverged as e:
             sys.exit(f"error: {e}")
 
     entry()

@@ -2,6 +2,7 @@
 gradients), weight init; config validation."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +14,8 @@ from moefp8.testing import sqnr
 TINY = ModelConfig()  # the schema's defaults are the tiny preset
 
 
-def build(recipe="fp8", cfg=TINY, seed=0):
-    torch.manual_seed(seed)
-    return Transformer(cfg, recipe)
+def build(recipe="fp8", cfg=TINY, seed=0, **kw):
+    return Transformer(cfg, recipe, seed=seed, **kw)
 
 
 def tokens(B=2, S=64, seed=1, V=257):
@@ -95,6 +95,20 @@ def test_fp32_masters_and_bf16_activations():
     m(tokens(B=1, S=16)[:, :-1])
     h.remove()
     assert seen == [torch.bfloat16]
+
+
+def test_init_independent_of_expert_sharding():
+    """Rank 1 of an EP group of 2 holds exactly the second half of the experts the EP=1 model has;
+    every other weight is identical; a different seed changes everything."""
+    full = build("bf16").state_dict()
+    half = SimpleNamespace(num_local_experts=TINY.n_experts // 2, communicates=False)
+    shard = build("bf16", dispatcher=half, ep_rank=1).state_dict()
+    experts = set(build("bf16").routed_expert_names())
+    assert experts == {"layers.1.mlp.w1", "layers.1.mlp.w2", "layers.2.mlp.w1", "layers.2.mlp.w2"}
+    for k, v in full.items():
+        assert torch.equal(shard[k], v[TINY.n_experts // 2:] if k in experts else v), k
+    other = build("bf16", seed=1).state_dict()
+    assert not any(torch.equal(other[k], v) for k, v in full.items() if v.dim() >= 2)
 
 
 def test_bf16_any_size():
