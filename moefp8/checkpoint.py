@@ -33,6 +33,10 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 _NO_PG_WARNING = "torch.distributed is disabled, unavailable or uninitialized"  # one process is what we mean
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: partial, corrupt or missing (the message names it)."""
+
+
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / f"step_{step:07d}"
 
@@ -71,20 +75,20 @@ def save(run_dir: str | Path, step: int, state: dict, meta: dict | None = None, 
 
 
 def check_complete(path: str | Path) -> dict:
-    """Returns the checkpoint's meta.json, or raises ValueError naming the path and what is wrong."""
+    """Returns the checkpoint's meta.json, or raises CheckpointError naming the path and what is wrong."""
     p = Path(path)
     if p.name.endswith(".tmp"):
-        raise ValueError(f"checkpoint {p}: a partial save (.tmp directory), not a complete checkpoint")
+        raise CheckpointError(f"checkpoint {p}: a partial save (.tmp directory), not a complete checkpoint")
     if not p.is_dir():
-        raise ValueError(f"checkpoint {p}: no such directory")
+        raise CheckpointError(f"checkpoint {p}: no such directory")
     if not (p / ".metadata").is_file():
-        raise ValueError(f"checkpoint {p}: DCP's .metadata is missing (partial or corrupt checkpoint)")
+        raise CheckpointError(f"checkpoint {p}: DCP's .metadata is missing (partial or corrupt checkpoint)")
     try:
         meta = json.loads((p / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {p}: meta.json is missing or unreadable ({e})") from e
+        raise CheckpointError(f"checkpoint {p}: meta.json is missing or unreadable ({e})") from e
     if meta.get("format") != FORMAT or not isinstance(meta.get("step"), int):
-        raise ValueError(f"checkpoint {p}: meta.json is not a {FORMAT} record: {meta}")
+        raise CheckpointError(f"checkpoint {p}: meta.json is not a {FORMAT} record: {meta}")
     return meta
 
 
@@ -103,7 +107,7 @@ def find_latest(run_dir: str | Path) -> Path | None:
         try:
             check_complete(d)
             return d
-        except ValueError:
+        except CheckpointError:
             continue
     return None
 

@@ -96,11 +96,11 @@ def start_wandb(cfg: Config, run_dir: Path, is_main: bool):
 def check_parallel(cfg: Config, world: int) -> None:
     """The checks that need the process count (torchrun's WORLD_SIZE): ValueError naming the value."""
     ep, backend = cfg.dispatch.ep_size, cfg.dispatch.backend
-    if world % ep:
-        raise ValueError(f"dispatch.ep_size={ep}: does not divide the {world} processes")
     if backend != "local" and world == 1:
         raise ValueError(f"dispatch={backend}: expert parallelism needs several processes (torchrun "
                          f"--nproc_per_node N -m moefp8.train ...); use dispatch=local on one process")
+    if world % ep:
+        raise ValueError(f"dispatch.ep_size={ep}: does not divide the {world} processes")
 
 
 class Parallel:
@@ -345,7 +345,7 @@ def _main() -> None:
             sys.exit(f"config error: {e}")
         try:
             train(cfg)
-        except Diverged as e:
+        except (Diverged, checkpoint.CheckpointError) as e:
             sys.exit(f"error: {e}")
 
     entry()

@@ -94,7 +94,7 @@ def test_partial_and_corrupt_checkpoints_refused(data_dir, tmp_path):
     # a save killed before its rename: step_3.tmp is ignored by auto, refused when named
     shutil.copytree(run / "step_0000002", run / "step_0000003.tmp")
     assert checkpoint.find_latest(run) == run / "step_0000002"
-    with pytest.raises(ValueError, match=r"step_0000003.tmp: a partial save"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_0000003.tmp: a partial save"):
         train(compose_config(base(data_dir, run, **{"train.steps": 4, "train.resume": run / "step_0000003.tmp"})))
     # killed between the rename and the pointer update: the newest complete step dir wins
     (run / "latest").unlink()
@@ -120,12 +120,38 @@ def test_diverging_run_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert not list(run.glob("step_*.tmp"))
 
 
-def test_bad_config_is_one_line(data_dir):
-    r = cli(["model.hidden=100", "recipe=fp8", f"data.path={data_dir}", "logger.mode=disabled"], timeout=120)
+def test_nan_policy_skip(data_dir, tmp_path):
+    """lr 1e30: step 1 is finite, its update ruins the weights, every later step is skipped."""
+    run = tmp_path / "skip"
+    train(compose_config(base(data_dir, run, **{"train.steps": 3, "optim.lr": 1e30, "optim.grad_clip": 0,
+                                                "train.nan_policy": "skip"})))
+    assert [x["step"] for x in metrics(run)] == [1]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["model.hidden=100", "recipe=fp8"], "config error: model.hidden=100: not a multiple of 128"),
+    (["train.resume=/nonexistent/step_0000001"], "error: checkpoint /nonexistent/step_0000001: no such directory"),
+    (["dispatch=all_to_all"], "config error: dispatch=all_to_all: expert parallelism needs several processes"),
+])
+def test_errors_are_one_line(data_dir, tmp_path, overrides, error):
+    r = cli([*overrides, f"data.path={data_dir}", "logger.mode=disabled", f"train.out_dir={tmp_path / 'r'}"],
+            timeout=120)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
-    assert lines == [lines[-1]] and lines[-1].startswith("config error: model.hidden=100: not a multiple of 128"), \
-        r.stderr
+    assert lines == [lines[-1]] and lines[-1].startswith(error), r.stderr
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=small"], ["model=dsv3_layer", "recipe=bf16"],
+                                       ["experiment=tiny_bf16"], ["experiment=small_gpu"]])
+def test_presets_compose_and_validate(overrides):
+    from moefp8.model import param_counts
+
+    cfg = compose_config(overrides)
+    n = param_counts(cfg.model)
+    if cfg.model.name == "small":
+        assert 0.1e9 < n["total"] < 0.5e9 and n["active"] < n["total"] / 3
+    if overrides == ["experiment=tiny_bf16"]:
+        assert (cfg.model.name, cfg.recipe.recipe) == ("tiny", "bf16")
 
 
 def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
