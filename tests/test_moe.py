@@ -74,19 +74,29 @@ def test_fp8_forward_matches_float64_model():
 
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_routing_weight_gradient_is_exact(recipe):
-    m = MoELayer(H, I, E, K, n_shared=0, recipe=recipe)
-    T = 64
-    x = torch.randn(T, H).bfloat16()
+    check_routing_weight_gradient(recipe, H, I, E, K, 64, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_gpu_routing_weight_gradient_is_exact(recipe):
+    check_routing_weight_gradient(recipe, 2048, 512, 16, 8, 2048, "cuda")
+
+
+def check_routing_weight_gradient(recipe, H, I, E, K, T, device):
+    torch.manual_seed(0)
+    m = MoELayer(H, I, E, K, n_shared=0, recipe=recipe).to(device)
+    x = torch.randn(T, H, device=device).bfloat16()
     r = m.router(x)
     w = r.topk_w_TK.detach().clone().requires_grad_()
     out = _RoutedExperts.apply(x, w, m.w1, m.w2, r.topk_idx_TK, m)
-    dout = torch.randn(T, H).bfloat16()
+    dout = torch.randn(T, H, device=device).bfloat16()
     out.backward(dout)
     # y, recomputed the way forward computed it, and dw = <dout, y> in float64
     L = build_layout(r.topk_idx_TK, E)
     if recipe == "fp8":
         y, _, _ = fp8_mlp_forward(permute_fp8(quant_rowwise_ref(x), L), L.offsets, m.cache.get(m.w1, "pow2"),
-                                  m.cache.get(m.w2, "pow2"), "pow2")
+                                  m.cache.get(m.w2, "pow2"), "pow2", L.offsets_host)
     else:
         from moefp8.experts import bf16_mlp_forward
         from moefp8.kernels.permute import permute_rows
@@ -180,6 +190,18 @@ def test_gpu_fp8_vs_bf16_and_memory():
 
 
 def test_fp8_gradients_match_float64_model():
+    check_gradients_vs_float64_model(H, I, E, K, 150, "cpu", tol=5e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gradients_match_float64_model():
+    # on Hopper the FP8 MMA adds each 128-K block with a reduced-precision internal accumulator
+    # (kernels/gemm tests: up to ~4e-4 relative on fp32 outputs): same bound as on CPU for now,
+    # to be frozen from the first GPU measurement
+    check_gradients_vs_float64_model(1024, 512, 16, 8, 1000, "cuda", tol=5e-3)
+
+
+def check_gradients_vs_float64_model(H, I, E, K, T, device, tol):
     """The backward's data flow and quantization points, with every GEMM in float64: dout ->
     FP8 (routing weight folded into the scales) -> da (bf16) -> dh (FP8 row- and col-wise) -> dx,
     dW1, dW2, and dw = <dout, y>."""
@@ -187,13 +209,13 @@ def test_fp8_gradients_match_float64_model():
     from moefp8.kernels.quant import dequant_swiglu_quant_colwise_ref, requant_colwise_ref
     from moefp8.kernels.swiglu import swiglu_backward_quant_ref
 
-    m = MoELayer(H, I, E, K, n_shared=0)
-    T = 150
-    x = torch.randn(T, H).bfloat16().requires_grad_()
+    torch.manual_seed(0)
+    m = MoELayer(H, I, E, K, n_shared=0).to(device)
+    x = torch.randn(T, H, device=device).bfloat16().requires_grad_()
     r = m.router(x.detach())
     w = r.topk_w_TK.detach().clone().requires_grad_()
     idx = r.topk_idx_TK
-    dout = torch.randn(T, H).bfloat16()
+    dout = torch.randn(T, H, device=device).bfloat16()
     _RoutedExperts.apply(x, w, m.w1, m.w2, idx, m).backward(dout)
 
     L = build_layout(idx, E)
@@ -201,7 +223,7 @@ def test_fp8_gradients_match_float64_model():
     W1, W2 = (quant_weight_ref(p.detach()).dequantize().double() for p in (m.w1, m.w2))
 
     def gmm(A, Wd, transpose=False):  # per expert segment: A · W[e]ᵀ (or A · W[e])
-        out = torch.zeros(A.shape[0], Wd.shape[2] if transpose else Wd.shape[1], dtype=torch.float64)
+        out = torch.zeros(A.shape[0], Wd.shape[2] if transpose else Wd.shape[1], dtype=torch.float64, device=A.device)
         for e in range(E):
             out[off[e]:off[e + 1]] = A[off[e]:off[e + 1]] @ (Wd[e] if transpose else Wd[e].t())
         return out
@@ -227,4 +249,4 @@ def test_fp8_gradients_match_float64_model():
     # dW2, dw <= 1e-6 (3 seeds); dropping the routing weight from dy fails this test; a wrong
     # segment, a missing routing weight or a leaked padding row gives O(1).
     for name, got, want in (("dx", x.grad, dx), ("dW1", m.w1.grad, dw1), ("dW2", m.w2.grad, dw2), ("dw", w.grad, dw)):
-        assert rel_err(got.float(), want) < 5e-3, f"{name}: {rel_err(got.float(), want):.2e}"
+        assert rel_err(got.float(), want) < tol, f"{name}: {rel_err(got.float(), want):.2e}"
