@@ -1,0 +1,32 @@
+"""tools/convergence.py: both recipes train through the real entry point; JSON and PNG written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+from convergence import ema  # noqa: E402
+
+
+def test_ema():
+    assert ema([1.0, 0.0, 0.0]) == [1.0, 0.9, pytest.approx(0.81)]
+
+
+@pytest.mark.slow
+def test_convergence_tool_cpu(tmp_path):
+    cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "model=tiny", "train.steps=6",
+           "optim.warmup_steps=2", "data.max_bytes=2000000",
+           "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled", f"data.path={tmp_path / 'data'}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads((tmp_path / "convergence.json").read_text())
+    assert (tmp_path / "convergence.png").stat().st_size > 10_000
+    assert doc["tool"] == "convergence" and doc["curves"]["steps"] == list(range(1, 7))
+    rows = {row["impl"]: row for row in doc["rows"]}
+    gap = rows["fp8 vs bf16: max |EMA rel. loss diff|, last half"]
+    assert isinstance(gap["pass"], bool) and gap["value"] >= 0 and gap["baseline_value"] == 0.25
+    assert rows["fp8 tokens/s"]["value"] > 0 and len(doc["curves"]["rel_diff"]) == 6

@@ -1,0 +1,128 @@
+"""FP8 vs BF16 convergence: trains one config twice, `recipe=bf16` and `recipe=fp8`, from the same
+seed and data through the real entry point (`python -m moefp8.train`), then writes both loss
+curves, the EMA(0.9)-smoothed relative difference (fp8 - bf16) / bf16 and a PNG plot.
+
+DeepSeek-V3's acceptance criterion: the smoothed relative loss error stays below 0.25%; checked
+here over the last half of the run. Throughput (median tokens/s after warm-up) of both recipes
+is compared too.
+
+    python tools/convergence.py model=small train.steps=2000               # one GPU
+    python tools/convergence.py --out outputs/conv model=tiny train.steps=40   # CPU smoke run
+
+Every argument that is not an option of this tool is a Hydra override given to both runs.
+Saves bench/results/convergence-<device>.json and .png (CPU runs: outputs/), or under --out.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moefp8.testing import REPO, results_path, save_results  # noqa: E402
+
+RECIPES = ("bf16", "fp8")
+
+
+def ema(xs: list[float], beta: float = 0.9) -> list[float]:
+    out, s = [], None
+    for x in xs:
+        s = x if s is None else beta * s + (1 - beta) * x
+        out.append(s)
+    return out
+
+
+def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float]]:
+    """metrics.jsonl -> (steps, losses, tokens/s); a resumed run's later lines win."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"convergence: no metrics in {path} (did the training run fail?)")
+    by_step = {}
+    for line in path.read_text().splitlines():
+        m = json.loads(line)
+        by_step[m["step"]] = m
+    steps = sorted(by_step)
+    return steps, [by_step[s]["loss"] for s in steps], [by_step[s]["tokens_per_s"] for s in steps]
+
+
+def train(recipe: str, run_dir: Path, overrides: list[str]) -> None:
+    cmd = [sys.executable, "-m", "moefp8.train", *overrides, f"recipe={recipe}", f"train.out_dir={run_dir}"]
+    print("convergence:", " ".join(cmd), flush=True)
+    if subprocess.run(cmd, cwd=REPO).returncode:
+        raise SystemExit(f"convergence: the {recipe} run failed (command above)")
+
+
+def plot(path: Path, curves: dict, rel: list[float], steps: list[int], threshold: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for recipe, c in curves.items():
+        (line,) = a.plot(c["steps"], c["ema"], label=f"{recipe} (EMA 0.9)")
+        a.plot(c["steps"], c["loss"], color=line.get_color(), alpha=0.25)
+    a.set_ylabel("training loss")
+    a.legend()
+    b.plot(steps, [100 * r for r in rel], color="k")
+    for y in (100 * threshold, -100 * threshold):
+        b.axhline(y, color="r", linestyle="--", linewidth=1)
+    b.axvline(steps[len(steps) // 2], color="gray", linestyle=":", linewidth=1)
+    b.set_ylabel("(fp8 - bf16) / bf16, EMA, %")
+    b.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="folder for the runs, the JSON and the PNG")
+    p.add_argument("--threshold", type=float, default=0.0025, help="acceptance: max |EMA relative difference|")
+    p.add_argument("--skip-train", action="store_true", help="only read existing runs and report")
+    args, overrides = p.parse_known_args()
+    json_path = Path(args.out) / "convergence.json" if args.out else results_path("convergence")
+    runs = (Path(args.out) if args.out else REPO / "outputs" / "convergence") / "runs"
+    curves = {}
+    for recipe in RECIPES:
+        run_dir = (runs / recipe).resolve()
+        if not args.skip_train:
+            train(recipe, run_dir, overrides)
+        steps, loss, tps = read_losses(run_dir)
+        curves[recipe] = {"steps": steps, "loss": loss, "ema": ema(loss), "tokens_per_s": tps}
+    steps = [s for s in curves["bf16"]["steps"] if s in set(curves["fp8"]["steps"])]
+    if not steps:
+        raise SystemExit("convergence: the two runs share no step")
+    e16 = dict(zip(curves["bf16"]["steps"], curves["bf16"]["ema"]))
+    e8 = dict(zip(curves["fp8"]["steps"], curves["fp8"]["ema"]))
+    rel = [(e8[s] - e16[s]) / e16[s] for s in steps]
+    last = rel[len(rel) // 2:]
+    worst = max(abs(r) for r in last)
+    tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
+    case = f"{' '.join(overrides) or 'defaults'}, {steps[-1]} steps"
+    rows = [
+        {"case": case, "impl": "fp8 vs bf16: max |EMA rel. loss diff|, last half", "value": round(100 * worst, 4),
+         "unit": "%", "baseline": "DeepSeek-V3 acceptance", "baseline_value": 100 * args.threshold,
+         "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
+         "mean_rel_diff_last_half_pct": round(100 * sum(last) / len(last), 4),
+         "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()}},
+        {"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
+         "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
+         "ratio": round(tps["fp8"] / tps["bf16"], 3)},
+    ]
+    png = json_path.with_suffix(".png")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(png, curves, rel, steps, args.threshold)
+    save_results("convergence", rows, {"what": "acceptance threshold on the smoothed relative loss difference",
+                                       "value": 100 * args.threshold, "unit": "%"}, path=json_path,
+                 plot=png.name, curves={"steps": steps, "rel_diff": rel,
+                                        **{r: {"loss": c["loss"], "ema": c["ema"]} for r, c in curves.items()}})
+    verdict = "PASS" if worst < args.threshold else "FAIL"
+    print(f"max |EMA rel. loss diff| over the last half: {100 * worst:.3f}% (threshold {100 * args.threshold}%): "
+          f"{verdict}; tokens/s fp8 {tps['fp8']:,.0f} vs bf16 {tps['bf16']:,.0f} ({tps['fp8'] / tps['bf16']:.2f}x)")
+    print(f"saved {json_path} and {png}")
+
+
+if __name__ == "__main__":
+    main()
