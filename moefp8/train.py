@@ -209,9 +209,17 @@ def train(cfg: Config) -> dict:
         start = st["step"]
         console.print(f"resumed from {ckpt} at step {start}")
     metrics_path = run_dir / "metrics.jsonl"
-    if is_main:  # keep the history up to the resumed step (drop steps a killed run logged past it)
-        old = metrics_path.read_text().splitlines() if metrics_path.exists() and start else []
-        metrics_path.write_text("".join(l + "\n" for l in old if json.loads(l)["step"] <= start))
+    if is_main:  # keep the history up to the resumed step: drop steps a killed run logged past it
+        kept = []  # and a line it was killed while writing; rewritten atomically
+        for line in (metrics_path.read_text().splitlines() if metrics_path.exists() and start else []):
+            try:
+                if json.loads(line)["step"] <= start:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass
+        tmp = metrics_path.with_name(metrics_path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics_path)
     if start >= t.steps:
         console.print(f"{run_dir}: already at step {start} >= train.steps={t.steps}; nothing to do "
                       f"(raise train.steps, or pick a new train.out_dir)")
