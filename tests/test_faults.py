@@ -2,6 +2,7 @@
 resumes from the last complete checkpoint and continues the same loss sequence bit for bit."""
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# One CPU thread: multi-threaded CPU matmuls may split their sums differently from run to run (seen
+# in CI: two fresh runs differed at step 2), which is not what these tests are about.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _logged(run_dir: Path) -> list[int]:
@@ -42,7 +46,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
             "train.log_every=1", "logger.mode=disabled", "optim.warmup_steps=2", "data.max_bytes=2000000",
             f"data.path={tmp_path / 'data'}"]
     subprocess.run(args + [f"train.out_dir={tmp_path / 'ref'}"], cwd=REPO, check=True, capture_output=True,
-                   timeout=600)  # uninterrupted reference (and the data, prepared once)
+                   timeout=600, env=ENV)  # uninterrupted reference (and the data, prepared once)
     ref = losses(tmp_path / "ref")
     assert sorted(ref) == list(range(1, 41))
     run = tmp_path / "killed"
@@ -50,7 +54,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
     kills = []
     for target in (6, 14, 23, 31):  # kill once the run has logged this step, plus a random fraction of a step
         p = subprocess.Popen(args + [f"train.out_dir={run}"], cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.DEVNULL, env=ENV)
         deadline = time.time() + 300
         while p.poll() is None and time.time() < deadline and max(_logged(run), default=0) < target:
             time.sleep(0.05)
@@ -59,7 +63,8 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
             p.kill()
             kills.append(max(_logged(run), default=0))
         p.wait(timeout=60)
-    r = subprocess.run(args + [f"train.out_dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(args + [f"train.out_dir={run}"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert kills, "no attempt was killed"
     got = losses(run)
@@ -74,9 +79,9 @@ def test_resume_after_a_torn_metrics_line(tmp_path):
     args = [sys.executable, "-m", "moefp8.train", "model=tiny", "train.ckpt_every=3", "logger.mode=disabled",
             "optim.warmup_steps=1", "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}",
             f"train.out_dir={tmp_path / 'run'}"]
-    subprocess.run(args + ["train.steps=6"], cwd=REPO, check=True, capture_output=True, timeout=600)
+    subprocess.run(args + ["train.steps=6"], cwd=REPO, check=True, capture_output=True, timeout=600, env=ENV)
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "loss": 3.1')  # torn
-    r = subprocess.run(args + ["train.steps=8"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(args + ["train.steps=8"], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(losses(tmp_path / "run")) == list(range(1, 9))
