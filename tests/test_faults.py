@@ -85,3 +85,55 @@ def test_resume_after_a_torn_metrics_line(tmp_path):
     r = subprocess.run(args + ["train.steps=8"], cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(losses(tmp_path / "run")) == list(range(1, 9))
+
+
+def _worker_pid(launcher_pid: int, local_rank: int) -> int | None:
+    """The torchrun worker with LOCAL_RANK=local_rank among the launcher's descendants (/proc)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            stat = (d / "stat").read_text().split()
+        except OSError:
+            continue
+        if f"LOCAL_RANK={local_rank}".encode() in env and b"moefp8.train" in (d / "cmdline").read_bytes():
+            pid = int(d.name)
+            ppid = int(stat[3])
+            while ppid > 1:  # walk up to the launcher
+                if ppid == launcher_pid:
+                    return pid
+                try:
+                    ppid = int((Path("/proc") / str(ppid) / "stat").read_text().split()[3])
+                except OSError:
+                    break
+    return None
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_the_run_quickly_and_is_named(tmp_path):
+    """torchrun, 2 gloo ranks (EP 2): SIGKILL rank 1 mid-training; the launcher stops rank 0 and
+    exits non-zero within a bounded time, naming the failed rank (no silent hang)."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+            "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "model=tiny", "train.steps=500",
+            "train.micro_batch=2", "train.log_every=1", "train.ckpt_every=0", "logger.mode=disabled",
+            "optim.warmup_steps=2", "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}",
+            f"train.out_dir={run}"]
+    p = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        deadline = time.time() + 300
+        while p.poll() is None and time.time() < deadline and max(_logged(run), default=0) < 3:
+            time.sleep(0.1)
+        victim = _worker_pid(p.pid, 1)
+        assert p.poll() is None and victim, "the run did not reach step 3 with two workers"
+        os.kill(victim, 9)
+        t0 = time.time()
+        out, _ = p.communicate(timeout=120)
+        elapsed = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s to stop"
+    assert "local_rank: 1" in out and ("SIGKILL" in out or "-9" in out), out[-3000:]
