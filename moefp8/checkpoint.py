@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 FORMAT = "moefp8-ckpt-v1"
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -118,5 +119,10 @@ def load(path: str | Path, state: dict) -> dict:
     meta = check_complete(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (ValueError, RuntimeError, CheckpointException) as e:  # another model shape (DCP wraps its
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__  # size / key errors)
+            raise CheckpointError(f"checkpoint {path} does not fit this model (was it written for another "
+                                  f"model config?): {msg}") from None
     return meta

@@ -137,3 +137,16 @@ def test_a_dead_rank_ends_the_run_quickly_and_is_named(tmp_path):
     assert p.returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f} s to stop"
     assert "local_rank: 1" in out and ("SIGKILL" in out or "-9" in out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_checkpoint_from_another_model_shape_is_one_line(tmp_path):
+    args = [sys.executable, "-m", "moefp8.train", "model=tiny", "train.ckpt_every=2", "logger.mode=disabled",
+            "optim.warmup_steps=1", "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}",
+            f"train.out_dir={tmp_path / 'run'}"]
+    subprocess.run(args + ["train.steps=2"], cwd=REPO, check=True, capture_output=True, timeout=600, env=ENV)
+    r = subprocess.run(args + ["train.steps=4", "model.n_experts=16"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600, env=ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "does not fit this model" in out and "router.weight" in out and "step_0000002" in out
