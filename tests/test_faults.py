@@ -17,6 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+def tiny_args(tmp_path: Path, *overrides: str) -> list[str]:
+    """`python -m moefp8.train` on the tiny model, small data, no wandb, run dir tmp_path/run."""
+    return [sys.executable, "-m", "moefp8.train", "model=tiny", "logger.mode=disabled", "optim.warmup_steps=1",
+            "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}",
+            *overrides]
+
+
 def _logged(run_dir: Path) -> list[int]:
     """Steps in metrics.jsonl so far (a line being written may be torn: skipped)."""
     try:
@@ -76,9 +83,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
 @pytest.mark.slow
 def test_resume_after_a_torn_metrics_line(tmp_path):
     """A process killed while appending to metrics.jsonl leaves half a line: resume must not trip on it."""
-    args = [sys.executable, "-m", "moefp8.train", "model=tiny", "train.ckpt_every=3", "logger.mode=disabled",
-            "optim.warmup_steps=1", "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}",
-            f"train.out_dir={tmp_path / 'run'}"]
+    args = tiny_args(tmp_path, "train.ckpt_every=3")
     subprocess.run(args + ["train.steps=6"], cwd=REPO, check=True, capture_output=True, timeout=600, env=ENV)
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "loss": 3.1')  # torn
@@ -141,9 +146,7 @@ def test_a_dead_rank_ends_the_run_quickly_and_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_from_another_model_shape_is_one_line(tmp_path):
-    args = [sys.executable, "-m", "moefp8.train", "model=tiny", "train.ckpt_every=2", "logger.mode=disabled",
-            "optim.warmup_steps=1", "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}",
-            f"train.out_dir={tmp_path / 'run'}"]
+    args = tiny_args(tmp_path, "train.ckpt_every=2")
     subprocess.run(args + ["train.steps=2"], cwd=REPO, check=True, capture_output=True, timeout=600, env=ENV)
     r = subprocess.run(args + ["train.steps=4", "model.n_experts=16"], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=ENV)
