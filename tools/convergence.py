@@ -7,6 +7,7 @@ here over the last half of the run. Throughput (median tokens/s after warm-up) o
 is compared too.
 
     python tools/convergence.py model=small train.steps=2000               # one GPU
+    python tools/convergence.py --parallel experiment=small_gpu           # two GPUs, one run each
     python tools/convergence.py --out outputs/conv model=tiny train.steps=40   # CPU smoke run
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
@@ -15,6 +16,7 @@ Saves bench/results/convergence-<device>.json and .png (CPU runs: outputs/), or 
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,8 +36,9 @@ def ema(xs: list[float], beta: float = 0.9) -> list[float]:
     return out
 
 
-def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float]]:
-    """metrics.jsonl -> (steps, losses, tokens/s); a resumed run's later lines win."""
+def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float], dict]:
+    """metrics.jsonl -> (steps, losses, tokens/s, the last step's expert-load stats); a resumed
+    run's later lines win."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"convergence: no metrics in {path} (did the training run fail?)")
@@ -44,14 +47,24 @@ def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float]]:
         m = json.loads(line)
         by_step[m["step"]] = m
     steps = sorted(by_step)
-    return steps, [by_step[s]["loss"] for s in steps], [by_step[s]["tokens_per_s"] for s in steps]
+    load = {k: by_step[steps[-1]].get(k) for k in ("load_max_over_mean", "experts_empty")} if steps else {}
+    return steps, [by_step[s]["loss"] for s in steps], [by_step[s]["tokens_per_s"] for s in steps], load
 
 
-def train(recipe: str, run_dir: Path, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "moefp8.train", *overrides, f"recipe={recipe}", f"train.out_dir={run_dir}"]
-    print("convergence:", " ".join(cmd), flush=True)
-    if subprocess.run(cmd, cwd=REPO).returncode:
-        raise SystemExit(f"convergence: the {recipe} run failed (command above)")
+def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
+    """Runs each recipe through the real entry point; with `parallel`, both at once, recipe i on
+    GPU i (CUDA_VISIBLE_DEVICES), each alone on its GPU, so tokens/s stay comparable."""
+    procs = {}
+    for i, (recipe, run_dir) in enumerate(runs.items()):
+        cmd = [sys.executable, "-m", "moefp8.train", *overrides, f"recipe={recipe}", f"train.out_dir={run_dir}"]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if parallel else None
+        print("convergence:", " ".join(cmd), f"(GPU {i})" if parallel else "", flush=True)
+        procs[recipe] = subprocess.Popen(cmd, cwd=REPO, env=env)
+        if not parallel:
+            procs[recipe].wait()
+    failed = [r for r, p in procs.items() if p.wait()]
+    if failed:
+        raise SystemExit(f"convergence: the {', '.join(failed)} run(s) failed (commands above)")
 
 
 def plot(path: Path, curves: dict, rel: list[float], steps: list[int], threshold: float) -> None:
@@ -81,16 +94,22 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for the runs, the JSON and the PNG")
     p.add_argument("--threshold", type=float, default=0.0025, help="acceptance: max |EMA relative difference|")
     p.add_argument("--skip-train", action="store_true", help="only read existing runs and report")
+    p.add_argument("--parallel", action="store_true", help="run both recipes at once, one GPU each (needs 2 GPUs)")
     args, overrides = p.parse_known_args()
     json_path = Path(args.out) / "convergence.json" if args.out else results_path("convergence")
     runs = (Path(args.out) if args.out else REPO / "outputs" / "convergence") / "runs"
+    run_dirs = {recipe: (runs / recipe).resolve() for recipe in RECIPES}
+    if args.parallel:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit(f"convergence: --parallel needs 2 GPUs, {torch.cuda.device_count()} visible")
+    if not args.skip_train:
+        train(run_dirs, overrides, args.parallel)
     curves = {}
-    for recipe in RECIPES:
-        run_dir = (runs / recipe).resolve()
-        if not args.skip_train:
-            train(recipe, run_dir, overrides)
-        steps, loss, tps = read_losses(run_dir)
-        curves[recipe] = {"steps": steps, "loss": loss, "ema": ema(loss), "tokens_per_s": tps}
+    for recipe, run_dir in run_dirs.items():
+        steps, loss, tps, load = read_losses(run_dir)
+        curves[recipe] = {"steps": steps, "loss": loss, "ema": ema(loss), "tokens_per_s": tps, "load": load}
     steps = [s for s in curves["bf16"]["steps"] if s in set(curves["fp8"]["steps"])]
     if not steps:
         raise SystemExit("convergence: the two runs share no step")
@@ -106,7 +125,8 @@ def main() -> None:
          "unit": "%", "baseline": "DeepSeek-V3 acceptance", "baseline_value": 100 * args.threshold,
          "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
          "mean_rel_diff_last_half_pct": round(100 * sum(last) / len(last), 4),
-         "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()}},
+         "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()},
+         "final_expert_load": {r: c["load"] for r, c in curves.items()}},
         {"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
          "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
          "ratio": round(tps["fp8"] / tps["bf16"], 3)},
