@@ -7,8 +7,9 @@ plain dataclasses. `validate(cfg)` checks the values that the type system cannot
 ValueError naming the offending key and value.
 """
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from moefp8.fp8 import TILE
 
@@ -101,6 +102,9 @@ class TrainConfig:
     nan_policy: str = "stop"  # non-finite loss or grad norm: stop (keep the last good checkpoint) | skip the step
     peak_tflops: float = 0.0  # for MFU; 0: look up the GPU (H100/H200 dense BF16 or FP8), none on CPU
     progress: bool = True  # a progress bar when the console is a terminal
+    # seconds a collective waits for its peers before this rank gives up (a peer died or hangs,
+    # e.g. on another node): gloo raises and the run stops with one line; NCCL's watchdog aborts
+    dist_timeout_s: float = 600.0
 
 
 @dataclass
@@ -146,7 +150,13 @@ def validate(cfg: Config) -> None:
         _positive(f"model.{key}", getattr(m, key))
     for key in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every"):
         _positive(f"train.{key}", getattr(t, key))
+    for name, sec in (("model", m), ("optim", o), ("train", t)):  # inf/nan pass range checks (nan <= 0 is False)
+        for f in fields(sec):
+            v = getattr(sec, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name}.{f.name}={v}: must be finite")
     _positive("optim.lr", o.lr)
+    _positive("train.dist_timeout_s", t.dist_timeout_s)
     _positive("dispatch.ep_size", d.ep_size)
     if m.vocab_size < BYTE_VOCAB:
         raise ValueError(f"model.vocab_size={m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB}")

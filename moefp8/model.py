@@ -33,6 +33,10 @@ class ModelOutput(NamedTuple):
     out: Tensor  # the mean cross-entropy (fp32 scalar) when targets are given, else logits [B, S, V] fp32
     aux_loss: Tensor  # sum over MoE layers of their sequence-wise balance losses (0 when off)
     load_LE: Tensor  # int64 [L_moe, E] tokens routed to each expert in each MoE layer
+    # bool [2 L + 2] on the device: some output of that stage was NaN/Inf, in `Transformer.stages()`
+    # order (embed, layers.i.attn, layers.i.mlp, ..., head). One isfinite reduction per stage, no
+    # host sync: the training loop reads it only once the loss is non-finite.
+    nonfinite: Tensor
 
 
 class Bf16Linear(nn.Module):
@@ -119,14 +123,23 @@ class Block(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, recipe, scale_fmt)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor):
-        """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None)."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list):
+        """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
+        bool tensor per sub-layer: its output holds a NaN/Inf."""
+        a = self.attn(self.attn_norm(x), cos, sin)
+        flags.append(_nonfinite(a))
+        x = x + a
         h = self.mlp_norm(x)
         if not self.is_moe:
-            return x + self.mlp(h), None, None
-        o = self.mlp(h, seq_len=x.shape[1])
-        return x + o.out, o.aux_loss, o.load_E
+            o, aux, load = self.mlp(h), None, None
+        else:
+            o, aux, load = self.mlp(h, seq_len=x.shape[1])
+        flags.append(_nonfinite(o))
+        return x + o, aux, load
+
+
+def _nonfinite(x: Tensor) -> Tensor:
+    return ~torch.isfinite(x.detach()).all()
 
 
 class Transformer(nn.Module):
@@ -176,21 +189,27 @@ class Transformer(nn.Module):
         B, S = idx_BS.shape
         cos, sin = rope_tables(S, self.cfg.head_dim, self.cfg.rope_theta, idx_BS.device)
         x = self.embed(idx_BS).to(BF16)
+        flags = [_nonfinite(x)]
         aux = torch.zeros((), device=idx_BS.device)
         loads = []
         for layer in self.layers:
-            x, a, load = layer(x, cos, sin)
+            x, a, load = layer(x, cos, sin, flags)
             if a is not None:
                 aux = aux + a
             if load is not None:
                 loads.append(load)
         logits = F.linear(self.norm(x), self.head.weight.to(BF16)).float()  # [B, S, V]
+        flags.append(_nonfinite(logits))
         load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64,
                                                                device=idx_BS.device)
         if targets_BS is None:
-            return ModelOutput(logits, aux, load_LE)
+            return ModelOutput(logits, aux, load_LE, torch.stack(flags))
         loss = F.cross_entropy(logits.view(B * S, -1), targets_BS.reshape(-1))
-        return ModelOutput(loss, aux, load_LE)
+        return ModelOutput(loss, aux, load_LE, torch.stack(flags))
+
+    def stages(self) -> list[str]:
+        """Names of the entries of ModelOutput.nonfinite, in forward order."""
+        return ["embed", *(f"layers.{i}.{s}" for i in range(len(self.layers)) for s in ("attn", "mlp")), "head"]
 
     def routers(self) -> list:
         return [b.mlp.router for b in self.layers if b.is_moe]

@@ -22,12 +22,13 @@ update, and each expert is checkpointed under its global index (resumable under 
     torchrun --nproc_per_node 4 -m moefp8.train dispatch=all_to_all dispatch.ep_size=4
 """
 
+import datetime
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import Loader, prepare
-from moefp8.dispatch import build_dispatcher, build_ep_group
+from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, ep_group_ranks
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.router import load_stats
@@ -51,7 +52,15 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0,
 
 
 class Diverged(RuntimeError):
-    """A non-finite loss or gradient norm under nan_policy=stop."""
+    """A non-finite loss or gradient norm under nan_policy=stop (the message names the stage)."""
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line, `key=value: why`."""
+
+
+class DataError(ValueError):
+    """The training data cannot be read (the message names the file)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,6 +69,30 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device='cuda': no CUDA device is available (use train.device=auto or cpu)")
     return torch.device(name)
+
+
+def check_gpus(device: torch.device, local_rank: int, visible: int, nproc: int) -> None:
+    """More processes on this node than GPUs it can see (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE
+    against torch.cuda.device_count()): ValueError before any CUDA or NCCL call."""
+    if device.type == "cuda" and max(local_rank + 1, nproc) > visible:
+        raise ValueError(f"train.device=cuda: {max(local_rank + 1, nproc)} processes on this node but only "
+                         f"{visible} GPU(s) visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                         f"launch at most {visible} per node (torchrun --nproc_per_node {visible})")
+
+
+def check_launch(cfg: Config, env=os.environ) -> None:
+    """What the config needs from this machine and launch: the device, one GPU per process, DeepEP
+    installed if asked for, the process count (ValueError naming the value)."""
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda":
+        check_gpus(device, int(env.get("LOCAL_RANK", "0")), torch.cuda.device_count(),
+                   int(env.get("LOCAL_WORLD_SIZE", "1")))
+    if cfg.dispatch.backend == "deepep":
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"dispatch=deepep: `import deep_ep` failed ({e}). {DEEPEP_INSTALL}") from None
+    check_parallel(cfg, int(env.get("WORLD_SIZE", "1")))
 
 
 def peak_flops(cfg: Config, device: torch.device) -> float | None:
@@ -119,11 +152,22 @@ class Parallel:
         self.ep_group = self.expert_dp_group = None
         if self.world == 1:
             return
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # Every collective of every group waits at most this long for its peers (a dead or hung
+        # rank on another node); gloo then raises, NCCL's watchdog aborts the process.
+        timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        # new_group is collective: every rank creates every group, in order. Groups made here, not
+        # by dispatch.build_ep_group, which has no timeout argument (new_group's default is 30 min
+        # for gloo, 10 for NCCL, not the world's).
         if d.backend != "local":
-            self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts)
-        for r in range(ep):  # new_group is collective: every rank creates every group, in order
-            g = dist.new_group(list(range(r, self.world, ep)))
+            if ep == self.world:
+                self.ep_group = dist.group.WORLD
+            for ranks in ep_group_ranks(self.world, ep, cfg.model.n_experts) if ep < self.world else []:
+                g = dist.new_group(ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self.ep_group = g
+        for r in range(ep):
+            g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout)
             if r == self.ep_rank:
                 self.expert_dp_group = g
 
@@ -155,6 +199,37 @@ def model_state(model: Transformer, opt: AdamW) -> dict:
                       "exp_avg_sq": expert_keys(optim["exp_avg_sq"], names, off)}}
 
 
+def locate_nonfinite(model: Transformer, nonfinite_S: torch.Tensor) -> str:
+    """Where a step's NaN/Inf came from, for the error message (called only after the loss or the
+    gradient norm came out non-finite, so the host syncs here cost nothing in a healthy run):
+    the first stage (in forward order) whose output was non-finite, else the parameter whose
+    gradient went non-finite first in backward order (the last in forward order)."""
+    bad = [name for name, f in zip(model.stages(), nonfinite_S.tolist()) if f]
+    if bad:
+        return f"first non-finite activation: {bad[0]} output" + (f" (then {len(bad) - 1} later stage(s))"
+                                                                   if len(bad) > 1 else "")
+    grads = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    if grads:
+        return (f"activations finite; first non-finite gradient (backward order): {grads[-1]}"
+                + (f" (and {len(grads) - 1} earlier parameter(s))" if len(grads) > 1 else ""))
+    return "activations and gradients of this rank finite"
+
+
+def memory_mb(device: torch.device) -> dict:
+    """This process's resident memory and (CUDA) the caching allocator's allocated / reserved
+    bytes, in MB: host counters, no device sync."""
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_mb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        pass
+    if device.type == "cuda":
+        out["cuda_alloc_mb"] = torch.cuda.memory_allocated(device) / 2**20
+        out["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
+    return out
+
+
 def train(cfg: Config) -> dict:
     """Runs (or resumes) the training described by a validated config, on one process or as one
     rank under torchrun; returns the last step's metrics. Raises Diverged on a non-finite loss
@@ -177,7 +252,10 @@ def train(cfg: Config) -> dict:
     if world > 1:
         dist.barrier()  # the run dir and the data exist
     torch.manual_seed(t.seed)
-    loader = Loader(cfg.data.path, t.micro_batch, t.seq_len, rank, world, t.seed)
+    try:
+        loader = Loader(cfg.data.path, t.micro_batch, t.seq_len, rank, world, t.seed)
+    except (OSError, ValueError) as e:  # missing / empty / truncated shard, index, too little data
+        raise DataError(str(e)) from e
     dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt)
     model = Transformer(cfg.model, cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
                         t.seed).to(device)
@@ -239,7 +317,7 @@ def train(cfg: Config) -> dict:
             lr = lr_at(step, o, t.steps)
             loss_sum = torch.zeros((), device=device)
             aux_sum = torch.zeros((), device=device)
-            load_LE = None
+            load_LE = nonfinite_S = None
             for _ in range(t.grad_accum):
                 x, y = loader.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -248,6 +326,7 @@ def train(cfg: Config) -> dict:
                 loss_sum += out.out.detach()
                 aux_sum += out.aux_loss.detach()
                 load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
+                nonfinite_S = out.nonfinite if nonfinite_S is None else nonfinite_S | out.nonfinite
             if world > 1:  # gradients of the mean loss over all ranks' tokens
                 for name, p in opt.params.items():  # one collective per tensor: bucketing is for later
                     if p.grad is None:
@@ -259,7 +338,8 @@ def train(cfg: Config) -> dict:
             gnorm = clip_grad_norm(replicated_params, o.grad_clip, sharded_params, par.ep_group)
             loss, aux, gn = (loss_sum / t.grad_accum).item(), (aux_sum / t.grad_accum).item(), gnorm.item()
             if not (math.isfinite(loss) and math.isfinite(gn)):  # the same values on every rank
-                msg = (f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g}); "
+                where = locate_nonfinite(model, par.all_reduce_(nonfinite_S.int()))  # any rank's stages
+                msg = (f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g}); {where}; "
                        f"last good checkpoint: {last_saved or checkpoint.find_latest(run_dir) or 'none'}")
                 if t.nan_policy == "stop":
                     raise Diverged(msg + ". Stopped (train.nan_policy=stop).")
@@ -275,7 +355,7 @@ def train(cfg: Config) -> dict:
             m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                  "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
-                 "experts_empty": sum(s["experts_empty"] for s in stats)}
+                 "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(device)}
             if peak:
                 m["mfu"] = fpt * m["tokens_per_s"] / (peak * world)
             mf.write(json.dumps(m) + "\n")
@@ -302,19 +382,73 @@ def train(cfg: Config) -> dict:
     return m
 
 
-def _auto_model(dcfg):
-    """train.device=auto on a GPU machine with no model= (nor experiment=) on the command line:
-    compose again with model=small (the tiny default is for CPUs)."""
-    from hydra import compose
-    from hydra.core.hydra_config import HydraConfig
+def _unknown_keys(node, schema, prefix: str = "") -> list[str]:
+    """Keys of the composed config that the dataclass schema lacks (a `+key=value` override adds
+    them silently, and OmegaConf.to_object keeps them as stray attributes)."""
+    known = {f.name: f for f in fields(schema)}
+    out = []
+    for k in node.keys():
+        if k not in known:
+            out.append(f"{prefix}{k}")
+        elif is_dataclass(known[k].type) and hasattr(node[k], "keys"):
+            out += _unknown_keys(node[k], known[k].type, f"{prefix}{k}.")
+    return out
 
-    if dcfg.train.device != "auto" or not torch.cuda.is_available():
-        return dcfg
-    overrides = list(HydraConfig.get().overrides.task)
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def describe_config_error(e: BaseException, overrides: list[str]) -> str:
+    """One line `key=value: why` for whatever Hydra, OmegaConf, YAML or `validate` raised while
+    turning the overrides into a Config."""
+    import yaml
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    def override_for(key: str) -> str:  # the command-line override that set key, else key itself
+        for ov in overrides:
+            if ov.lstrip("+~").split("=", 1)[0] == key:
+                return ov
+        return key
+
+    if isinstance(e, OverrideParseException):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        for ov in overrides:
+            try:
+                OverridesParser.create().parse_overrides([ov])
+            except OverrideParseException as e1:
+                return (f"{ov}: cannot parse the override ({_first_line(e1)}); quote values with special "
+                        f"characters, e.g. 'train.out_dir=\"a b\"'")
+        return f"cannot parse the overrides: {_first_line(e)}"
+    if isinstance(e, MissingConfigException):
+        group = (e.missing_cfg_file or "").split("/")[0]
+        if e.options:
+            return (f"{override_for(group)}: no such option in configs/{group}/; one of: "
+                    f"{', '.join(e.options)}")
+        return _first_line(e)
+    for c in (e, e.__cause__, e.__context__):
+        if isinstance(c, yaml.MarkedYAMLError):
+            mark = c.problem_mark
+            where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a config file"
+            return f"{where}: malformed YAML: {c.problem or c.context}"
+        if isinstance(c, OmegaConfBaseException) and getattr(c, "full_key", None):
+            why = _first_line(c.msg if getattr(c, "msg", None) else c)
+            hint = " (python -m moefp8.train --cfg job lists the keys)" if "not in" in why else ""
+            return f"{override_for(c.full_key)}: {why}{hint}"
+    return _first_line(e) or type(e).__name__
+
+
+def _auto_model_overrides(overrides: list[str], device: str) -> list[str]:
+    """train.device=auto on a GPU machine with no model= (nor experiment=) on the command line:
+    model=small (the tiny default is for CPUs)."""
+    if device != "auto" or not torch.cuda.is_available():
+        return overrides
     if any(ov.lstrip("+~").split("=")[0] in ("model", "experiment") for ov in overrides):
-        return dcfg
+        return overrides
     print("train: a GPU and train.device=auto: using model=small (pass model=tiny to override)")
-    return compose(config_name="config", overrides=overrides + ["model=small"])
+    return overrides + ["model=small"]
 
 
 def _register_schema() -> None:
@@ -323,38 +457,95 @@ def _register_schema() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
-def compose_config(overrides: list[str] = ()) -> Config:
-    """The validated Config that `python -m moefp8.train *overrides` would run (Hydra's compose
-    API; for tests and tools). No device-dependent model pick here."""
+def load_config(overrides: list[str] = (), auto_model: bool = False) -> Config:
+    """The validated Config that `python -m moefp8.train *overrides` runs (Hydra's compose API on
+    configs/ and the schema). Any failure, from an override Hydra cannot parse to a value
+    `validate` rejects, raises ConfigError with one line naming the key (the CLI prints it as
+    `config error: ...`). auto_model: the entry point's model=small on a GPU machine."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    import yaml
 
+    overrides = list(overrides)
     _register_schema()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
-    validate(cfg)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            dcfg = compose(config_name="config", overrides=overrides)
+            if auto_model:
+                ovs = _auto_model_overrides(overrides, dcfg.train.device)
+                if ovs != overrides:
+                    overrides, dcfg = ovs, compose(config_name="config", overrides=ovs)
+        stray = _unknown_keys(dcfg, Config)
+        if stray:
+            raise ValueError(f"{stray[0]}: no such key in the config schema (moefp8/config.py; "
+                             f"python -m moefp8.train --cfg job lists the keys)")
+        cfg = OmegaConf.to_object(dcfg)
+        validate(cfg)
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
+        raise ConfigError(describe_config_error(e, overrides)) from e
     return cfg
+
+
+def compose_config(overrides: list[str] = ()) -> Config:
+    """load_config without the device-dependent model pick (for tests and tools)."""
+    return load_config(overrides)
+
+
+def _comm_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer died, hung past train.dist_timeout_s or closed its
+    connection (gloo raises a plain RuntimeError naming its transport; NCCL a DistError)."""
+    while e is not None:
+        if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+                s in str(e) for s in ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
+                                      "Timed out waiting"))):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _main() -> None:
     import hydra
+    from hydra._internal.utils import get_args_parser
     from omegaconf import OmegaConf
 
+    args = get_args_parser().parse_args()  # what @hydra.main parses (exits with usage on a bad flag)
+    env, pre = os.environ, None
+    if not (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.multirun):
+        try:  # compose once here: any config problem is one line, before Hydra's own (multi-line) report
+            pre = load_config(args.overrides, auto_model=True)
+            check_launch(pre, env)
+        except ValueError as e:
+            sys.exit(f"config error: {e}")
     _register_schema()
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-    def entry(dcfg) -> None:
-        cfg: Config = OmegaConf.to_object(_auto_model(dcfg))
+    def entry(dcfg) -> None:  # --cfg/--help/--info are answered by Hydra before this runs
+        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        cfg = pre
         try:
-            validate(cfg)
-            resolve_device(cfg.train.device)
-            check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+            if cfg is None:  # --multirun: one job per composed config
+                cfg = OmegaConf.to_object(dcfg)
+                validate(cfg)
+                check_launch(cfg, env)
         except ValueError as e:
             sys.exit(f"config error: {e}")
         try:
             train(cfg)
-        except (Diverged, checkpoint.CheckpointError) as e:
+        except (Diverged, checkpoint.CheckpointError, DataError) as e:
             sys.exit(f"error: {e}")
+        except Exception as e:
+            if world == 1 or not _comm_failure(e):
+                raise
+            # a peer is gone: no clean shutdown of the process group is possible (it could hang)
+            print(f"error: rank {rank}: a collective failed, a peer rank died or hangs (collectives wait "
+                  f"at most train.dist_timeout_s={cfg.train.dist_timeout_s:g} s): {_first_line(e)}",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
 
     entry()
 
