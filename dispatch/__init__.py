@@ -12,8 +12,14 @@ The interface (`Dispatcher`, two methods):
   own rank, in BF16. It is also the backward of ``dispatch``.
 
 Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.distributed
-all_to_all_single, `all_to_all.py`); ``deepep`` (DeepEP's Buffer: needs `deep_ep`, which is not
-on PyPI; not implemented yet). `build_ep_group` makes the expert-parallel process groups.
+all_to_all_single, `all_to_all.py`; an "exact" mode that exchanges counts first and a
+"capacity" mode of fixed-size blocks without a host sync, picked per dispatch); ``deepep``
+(DeepEP's Buffer: needs `deep_ep`, which is not on PyPI; not implemented yet).
+`build_ep_group` makes the expert-parallel process groups.
+
+Handles have a `check()` method: it raises any input error that the dispatch found on any rank
+(the same error on every rank). Backends whose dispatch raises at once make it a no-op; the
+all_to_all capacity mode calls it at the handle's first use (combine, or a dispatch reusing it).
 """
 
 from typing import NamedTuple, Protocol
@@ -45,10 +51,13 @@ DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.c
                   "same environment as torch), or use dispatch backend 'all_to_all'")
 
 
-def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2") -> Dispatcher:
+def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2",
+                     capacity: int | None = None, mode: str = "auto") -> Dispatcher:
     """The dispatcher for a backend name; ``group`` is the expert-parallel process group (None:
     the default group for the communicating backends); ``scale_fmt`` the FP8 recipe's scale format
-    (it fixes how scales travel)."""
+    (it fixes how scales travel). ``capacity`` (the most tokens any rank passes to one dispatch)
+    and ``mode`` ("auto" | "exact" | "capacity") select the all_to_all backend's mode (see
+    `all_to_all.py`); the other backends ignore them."""
     if backend == "local":
         from moefp8.dispatch.local import LocalDispatcher
 
@@ -59,7 +68,7 @@ def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str 
     if backend == "all_to_all":
         from moefp8.dispatch.all_to_all import AllToAllDispatcher
 
-        return AllToAllDispatcher(num_experts, group, scale_fmt)
+        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode)
     if backend == "deepep":
         try:
             import deep_ep  # noqa: F401

@@ -4,7 +4,34 @@ reference for the DeepEP backend (DESIGN.md §3).
 Experts are sharded contiguously: rank r of the EP group (R ranks) owns the global experts
 [r * E_l, (r + 1) * E_l), E_l = E / R.
 
-dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]):
+Two modes, the same results (rows, order, combine sums bit for bit):
+
+* "exact": only the routed tokens travel; their counts first (a small all_to_all and one host
+  sync: they size the receive buffer), then the payload.
+* "capacity": a fixed-size exchange, no count exchange and no host sync (DeepEP's
+  `num_worst_tokens` idea). Each rank sends every rank a block of `cap + 1` rows, `cap` (the
+  dispatcher's `capacity`) >= the tokens any rank passes: row t of block r holds token t if one of
+  its experts lives on rank r, else only routing fields saying "no expert" (ids -1, the data left
+  unwritten); the last row is a header (row bytes, cap, T, an input error code and value). The
+  receiver gets R * (cap + 1) rows, in the same (source rank, token) order as the exact mode with
+  the unsent slots interleaved as rows whose local ids are all -1: the MoE layer's permute skips
+  them. Input errors travel in the headers, which reach the host (a pinned copy and an event, no
+  stream sync) and are checked at the handle's first use: its combine or the dispatch reusing it
+  (or `handle.check()`), so every rank raises the same error, before that collective.
+
+  What it costs: bytes on the wire per rank and dispatch, at hidden 7168, top-8 of 256 experts,
+  T = cap = 4096 tokens per rank, routing uniform, one packed row nb = 7296 bytes (FP8 pow2 with
+  routing fields): exact sends nb * p * R * T, capacity nb * R * (cap + 1), where p = 1 -
+  C(E - E/R, K) / C(E, K) is the chance that a token has an expert on a given rank: p = 0.997 at
+  R = 2 (capacity sends 0.3% more), 0.904 at R = 4 (+11%), 0.662 at R = 8 (+51%), 0.408 at R = 16
+  (2.5x). The combine and the backward's dispatch move fixed blocks too (the same ratios). Hence
+  the default ("auto"): capacity when the dispatcher has a capacity, R <= K (p >= 1 - 1/e) and
+  the tensors are on a GPU (gloo is synchronous: no host sync to save on CPU), else exact. What it buys: no count exchange and no host sync (the host keeps queueing work, which
+  the two-micro-batch overlap needs): at EP4 on H200s they were ~260 of the exact mode's 608 us
+  per full FP8 dispatch (bench/notes/dispatch.md has the measurements of both modes).
+  The receive buffer and the rows saved for backward hold R * (cap + 1) rows instead of ~p * R * T.
+
+dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]), exact mode:
   1. Each token goes ONCE to every rank owning at least one of its experts (as DeepEP does): the
      per-expert fan-out happens after receipt, by the layer's permute, from the local ids.
      Send order: grouped by destination rank (rank order), ascending token index within, so a
@@ -26,6 +53,9 @@ dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]):
   The sender writes each row's expert ids as its destination rank's local ids (-1 for slots
   whose expert lives elsewhere), in the pack kernel: the receiver uses them as they arrive.
 
+Capacity mode: the same row format; one all_to_all_single of R x (cap + 1) rows
+(`kernels/pack.py:pack_capacity` packs them with the routes and the checks in one launch).
+
 combine(y [T_recv, H], handle): the reverse all_to_all of the rows (each already the weighted
 sum over this rank's local experts), then each token's rows are summed over source ranks in
 rank order, in fp32, rounded once to BF16: deterministic, no atomics. y may also be fp32 (the
@@ -33,9 +63,11 @@ MoE layer sends the routing weights' gradient [T_recv, K] back this way): summed
 returned fp32.
 
 All ranks of the group must call dispatch and combine the same number of times in the same
-order (they are collectives), including ranks with zero tokens.
+order (they are collectives), including ranks with zero tokens, with the same payload kind,
+hidden size, top-k and (capacity mode) capacity: the exact mode checks this in its count exchange,
+the capacity mode in the headers, after the fact (a transport that refuses mismatched sizes may
+fail first).
 """
-
 from dataclasses import dataclass
 
 import torch
@@ -44,18 +76,18 @@ from torch import Tensor
 
 from moefp8.dispatch import Dispatched
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, unpack_ue8m0
-from moefp8.kernels.pack import dispatch_layout, pack_rows
+from moefp8.kernels.pack import (ERR_BAD_EXPERT, ERR_BAD_SCALE, ERR_OVER_CAPACITY, HDR_MAGIC, HDR_WORDS,
+                                 dispatch_layout, pack_capacity, pack_capacity_cached, pack_rows)
 from moefp8.kernels.permute import PermuteLayout, unpermute_combine
 
 ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
-
-
-_BAD_EXPERT, _BAD_SCALE = 1, 2  # error codes carried by the count exchange (kernels/pack.py)
+MODES = ("auto", "exact", "capacity")
+_SCALES = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}  # payload -> how scales travel
 
 
 @dataclass(frozen=True)
 class AllToAllHandle:
-    """The routes of one dispatch, reused by its combine and by the backward's dispatch.
+    """The routes of one exact-mode dispatch, reused by its combine and by the backward's dispatch.
 
     send_tok:    int64 [S]     token (row of x) of each sent row, grouped by destination rank
     pos_TR:      int32 [T, R]  index into the sent rows of (token t, rank r); -1 if t is not sent to r
@@ -78,6 +110,64 @@ class AllToAllHandle:
     def num_recv(self) -> int:
         return sum(self.recv_splits)
 
+    def check(self) -> None:
+        """Nothing to check: the exact mode raised input errors in its dispatch."""
+
+
+class _Headers:
+    """The R headers a capacity-mode dispatch received, on their way to the host (a pinned copy
+    queued after the exchange and an event: reading them waits for the exchange, not for the work
+    queued after it), checked once. Mutable, so that the frozen handle can hold it."""
+
+    def __init__(self, hdr_RW: Tensor, raise_bad):
+        self.raise_bad, self.done, self.event = raise_bad, False, None
+        if hdr_RW.is_cuda:
+            self.host = torch.empty(hdr_RW.shape, dtype=hdr_RW.dtype, pin_memory=True)
+            self.host.copy_(hdr_RW, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = hdr_RW.clone()
+
+    def check(self) -> None:
+        if self.done:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        self.raise_bad(self.host.tolist())
+        self.done = True
+
+
+@dataclass(frozen=True)
+class CapacityHandle:
+    """The routes of one capacity-mode dispatch (module docstring), reused like AllToAllHandle.
+
+    pos_TR:     int32 [T, R]  row of (token t, rank r) in the exchanged blocks, r * (cap + 1) + t;
+                              -1 if t is not sent to r
+    cap:        int           rows per block, the header excluded
+    num_tokens: int           T, rows of x on this rank
+    topk_idx:   int64 [R * (cap + 1), K]  received local expert ids; -1 for experts on other ranks
+                              and on every slot of the unsent and header rows
+    topk_w:     fp32  [R * (cap + 1), K]  received routing weights (0 on unsent and header rows)
+    headers:    the received headers; `check()` raises their input errors (once, on every rank)
+    """
+
+    pos_TR: Tensor
+    cap: int
+    num_tokens: int
+    topk_idx: Tensor
+    topk_w: Tensor
+    headers: _Headers
+
+    @property
+    def num_recv(self) -> int:
+        return self.topk_idx.shape[0]
+
+    def check(self) -> None:
+        """Raises the input error that any rank's dispatch reported (the same on every rank);
+        waits for this dispatch's exchange. Called by the first combine or dispatch using the handle."""
+        self.headers.check()
+
 
 def row_bytes(H: int, K: int | None, payload: str) -> int:
     """Bytes of one packed row: payload "fp8-pow2" | "fp8-fp32" | "bf16"; K=None: no routing fields."""
@@ -96,11 +186,16 @@ class AllToAllDispatcher:
     """`Dispatcher` over all_to_all_single in `group` (None: the default group).
 
     scale_fmt: the FP8 recipe's scale format, which fixes the wire format of the scales
-    ("pow2": UE8M0 bytes; "fp32": 4-byte scales); every rank must use the same."""
+    ("pow2": UE8M0 bytes; "fp32": 4-byte scales); every rank must use the same.
+    capacity: the most tokens any rank of the group passes to one dispatch (the same on every
+    rank; e.g. micro-batch x sequence length), which enables the capacity mode; None: exact only.
+    mode: "exact", "capacity" (needs capacity) or "auto" (capacity on GPUs when there is one and
+    the group has at most top-k ranks, else exact; decided per dispatch, the same on every rank)."""
 
     communicates = True
 
-    def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2"):
+    def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2", capacity: int | None = None,
+                 mode: str = "auto"):
         check_scale_fmt(scale_fmt)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -108,8 +203,24 @@ class AllToAllDispatcher:
         if num_experts < 1 or num_experts % self.world:
             raise ValueError(f"AllToAllDispatcher: {num_experts} experts cannot be split evenly over the "
                              f"{self.world} ranks of the expert-parallel group")
-        self.num_experts, self.scale_fmt = num_experts, scale_fmt
+        if mode not in MODES:
+            raise ValueError(f"AllToAllDispatcher: mode={mode!r}, expected one of {MODES}")
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+            raise ValueError(f"AllToAllDispatcher: capacity={capacity!r}, expected None or an integer >= 0 "
+                             f"(the most tokens a rank passes to one dispatch)")
+        if mode == "capacity" and capacity is None:
+            raise ValueError("AllToAllDispatcher: mode='capacity' needs a capacity (the most tokens any rank "
+                             "passes to one dispatch)")
+        self.num_experts, self.scale_fmt, self.capacity, self.mode = num_experts, scale_fmt, capacity, mode
         self.num_local_experts = num_experts // self.world
+
+    def mode_for(self, K: int, cuda: bool = True) -> str:
+        """The mode a dispatch with top-k K (of CUDA tensors, or not) runs in: "exact" or "capacity".
+        "auto" picks capacity on GPUs only: gloo's collectives are synchronous, so on CPU there is no
+        host sync to save and the fixed blocks would only cost bytes."""
+        if self.mode != "auto":
+            return self.mode
+        return "capacity" if self.capacity is not None and self.world <= K and cuda else "exact"
 
     # ------------------------------------------------------------------------------------------
 
@@ -126,7 +237,7 @@ class AllToAllDispatcher:
 
     def _check_topk(self, T: int, topk_idx, topk_w) -> None:
         """Shapes and dtypes, on the host; the id range is checked on the device and reported with
-        the count exchange (`_BAD_*` codes), so that every rank raises together."""
+        the count exchange or the headers, so that every rank raises together."""
         if topk_idx is None or topk_w is None:
             raise ValueError("dispatch: topk_idx and topk_w are required without a handle")
         if topk_idx.dim() != 2 or topk_idx.shape[0] != T or topk_idx.dtype not in (torch.int32, torch.int64):
@@ -136,21 +247,30 @@ class AllToAllDispatcher:
             raise ValueError(f"dispatch: topk_w must be float {tuple(topk_idx.shape)} like topk_idx, got "
                              f"{topk_w.dtype} {tuple(topk_w.shape)}")
 
-    def _raise_bad(self, bad: list, payload: str) -> None:
+    def _raise_bad(self, bad: list) -> None:
+        """bad: (code, value) per source rank, in rank order; raises the first error."""
         for src, (code, val) in enumerate(bad):
-            if code == _BAD_EXPERT:
+            if code == ERR_OVER_CAPACITY:
+                raise ValueError(f"dispatch: rank {src} of the EP group passed {val} tokens, more than the "
+                                 f"dispatcher's capacity {self.capacity}: build it with a capacity >= the most tokens "
+                                 f"a rank passes to one dispatch, or mode='exact'")
+            if code == ERR_BAD_EXPERT:
                 raise ValueError(f"dispatch: rank {src} of the EP group passed topk_idx holding expert {val}, "
                                  f"expected -1 (no expert) or an id in [0, {self.num_experts})")
-            if code == _BAD_SCALE:
+            if code == ERR_BAD_SCALE:
                 raise ValueError(f"dispatch: rank {src} of the EP group passed FP8 scales that are not powers of "
                                  f"two, but this dispatcher sends UE8M0 scales (scale_fmt='pow2'); build it with "
                                  f"scale_fmt='fp32' for the fp32-scale recipe")
 
-    def _send_rows(self, x, payload: str, send_tok: Tensor, topk_idx=None, topk_w=None) -> Tensor:
-        """-> uint8 [S, row_bytes]: the tokens in send order, packed (one fused pass on CUDA)."""
-        scales = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}[payload]
-        K = topk_idx.shape[1] if topk_idx is not None else None
-        return pack_rows(x, send_tok, row_bytes(x.shape[1], K, payload), scales, topk_idx, topk_w)
+    def _raise_bad_headers(self, nb: int, payload: str, H: int, K: int, headers: list) -> None:
+        """headers: int64 [magic, row bytes, cap, T, code, value] per source rank (capacity mode)."""
+        for src, (magic, b, cap, _, _, _) in enumerate(headers):
+            if magic != HDR_MAGIC or b != nb or cap != self.capacity:
+                raise ValueError(f"dispatch: rank {src} of the EP group sent a capacity-mode block that does not "
+                                 f"match this rank's ({self.rank}: rows of {nb} bytes, {payload}, H={H}, K={K}, "
+                                 f"capacity {self.capacity}); got {b} bytes, capacity {cap}: every rank must dispatch "
+                                 f"the same payload kind, scale format, hidden size and top-k, with the same capacity")
+        self._raise_bad([h[4:] for h in headers])
 
     def _unpack(self, buf: Tensor, H: int, K: int | None, payload: str):
         """uint8 [N, row_bytes] -> (x, topk_w, local topk_idx) as views of buf (scales: UE8M0 unpacked)."""
@@ -178,21 +298,35 @@ class AllToAllDispatcher:
     # ------------------------------------------------------------------------------------------
 
     def dispatch(self, x, topk_idx: Tensor | None = None, topk_w: Tensor | None = None,
-                 handle: AllToAllHandle | None = None) -> Dispatched:
+                 handle: AllToAllHandle | CapacityHandle | None = None) -> Dispatched:
         """x: "1x128" Fp8Tensor [T, H] or bf16 [T, H]; topk_idx int [T, K] global expert ids (-1: none);
         topk_w float [T, K]. -> Dispatched(rows [T_recv, H] like x, local topk_idx int64 [T_recv, K]
-        (-1 for experts on other ranks), topk_w fp32 [T_recv, K], AllToAllHandle). With `handle`, its
-        routes are reused (no count exchange, topk_* ignored) and only the rows travel."""
+        (-1 for experts on other ranks), topk_w fp32 [T_recv, K], handle). With `handle`, its routes
+        are reused (topk_* ignored) and only the rows travel. In capacity mode T_recv = R * (cap + 1)
+        and the rows of unsent slots (all their ids -1) hold unwritten data: use them only through
+        the ids, as the layer's permute does."""
         payload = self._payload(x)
         T, H = x.shape
         if handle is not None:
             if T != handle.num_tokens:
                 raise ValueError(f"dispatch: x has {T} rows but the handle was made for {handle.num_tokens} tokens")
-            send = self._send_rows(x, payload, handle.send_tok)
-            xr, _, _ = self._unpack(self._exchange(send, handle.send_splits, handle.recv_splits), H, None, payload)
+            handle.check()
+            if isinstance(handle, CapacityHandle):
+                R, cap = self.world, handle.cap
+                send = pack_capacity_cached(x, handle.pos_TR, cap, row_bytes(H, None, payload), _SCALES[payload])
+                recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
+            else:
+                send = pack_rows(x, handle.send_tok, row_bytes(H, None, payload), _SCALES[payload])
+                recv = self._exchange(send, handle.send_splits, handle.recv_splits)
+            xr, _, _ = self._unpack(recv, H, None, payload)
             return Dispatched(xr, handle.topk_idx, handle.topk_w, handle)
-
         self._check_topk(T, topk_idx, topk_w)
+        if self.mode_for(topk_idx.shape[1], topk_idx.is_cuda) == "capacity":
+            return self._dispatch_capacity(x, payload, topk_idx, topk_w)
+        return self._dispatch_exact(x, payload, topk_idx, topk_w)
+
+    def _dispatch_exact(self, x, payload: str, topk_idx: Tensor, topk_w: Tensor) -> Dispatched:
+        T, H = x.shape
         K, R = topk_idx.shape[1], self.world
         nb = row_bytes(H, K, payload)
         # One launch computes the routes (each token once per destination rank), the send order
@@ -202,14 +336,14 @@ class AllToAllDispatcher:
         # on any rank makes every rank raise the same error (no rank left waiting).
         meta, pos_TR, send_tok, dest, n_send = dispatch_layout(topk_idx, self.num_experts, R, nb,
                                                               x.scale if payload == "fp8-pow2" else None)
-        scales = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}[payload]
-        packed = pack_rows(x, send_tok, nb, scales, topk_idx, topk_w, dest, self.num_local_experts, n_valid=n_send)
+        packed = pack_rows(x, send_tok, nb, _SCALES[payload], topk_idx, topk_w, dest, self.num_local_experts,
+                           n_valid=n_send)
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
         both = torch.cat([meta[:, 0], meta_in.reshape(-1)]).tolist()  # the host sync
         send_splits = tuple(both[:R])
         recv_meta = [both[R + 4 * i:R + 4 * i + 4] for i in range(R)]
-        self._raise_bad([m[2:] for m in recv_meta], payload)
+        self._raise_bad([m[2:] for m in recv_meta])
         for src, (_, b, _, _) in enumerate(recv_meta):
             if b != nb:
                 raise ValueError(f"dispatch: rank {src} of the EP group sends rows of {b} bytes, this rank "
@@ -222,17 +356,42 @@ class AllToAllDispatcher:
         handle = AllToAllHandle(send_tok[:S], pos_TR, send_splits, recv_splits, T, local, w)
         return Dispatched(xr, local, w, handle)
 
-    def combine(self, y: Tensor, handle: AllToAllHandle) -> Tensor:
+    def _dispatch_capacity(self, x, payload: str, topk_idx: Tensor, topk_w: Tensor) -> Dispatched:
+        T, H = x.shape
+        K, R, cap = topk_idx.shape[1], self.world, self.capacity
+        nb = row_bytes(H, K, payload)
+        if nb - 8 * K < 8 * HDR_WORDS:
+            raise ValueError(f"dispatch: capacity mode needs rows of at least {8 * HDR_WORDS} data bytes for its "
+                             f"header, got {nb - 8 * K} ({payload}, H={H}); use mode='exact'")
+        # One launch: routes, local ids, positions, the checks into each block's header, the send
+        # buffer; then the exchange of fixed blocks. No host sync: the headers are read when the
+        # handle is first used (a bad input on any rank makes every rank raise there).
+        send, pos_TR = pack_capacity(x, topk_idx, topk_w, self.num_experts, R, cap, nb, _SCALES[payload],
+                                     check_scales=payload == "fp8-pow2")
+        recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
+        xr, w, local = self._unpack(recv, H, K, payload)
+        local = local.long()
+        hdr = recv.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * HDR_WORDS].view(torch.int64)
+        headers = _Headers(hdr, lambda h: self._raise_bad_headers(nb, payload, H, K, h))
+        handle = CapacityHandle(pos_TR, cap, T, local, w, headers)
+        return Dispatched(xr, local, w, handle)
+
+    def combine(self, y: Tensor, handle: AllToAllHandle | CapacityHandle) -> Tensor:
         """y [T_recv, C] bf16 (or fp32) in received order -> [T, C] like y: out[t] = sum over the
-        ranks r that received t, in rank order, of their row for t; fp32 sums, one rounding."""
+        ranks r that received t, in rank order, of their row for t; fp32 sums, one rounding. Rows
+        of unsent slots (capacity mode) are sent back and ignored."""
         if not isinstance(y, Tensor) or y.dim() != 2 or y.dtype not in (torch.bfloat16, torch.float32):
             what = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, Tensor) else type(y).__name__
             raise ValueError(f"combine: expected a bfloat16 or float32 tensor [T_recv, C], got {what}")
         if y.shape[0] != handle.num_recv:
             raise ValueError(f"combine: y has {y.shape[0]} rows, the dispatch received {handle.num_recv}")
-        C = y.shape[1]
-        back = self._exchange(_as_bytes(y), handle.recv_splits, handle.send_splits)
-        return sum_over_ranks(back.view(y.dtype), handle.pos_TR, C)
+        handle.check()
+        if isinstance(handle, CapacityHandle):
+            splits = [handle.cap + 1] * self.world
+            back = self._exchange(_as_bytes(y), splits, splits)
+        else:
+            back = self._exchange(_as_bytes(y), handle.recv_splits, handle.send_splits)
+        return sum_over_ranks(back.view(y.dtype), handle.pos_TR, y.shape[1])
 
 
 def _as_bytes(t: Tensor) -> Tensor:

@@ -12,6 +12,9 @@ class LocalHandle:
     topk_idx: Tensor  # [T, K]
     topk_w: Tensor  # [T, K]
 
+    def check(self) -> None:
+        """Nothing to check (no input errors travel)."""
+
 
 class LocalDispatcher:
     communicates = False

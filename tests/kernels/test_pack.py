@@ -107,3 +107,69 @@ def test_layout_ref_on_cpu():
 def test_layout_gpu_vs_ref(T, K, E, R):
     check_layout(T, K, E, R, "cuda", None)
 
+
+
+# Fixed-capacity send buffer (the all_to_all dispatch's capacity mode)
+CAP_CASES = [("fp8-pow2", "ue8m0", 7, 9, 3, 8, 2), ("bf16", "none", 5, 5, 2, 8, 4), ("fp8-fp32", "fp32", 6, 4, 3, 12, 3),
+             ("fp8-pow2", "ue8m0", 0, 3, 2, 4, 2), ("fp8-pow2", "ue8m0", 6, 4, 2, 8, 2)]
+
+
+def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
+    """The kernel writes the same bytes as the reference where it writes (routing fields of every row,
+    payload of the sent rows, headers), the same positions; the cached variant likewise."""
+    g = torch.Generator().manual_seed(T * K + R)
+    xb = torch.randn(T, H, generator=g)
+    x = xb.bfloat16() if payload == "bf16" else quant_rowwise_ref(xb, "fp32" if scales == "fp32" else "pow2")
+    idx = torch.randint(-1, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    if device == "cuda":
+        x = x.cuda() if payload == "bf16" else x._replace(data=x.data.cuda(), scale=x.scale.cuda())
+        idx, w = idx.cuda(), w.cuda()
+    nb, check = row_bytes(H, K, payload), scales == "ue8m0"
+    got, gpos = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl)
+    want, wpos = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales, check_scales=check)
+    assert got.shape == want.shape == (R * (cap + 1), nb) and torch.equal(gpos, wpos)
+    used = 8 * K + (2 * H if payload == "bf16" else H + (H // 128) * (1 if scales == "ue8m0" else 4))
+    assert torch.equal(got[:, :8 * K], want[:, :8 * K])  # every row: weights, local ids (-1 where unsent)
+    hdr = got.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * P.HDR_WORDS].contiguous().view(torch.int64)
+    assert hdr.tolist() == [[P.HDR_MAGIC, nb, cap, T, 3 if T > cap else 0, T if T > cap else 0]] * R
+    sent = wpos.reshape(-1).long()
+    sent = sent[sent >= 0]
+    assert torch.equal(got[sent, :used], want[sent, :used])
+    # the reference itself: row r*(cap+1)+t holds token t iff one of its experts lives on rank r
+    n, El, r = min(T, cap), E // R, torch.arange(R, device=idx.device)
+    on_r = ((idx[:n, None, :] >= r[None, :, None] * El) & (idx[:n, None, :] < (r[None, :, None] + 1) * El)).any(-1)
+    rows = r[None, :] * (cap + 1) + torch.arange(n, device=idx.device)[:, None]
+    assert torch.equal(wpos[:n].long(), torch.where(on_r, rows, -1)) and torch.all(wpos[n:] == -1)
+    nb0 = row_bytes(H, None, payload)
+    got = P.pack_capacity_cached(x, gpos, cap, nb0, scales, impl=impl)
+    want = P.pack_capacity_cached_ref(x, gpos, cap, nb0, scales)
+    assert torch.equal(got[sent, :used - 8 * K], want[sent, :used - 8 * K])
+    # input errors land in every block's header: the largest bad id, else a non-pow2 scale
+    if T and payload == "fp8-pow2":
+        bad_idx = idx.clone()
+        bad_idx[-1, 0] = E + 5
+        out = P.pack_capacity(x, bad_idx, w, E, R, cap, nb, scales, check_scales=True, impl=impl)[0]
+        hdr = out.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * P.HDR_WORDS].contiguous().view(torch.int64)
+        assert hdr[:, 4:].tolist() == ([[3, T]] * R if T > cap else [[1, E + 5]] * R)
+        x3 = x._replace(scale=x.scale * 3)
+        out = P.pack_capacity(x3, idx, w, E, R, cap, nb, scales, check_scales=True, impl=impl)[0]
+        hdr = out.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * P.HDR_WORDS].contiguous().view(torch.int64)
+        assert hdr[:, 4].tolist() == [3 if T > cap else 2] * R
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("payload,scales,T,cap,K,E,R", CAP_CASES)
+def test_capacity_interpreter_vs_ref(payload, scales, T, cap, K, E, R):
+    check_capacity(payload, scales, T, cap, K, E, R, 256, "cpu", "triton")
+
+
+def test_capacity_ref_on_cpu():
+    check_capacity("fp8-pow2", "ue8m0", 7, 9, 3, 8, 2, 256, "cpu", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("payload,scales,T,cap,K,E,R", CAP_CASES + [("fp8-pow2", "ue8m0", 4096, 4096, 8, 256, 4),
+                                                                    ("bf16", "none", 300, 512, 8, 256, 8)])
+def test_capacity_gpu_vs_ref(payload, scales, T, cap, K, E, R):
+    check_capacity(payload, scales, T, cap, K, E, R, 7168 if T >= 300 else 384, "cuda", None)
