@@ -328,8 +328,21 @@ WGRAD_IMPL = "triton"
 # cuBLAS loop measured faster than our Triton kernels for the m-grouped GEMM in every DeepSeek-V3
 # case of bench/results/gemm-NVIDIA-H200.json (ours / loop 0.73-0.98) and for the wgrad with
 # >= 2048 tokens per expert (1.21-1.28x BF16 vs 0.86-1.20x).
+# Below LOOP_MIN_MACS multiply-adds per non-empty expert the loop's per-expert launches (and
+# scale copies) cost more than the GEMMs: the small training preset (H 1024, I 512, 32 experts,
+# ~2048 rows each, 2.1e9 MACs) spent 72 ms of a 145 ms step in ~1700 tiny cuBLAS calls; the
+# single-launch Triton kernels are used there. DeepSeek-V3 shapes (>= 1024 rows x 4096 x 7168
+# = 3e10) keep the loop.
 MGROUPED_IMPL = "cublas"
 WGRAD_IMPL_HOST = "cublas"
+LOOP_MIN_MACS = 2**34  # 1.7e10
+
+
+def loop_pays(h: list, N: int, K: int, min_rows: int = 0) -> bool:
+    """Whether the per-expert cuBLAS loop is the faster default at host offsets h (N x K per expert)."""
+    nonempty = sum(1 for e in range(len(h) - 1) if h[e + 1] > h[e])
+    rows = (h[-1] - h[0]) / max(nonempty, 1)
+    return rows >= min_rows and rows * N * K >= LOOP_MIN_MACS
 
 
 def _scratch(size: int, align: int, stream):
@@ -531,7 +544,8 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     if impl == "cublas" and not cublas_ok:
         raise ValueError(f"fp8_grouped_gemm: impl='cublas' needs CUDA, K/128 % 4 == 0 and N % 128 == 0 "
                          f"(K={Kb}, N={Nout})")
-    if impl == "cublas" or (impl is None and cublas_ok and MGROUPED_IMPL == "cublas" and host_offsets is not None):
+    if impl == "cublas" or (impl is None and cublas_ok and MGROUPED_IMPL == "cublas" and host_offsets is not None
+                            and loop_pays(host_offsets, Nout, Kb)):
         if transpose_b:
             b = transpose_weight(b)
         h = host_offsets if host_offsets is not None else off.tolist()
@@ -571,7 +585,8 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
                              f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if impl == "cublas" or (impl is None and dy.data.is_cuda and WGRAD_IMPL == "cublas"):
         return _wgrad_cublas_loop(dy, x, host_offsets if host_offsets is not None else off.tolist(), out)
-    if impl is None and dy.data.is_cuda and host_offsets is not None and WGRAD_IMPL_HOST == "cublas":
+    if (impl is None and dy.data.is_cuda and host_offsets is not None and WGRAD_IMPL_HOST == "cublas"
+            and loop_pays(host_offsets, N, K, min_rows=2048)):
         return _wgrad_cublas_loop(dy, x, host_offsets, out)
     if not use_triton(dy.data, impl):
         return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)

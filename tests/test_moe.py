@@ -195,10 +195,13 @@ def test_fp8_gradients_match_float64_model():
 
 @pytest.mark.gpu
 def test_gpu_fp8_gradients_match_float64_model():
-    # on Hopper the FP8 MMA adds each 128-K block with a reduced-precision internal accumulator
-    # (kernels/gemm tests: up to ~4e-4 relative on fp32 outputs): same bound as on CPU for now,
-    # to be frozen from the first GPU measurement
-    check_gradients_vs_float64_model(1024, 512, 16, 8, 1000, "cuda", tol=5e-3)
+    # On Hopper the FP8 MMA adds the products of each 128-K block in a reduced-precision internal
+    # accumulator (kernels/gemm tests: up to ~4e-4 relative on fp32 outputs); that moves bf16
+    # roundings of h, y, da and dx against the float64 model, and each moved rounding can move an
+    # FP8 code (2^-3 relative) downstream. Measured on an H200 (seed 0): dx 5.2e-3, dW1 4.3e-3,
+    # dW2 4.4e-3, dw 4.4e-3. Bound 1e-2: the bugs this test is for give O(1) (wrong segment,
+    # missing routing weight, leaked padding row).
+    check_gradients_vs_float64_model(1024, 512, 16, 8, 1000, "cuda", tol=1e-2)
 
 
 def check_gradients_vs_float64_model(H, I, E, K, T, device, tol):
@@ -248,5 +251,6 @@ def check_gradients_vs_float64_model(H, I, E, K, T, device, tol):
     # now and then, and with it an FP8 code downstream: measured rel. errors dx <= 1.0e-3, dW1,
     # dW2, dw <= 1e-6 (3 seeds); dropping the routing weight from dy fails this test; a wrong
     # segment, a missing routing weight or a leaked padding row gives O(1).
-    for name, got, want in (("dx", x.grad, dx), ("dW1", m.w1.grad, dw1), ("dW2", m.w2.grad, dw2), ("dw", w.grad, dw)):
-        assert rel_err(got.float(), want) < tol, f"{name}: {rel_err(got.float(), want):.2e}"
+    errs = {name: rel_err(got.float(), want) for name, got, want in
+            (("dx", x.grad, dx), ("dW1", m.w1.grad, dw1), ("dW2", m.w2.grad, dw2), ("dw", w.grad, dw))}
+    assert max(errs.values()) < tol, ", ".join(f"{n}: {e:.2e}" for n, e in errs.items())

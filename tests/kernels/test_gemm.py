@@ -323,3 +323,14 @@ def test_cublas_loop_refuses_unsupported_shapes():
     b = quant_weight_ref(torch.randn(2, 256, 384))
     with pytest.raises(ValueError, match=r"impl='cublas' needs CUDA, K/128 % 4 == 0"):
         fp8_grouped_gemm(a, b, [0, 128, 128], impl="cublas")
+
+
+def test_cublas_loop_only_where_it_pays():
+    from moefp8.kernels.grouped_gemm import loop_pays
+
+    small = [2048 * e for e in range(33)]  # the small preset: 32 experts x 2048 rows, N = K = 1024
+    assert not loop_pays(small, 1024, 1024)
+    dsv3 = [4096 * e for e in range(33)]  # DeepSeek-V3 fc1: 4096 rows x 4096 x 7168
+    assert loop_pays(dsv3, 4096, 7168) and loop_pays(dsv3, 4096, 7168, min_rows=2048)
+    assert not loop_pays([1024 * e for e in range(33)], 4096, 7168, min_rows=2048)  # wgrad below 2048 rows
+    assert not loop_pays([0] * 9, 4096, 7168)  # no tokens at all
