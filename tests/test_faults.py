@@ -1,9 +1,12 @@
 """Faults: a training process killed (SIGKILL) at random points, mid-step or mid-checkpoint-write,
-resumes from the last complete checkpoint and continues the same loss sequence bit for bit."""
+resumes from the last complete checkpoint and continues the same loss sequence bit for bit; a dead
+or hung rank ends a multi-process run within a bounded time, with or without a launcher."""
 
 import json
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,3 +156,45 @@ def test_checkpoint_from_another_model_shape_is_one_line(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "Traceback" not in out, out[-3000:]
     assert "does not fit this model" in out and "router.weight" in out and "step_0000002" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_a_lost_peer_ends_the_survivor_within_the_timeout(tmp_path, fault):
+    """Two "nodes" with no launcher to stop the survivors (env:// rendezvous, gloo, one process
+    each): rank 1 hangs (SIGSTOP) or dies (SIGKILL) mid-training; rank 0, blocked in a gradient
+    all-reduce, exits by itself within train.dist_timeout_s (plus slack) with one line."""
+    timeout_s = 4
+    args = tiny_args(tmp_path, "train.steps=100000", "train.micro_batch=1", "train.seq_len=32", "train.log_every=1",
+                     "train.ckpt_every=0", "train.progress=false", f"train.dist_timeout_s={timeout_s}")
+    port = _free_port()
+    procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                                   "RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) for r in (0, 1)]
+    try:
+        deadline = time.time() + 300
+        while all(p.poll() is None for p in procs) and time.time() < deadline and max(_logged(tmp_path / "run"),
+                                                                                        default=0) < 3:
+            time.sleep(0.1)
+        assert all(p.poll() is None for p in procs), "a rank exited before step 3"
+        os.kill(procs[1].pid, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    lines = err.strip().splitlines()
+    assert procs[0].returncode == 1 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"error: rank 0: a collective failed, a peer rank died or hangs (collectives wait at "
+                               f"most train.dist_timeout_s={timeout_s} s): "), lines[0]
+    assert ("Timed out" in lines[0]) if fault == "hang" else ("peer" in lines[0].split("):", 1)[1]), lines[0]
+    assert elapsed < timeout_s + 10, f"rank 0 took {elapsed:.1f} s to stop"
