@@ -61,6 +61,7 @@ class RecipeConfig:
 class DispatchConfig:
     backend: str = "local"
     ep_size: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
+    overlap: bool = False  # two micro-batches per MoE layer, communication overlapped (moefp8.overlap)
 
 
 @dataclass

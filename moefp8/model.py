@@ -109,7 +109,8 @@ class DenseMLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, recipe: str, scale_fmt: str, dispatcher: Dispatcher):
+    def __init__(self, cfg: ModelConfig, layer: int, recipe: str, scale_fmt: str, dispatcher: Dispatcher,
+                 overlap: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, recipe, scale_fmt)
@@ -119,7 +120,8 @@ class Block(nn.Module):
             self.mlp = MoELayer(cfg.hidden, cfg.moe_inter, cfg.n_experts, cfg.topk, cfg.n_shared, recipe, scale_fmt,
                                 dispatcher, score_func=cfg.score_func, n_groups=cfg.n_groups,
                                 topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
-                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha)
+                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha,
+                                overlap=overlap)
         else:
             self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, recipe, scale_fmt)
 
@@ -144,15 +146,16 @@ def _nonfinite(x: Tensor) -> Tensor:
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: str = "fp8", scale_fmt: str = "pow2",
-                 dispatcher: Dispatcher | None = None, ep_rank: int = 0, seed: int = 0):
+                 dispatcher: Dispatcher | None = None, ep_rank: int = 0, seed: int = 0, overlap: bool = False):
         """dispatcher: this rank's expert-parallel dispatcher, shared by the MoE layers (default:
         the EP=1 `local` backend); ep_rank: this rank's index in its EP group (it holds global
-        experts [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed."""
+        experts [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed; overlap: the
+        MoE layers' two micro-batch overlap (moefp8.overlap)."""
         super().__init__()
         self.cfg, self.recipe = cfg, recipe
         dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher, overlap) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.expert_offset = ep_rank * dispatcher.num_local_experts

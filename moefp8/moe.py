@@ -45,70 +45,148 @@ class MoEOutput(NamedTuple):
     load_E: Tensor  # tokens per expert in this call (int64, no grad)
 
 
+class Saved(NamedTuple):
+    """What one micro-batch's routed path keeps for backward (FP8: data/scale pairs; BF16: the
+    tensor and None)."""
+    x: tuple  # dispatched rows (not a permuted copy: the backward permutes again)
+    h: tuple  # the SwiGLU input
+    y: tuple  # FP8: fc2's input (y is recomputed from it); BF16: y; (None, None) without dw
+    topk_w: Tensor
+    layout: PermuteLayout
+    handle: object
+
+
+def save(ctx, saves: list[Saved], *params: Tensor) -> None:
+    """Saved tensors go through save_for_backward (so saved-tensor hooks see and count them); the
+    host-side parts (counts, the dispatch handle) stay on ctx."""
+    ts = [t for s in saves for t in (*s.x, *s.h, *s.y, s.topk_w, s.layout.row_TK, s.layout.src_M, s.layout.offsets)]
+    ctx.save_for_backward(*ts, *params)
+    ctx.saved_meta = [(s.layout.counts, s.layout.M, s.handle) for s in saves]
+
+
+def restore(ctx) -> tuple[list[Saved], tuple]:
+    """-> (the Saved of each micro-batch, the params given to `save`)."""
+    ts, n = ctx.saved_tensors, 10
+    saves = []
+    for i, (counts, M, handle) in enumerate(ctx.saved_meta):
+        t = ts[n * i:n * (i + 1)]
+        saves.append(Saved(t[0:2], t[2:4], t[4:6], t[6], PermuteLayout(t[7], t[8], t[9], counts, M), handle))
+    return saves, ts[n * len(saves):]
+
+
+# ----------------------------------------------------------------------------------------------
+# The routed path in stages, one micro-batch each. `_RoutedExperts` runs them in order;
+# moefp8.overlap interleaves two micro-batches' stages on a compute and a communication stream.
+# Stages marked (comm) only communicate or do small bookkeeping.
+
+
+def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
+    """(comm) quantize (FP8 recipe) and dispatch -> Dispatched. The quantization is the one
+    compute kernel here: it must happen before the rows leave (DESIGN.md §1)."""
+    fp8, disp = layer.recipe == "fp8", layer.dispatcher
+    with record_function("quant"):
+        xin = quant_rowwise(x_TH, layer.scale_fmt) if fp8 else x_TH.to(torch.bfloat16)
+    with record_function("dispatch"):
+        return disp.dispatch(xin, topk_idx_TK, topk_w_TK)
+
+
+def fwd_layout(layer, d) -> PermuteLayout:
+    """(comm) the permutation of the received rows; one host sync (the counts)."""
+    with record_function("layout"):
+        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
+
+
+def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool) -> tuple[Tensor, Saved]:
+    """permute -> expert MLP -> z[t] = sum_k w[t,k] y[row] (bf16, [T_recv, H]), and what backward needs."""
+    fp8, fmt = layer.recipe == "fp8", layer.scale_fmt
+    with record_function("permute"):
+        xp = permute_fp8(d.x, L) if fp8 else permute_rows(d.x, L)
+    if fp8:
+        y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
+                                   L.offsets_host)
+        # Keep fc2's FP8 input, not y: backward recomputes y bit for bit (one more fc2 GEMM) for
+        # the exact dw, and a8 is 1 byte x I where y is 2 bytes x H.
+        saved = Saved((d.x.data, d.x.scale), (h.data, h.scale), (a8.data, a8.scale) if want_dw else (None, None),
+                      d.topk_w, L, d.handle)
+    else:
+        y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
+        saved = Saved((d.x, None), (h, None), (y if want_dw else None, None), d.topk_w, L, d.handle)
+    with record_function("combine"):
+        return unpermute_combine(y, L, d.topk_w), saved
+
+
+def bwd_dispatch(layer, dout: Tensor, s: Saved):
+    """(comm) the gradient of the combine: dout along the forward's routes (FP8 on the wire in the
+    FP8 recipe, quantized 1x128 before it leaves)."""
+    fp8, disp = layer.recipe == "fp8", layer.dispatcher
+    with record_function("bwd_dispatch"):
+        g = quant_rowwise(dout, layer.scale_fmt) if fp8 else dout.to(torch.bfloat16)
+        return disp.dispatch(g, handle=s.handle).x
+
+
+def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_dx: bool):
+    """dz (the dispatched gradient) -> (dx rows summed per received token [T_recv, H] or None,
+    dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1."""
+    fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
+    L, w_TK = s.layout, s.topk_w
+    dw = None
+    if fp8:
+        if s.y[0] is not None:
+            with record_function("bwd_dw"):
+                y = fp8_grouped_gemm(Fp8Tensor(*s.y, "1x128"), layer.cache.get(w2, fmt), L.offsets,
+                                     validate=False, host_offsets=L.offsets_host)  # = forward's y
+                dzf = dout if not disp.communicates else dz.dequantize(torch.bfloat16)
+                dw = combine_backward(dzf, y, L, w_TK, want_dy=False)[1]
+        with record_function("bwd_permute"):
+            dy8 = permute_fp8(dz, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
+            x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L)
+        dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
+                                         want_dx=want_dx, off_host=L.offsets_host)
+    else:
+        with record_function("bwd_dw"):
+            dy, dw = combine_backward(dz, s.y[0], L, w_TK, want_dy=True)
+        with record_function("bwd_permute"):
+            xp = permute_rows(s.x[0], L)
+        dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, s.h[0], L.offsets, layer.cache.get(w1, "bf16"),
+                                          layer.cache.get(w2, "bf16"), want_dx=want_dx)
+    dx_rows = None
+    if dxp is not None:  # sum each token's rows (their weights are already in dy)
+        with record_function("bwd_unpermute"):
+            dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK))
+    return dx_rows, dw, dw1, dw2
+
+
+def bwd_combine(layer, dx_rows, dw, s: Saved, dtype):
+    """(comm) send dx back to the tokens' ranks; dw [T_recv, K] (0 on slots routed elsewhere) ->
+    [T, K] on the token's rank: exact (one nonzero term per slot), the identity at EP=1.
+    needs_input_grad agrees across ranks, so the collectives stay matched."""
+    disp = layer.dispatcher
+    with record_function("bwd_combine"):
+        dx = disp.combine(dx_rows, s.handle).to(dtype) if dx_rows is not None else None
+        return dx, disp.combine(dw, s.handle) if dw is not None else None
+
+
 class _RoutedExperts(torch.autograd.Function):
+    """The routed path of one micro-batch, stage after stage (the serialized schedule)."""
+
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer):
-        fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
-        with record_function("quant"):
-            xin = quant_rowwise(x_TH, fmt) if fp8 else x_TH.to(torch.bfloat16)
-        with record_function("dispatch"):
-            d = disp.dispatch(xin, topk_idx_TK, topk_w_TK)
-        with record_function("permute"):
-            L = build_layout(d.topk_idx, disp.num_local_experts)
-            xp = permute_fp8(d.x, L) if fp8 else permute_rows(d.x, L)
-        want_dw = ctx.needs_input_grad[1]  # only the routing weights' gradient reads y
-        if fp8:
-            y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
-                                       L.offsets_host)
-            # Keep fc2's FP8 input, not y: backward recomputes y bit for bit (one more fc2 GEMM)
-            # for the exact dw, and a8 is 1 byte x I where y is 2 bytes x H.
-            xs, hs, ys = (d.x.data, d.x.scale), (h.data, h.scale), (a8.data, a8.scale) if want_dw else (None, None)
-        else:
-            y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
-            xs, hs, ys = (d.x, None), (h, None), (y if want_dw else None, None)
+        d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK)
+        L = fwd_layout(layer, d)
+        z, saved = fwd_experts(layer, d, L, w1, w2, want_dw=ctx.needs_input_grad[1])
+        save(ctx, [saved], w1, w2)
+        ctx.layer = layer
         with record_function("combine"):
-            z = unpermute_combine(y, L, d.topk_w)
-        ctx.save_for_backward(*xs, *hs, *ys, d.topk_w, L.row_TK, L.src_M, L.offsets, w1, w2)
-        ctx.layer, ctx.handle, ctx.counts, ctx.M = layer, d.handle, L.counts, L.M
-        return disp.combine(z, d.handle)
+            return layer.dispatcher.combine(z, d.handle)
 
     @staticmethod
     def backward(ctx, dout):
-        x_data, x_scale, h_data, h_scale, y_data, y_scale, w_TK, row_TK, src_M, offsets, w1, w2 = ctx.saved_tensors
+        (s,), (w1, w2) = restore(ctx)
         layer = ctx.layer
-        fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
-        L = PermuteLayout(row_TK, src_M, offsets, ctx.counts, ctx.M)
         dout = dout.contiguous()
-        if fp8:
-            with record_function("bwd_combine"):
-                dz8 = disp.dispatch(quant_rowwise(dout, fmt), handle=ctx.handle).x  # FP8 on the wire
-                dw = None
-                if y_data is not None:
-                    y = fp8_grouped_gemm(Fp8Tensor(y_data, y_scale, "1x128"), layer.cache.get(w2, fmt), offsets,
-                                         validate=False, host_offsets=L.offsets_host)  # = forward's y
-                    dz = dout if not disp.communicates else dz8.dequantize(torch.bfloat16)
-                    dw = combine_backward(dz, y, L, w_TK, want_dy=False)[1]
-            with record_function("bwd_permute"):
-                dy8 = permute_fp8(dz8, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
-                x8 = permute_fp8(Fp8Tensor(x_data, x_scale, "1x128"), L)
-            dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(h_data, h_scale, "1x128"), offsets, w1, w2,
-                                             layer.cache, fmt, want_dx=ctx.needs_input_grad[0], off_host=L.offsets_host)
-        else:
-            with record_function("bwd_combine"):
-                dz = disp.dispatch(dout.to(torch.bfloat16), handle=ctx.handle).x
-                dy, dw = combine_backward(dz, y_data, L, w_TK, want_dy=True)
-            with record_function("bwd_permute"):
-                xp = permute_rows(x_data, L)
-            dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, h_data, offsets, layer.cache.get(w1, "bf16"),
-                                              layer.cache.get(w2, "bf16"), want_dx=ctx.needs_input_grad[0])
-        dx = None
-        if dxp is not None:  # sum each token's rows (their weights are already in dy), then send back
-            with record_function("bwd_unpermute"):
-                dx = disp.combine(unpermute_combine(dxp, L, torch.ones_like(w_TK)), ctx.handle).to(dout.dtype)
-        # dw [T_recv, K] (0 on slots routed elsewhere) -> [T, K] on the token's rank; exact (one
-        # nonzero term per slot); the identity at EP=1
-        if dw is not None:  # needs_input_grad agrees across ranks, so the collective stays matched
-            dw = disp.combine(dw, ctx.handle)
+        dz = bwd_dispatch(layer, dout, s)
+        dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, want_dx=ctx.needs_input_grad[0])
+        dx, dw = bwd_combine(layer, dx_rows, dw, s, dout.dtype)
         return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
 
@@ -136,10 +214,13 @@ class MoELayer(nn.Module):
     """Routed experts (E experts of intermediate size I, top-k) + n_shared shared experts.
 
     dispatcher: a `moefp8.dispatch.Dispatcher` (default: the EP=1 `local` backend); its
-    num_local_experts experts are this rank's slice of the expert weights."""
+    num_local_experts experts are this rank's slice of the expert weights.
+    overlap: split the tokens in two micro-batches and overlap one's dispatch/combine with the
+    other's expert compute (moefp8.overlap); every rank of the EP group must agree."""
 
     def __init__(self, hidden: int, inter: int, n_experts: int, topk: int, n_shared: int = 1,
-                 recipe: str = "fp8", scale_fmt: str = "pow2", dispatcher: Dispatcher | None = None, **router_kwargs):
+                 recipe: str = "fp8", scale_fmt: str = "pow2", dispatcher: Dispatcher | None = None,
+                 overlap: bool = False, **router_kwargs):
         super().__init__()
         if recipe not in RECIPES:
             raise ValueError(f"MoELayer: recipe={recipe!r}, expected one of {RECIPES}")
@@ -161,7 +242,7 @@ class MoELayer(nn.Module):
         if n_experts % E_local:
             raise ValueError(f"MoELayer: {n_experts} experts cannot be split evenly into shards of {E_local}")
         self.hidden, self.inter, self.n_experts, self.topk = hidden, inter, n_experts, topk
-        self.recipe, self.scale_fmt = recipe, scale_fmt
+        self.recipe, self.scale_fmt, self.overlap = recipe, scale_fmt, overlap
         self.w1 = nn.Parameter(torch.randn(E_local, 2 * inter, hidden) * hidden**-0.5)
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
         self.shared = SharedExperts(hidden, n_shared * inter, recipe, scale_fmt) if n_shared else None
@@ -173,6 +254,13 @@ class MoELayer(nn.Module):
         x2 = x.reshape(-1, self.hidden)
         with record_function("router"):
             r = self.router(x2, seq_len)
+        if self.overlap:  # two micro-batches, communication overlapped (moefp8.overlap)
+            from moefp8.overlap import OverlappedMoE
+
+            sh = self.shared
+            out = OverlappedMoE.apply(x2, r.topk_w_TK, self.w1, self.w2, sh.w1 if sh else None,
+                                      sh.w2 if sh else None, r.topk_idx_TK, self)
+            return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)
         out = _RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
         if self.shared is not None:
             with record_function("shared"):

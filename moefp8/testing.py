@@ -166,3 +166,44 @@ def assert_fp8_equal(got, ref, exact: bool, scale_rtol: float = 0.0) -> None:
     unexplained = bad & ~(same_sign & (one_step | binade_drop))
     assert not unexplained.any(), (f"{unexplained.sum().item()} FP8 values differ beyond the interpreter's cast "
                                    f"bugs, e.g. got {g[unexplained][:4].tolist()} want {r[unexplained][:4].tolist()}")
+
+
+def _group_entry(rank, world, init, backend, fn, args):
+    import datetime
+
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # several processes on a small CPU runner: no oversubscription
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, "cuda" if backend == "nccl" else "cpu", *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_group(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 120) -> None:
+    """Runs fn(rank, world, device, *args) in `world` fresh processes joined in a process group
+    (gloo on CPU, nccl one GPU each); raises the worker's error, or TimeoutError after timeout_s
+    (never hangs). fn must be importable (a module-level function)."""
+    import os
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'init')}"
+        ctx = mp.start_processes(_group_entry, args=(world, init, backend, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout_s} s")

@@ -258,7 +258,7 @@ def train(cfg: Config) -> dict:
         raise DataError(str(e)) from e
     dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt)
     model = Transformer(cfg.model, cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
-                        t.seed).to(device)
+                        t.seed, overlap=cfg.dispatch.overlap).to(device)
     opt = AdamW(model.named_parameters(), o)
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]

@@ -1,0 +1,217 @@
+"""Two micro-batch overlap for the MoE layer (DESIGN.md §4).
+
+The layer's tokens are split in two micro-batches A (first half) and B. Their routed-path stages
+(moefp8.moe: dispatch, layout, experts, combine) run in an explicit order on two streams, so
+that one micro-batch's communication runs while the other computes:
+
+  forward   comm:     dispatch A | dispatch B        | combine A         | combine B
+            compute:  shared     | experts A          | experts B         | (waits) out = A, B + shared
+  backward  comm:     dispatch dA | dispatch dB        | combine dx, dw A  | combine dx, dw B
+            compute:  shared bwd  | experts A bwd      | experts B bwd     | (waits) sum dW of A and B
+
+Hidden: B's dispatch behind A's experts, A's combine behind B's experts, and A's dispatch behind
+the shared experts (the whole batch's: they need no communication). Exposed: whatever of A's
+dispatch outlasts the shared experts, and B's combine. The backward is one autograd node with
+this order written out (autograd would run the two micro-batches' nodes one after the other on
+one stream).
+
+On CUDA the communication stages run on a side stream (one per device), ordered against the
+compute stream by events; tensors crossing streams are handed over with `record_stream`. On the
+CPU (gloo) there are no streams: the same order runs serially. Either way the arithmetic is the
+same as running the two micro-batches one after the other (the `serialized` schedule, which is
+what `overlap=False` with two micro-batches would compute): outputs and gradients are bit-exact
+against it. Against the unsplit layer only the weight gradients differ, by the fp32 sum
+dW_A + dW_B instead of one GEMM over all rows.
+
+Host syncs: the layout stage reads the per-expert counts on the host (one sync per micro-batch),
+and the exact-mode all_to_all dispatch reads its counts; both are issued from the communication
+stream, so the host waits for that stream only while the compute stream keeps working.
+"""
+
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+
+from moefp8.fp8 import Fp8Tensor
+from moefp8.moe import (bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout, restore,
+                        save)
+
+_COMM_STREAMS: dict = {}
+
+
+def comm_stream(device: torch.device):
+    """The side stream that communication stages use on `device` (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _COMM_STREAMS:
+        _COMM_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _COMM_STREAMS[key]
+
+
+class _Streams:
+    """compute (the current stream) and comm; on CPU both are None and every call is a no-op."""
+
+    def __init__(self, device: torch.device):
+        self.comm = comm_stream(device)
+        self.compute = torch.cuda.current_stream(device) if self.comm is not None else None
+
+    def on_comm(self):
+        return torch.cuda.stream(self.comm) if self.comm is not None else nullcontext()
+
+    def mark(self, stream):
+        """An event at this point of `stream` (None on CPU)."""
+        if stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream, *events) -> None:
+        for ev in events:
+            if stream is not None and ev is not None:
+                stream.wait_event(ev)
+
+    def hand_to(self, stream, *objs) -> None:
+        """Tensors made on one stream and read on `stream`: tell the caching allocator, so their
+        memory is not reused before `stream` is done with them."""
+        if stream is None:
+            return
+        for o in objs:
+            if isinstance(o, Tensor):
+                if o.is_cuda:
+                    o.record_stream(stream)
+            elif isinstance(o, Fp8Tensor):
+                self.hand_to(stream, o.data, o.scale)
+            elif isinstance(o, (tuple, list)):
+                self.hand_to(stream, *o)
+
+
+def _halves(T: int) -> list[slice]:
+    h = (T + 1) // 2
+    return [slice(0, h), slice(h, T)]
+
+
+class OverlappedMoE(torch.autograd.Function):
+    """Routed experts of two micro-batches + the shared experts of all tokens, overlapped.
+    -> routed(x) + shared(x) (shared omitted when the layer has none)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
+        st = _Streams(x_TH.device)
+        shared = layer.shared
+        want_dw = ctx.needs_input_grad[1]
+        parts = _halves(x_TH.shape[0])
+        ev_in = st.mark(st.compute)
+        d, L, z, saves, out = [None] * 2, [None] * 2, [None] * 2, [None] * 2, [None] * 2
+        ev_d, ev_z, ev_c = [None] * 2, [None] * 2, [None] * 2
+
+        def dispatch(i):
+            with st.on_comm():
+                st.wait(st.comm, ev_in)
+                p = parts[i]
+                d[i] = fwd_dispatch(layer, x_TH[p], topk_idx_TK[p], topk_w_TK[p])
+                L[i] = fwd_layout(layer, d[i])
+                ev_d[i] = st.mark(st.comm)
+            st.hand_to(st.compute, d[i].x, d[i].topk_idx, d[i].topk_w, L[i].row_TK, L[i].src_M, L[i].offsets)
+
+        def experts(i):
+            st.wait(st.compute, ev_d[i])
+            z[i], saves[i] = fwd_experts(layer, d[i], L[i], w1, w2, want_dw)
+            ev_z[i] = st.mark(st.compute)
+            st.hand_to(st.comm, z[i])
+
+        def combine(i):
+            with st.on_comm():
+                st.wait(st.comm, ev_z[i])
+                out[i] = layer.dispatcher.combine(z[i], d[i].handle)
+                ev_c[i] = st.mark(st.comm)
+            st.hand_to(st.compute, out[i])
+
+        dispatch(0)
+        s_out = s_saved = None
+        if shared is not None:  # all tokens, no communication: overlaps A's dispatch
+            s_out, s_saved = _shared_forward(shared, x_TH, sw1, sw2)
+        experts(0)
+        dispatch(1)
+        combine(0)
+        experts(1)
+        combine(1)
+        st.wait(st.compute, *ev_c)
+        y = torch.cat(out)
+        if s_out is not None:
+            y = y + s_out
+        save(ctx, saves + ([s_saved] if s_saved is not None else []), w1, w2, *((sw1, sw2) if shared else ()))
+        ctx.layer, ctx.has_shared = layer, shared is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        layer = ctx.layer
+        saves, params = restore(ctx)
+        w1, w2 = params[:2]
+        st = _Streams(dout.device)
+        dout = dout.contiguous()
+        parts = _halves(dout.shape[0])
+        want_dx = ctx.needs_input_grad[0]
+        ev_in = st.mark(st.compute)
+        dz, ev_dz, res, ev_res, comb, ev_comb = [None] * 2, [None] * 2, [None] * 2, [None] * 2, [None] * 2, [None] * 2
+
+        def dispatch(i):
+            with st.on_comm():
+                st.wait(st.comm, ev_in)
+                dz[i] = bwd_dispatch(layer, dout[parts[i]], saves[i])
+                ev_dz[i] = st.mark(st.comm)
+            st.hand_to(st.compute, dz[i])
+
+        def experts(i):
+            st.wait(st.compute, ev_dz[i])
+            res[i] = bwd_experts(layer, dz[i], dout[parts[i]], saves[i], w1, w2, want_dx)
+            ev_res[i] = st.mark(st.compute)
+            st.hand_to(st.comm, res[i][:2])
+
+        def combine(i):
+            with st.on_comm():
+                st.wait(st.comm, ev_res[i])
+                comb[i] = bwd_combine(layer, res[i][0], res[i][1], saves[i], dout.dtype)
+                ev_comb[i] = st.mark(st.comm)
+            st.hand_to(st.compute, comb[i])
+
+        dispatch(0)
+        dx_s = dsw1 = dsw2 = None
+        if ctx.has_shared:  # the shared experts' backward overlaps A's gradient dispatch
+            sw1, sw2 = params[2:4]
+            dx_s, dsw1, dsw2 = _shared_backward(layer.shared, dout, saves[2], sw1, sw2, want_dx)
+        experts(0)
+        dispatch(1)
+        combine(0)
+        experts(1)
+        combine(1)
+        st.wait(st.compute, *ev_comb)
+        dx = torch.cat([c[0] for c in comb]) if want_dx else None
+        if dx is not None and dx_s is not None:
+            dx = dx + dx_s
+        dw = torch.cat([c[1] for c in comb]) if comb[0][1] is not None else None
+        dw1 = (res[0][2] + res[1][2]).to(w1.dtype)
+        dw2 = (res[0][3] + res[1][3]).to(w2.dtype)
+        return (dx, dw, dw1, dw2, dsw1.to(params[2].dtype) if dsw1 is not None else None,
+                dsw2.to(params[3].dtype) if dsw2 is not None else None, None, None)
+
+
+def _shared_forward(shared, x_TH: Tensor, sw1: Tensor, sw2: Tensor):
+    """The shared experts (moefp8.moe.SharedExperts: a routed expert every token picks with weight
+    1, EP=1 `local` dispatcher) through the same stages, on the compute stream."""
+    T = x_TH.shape[0]
+    idx = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
+    ones = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
+    d = fwd_dispatch(shared, x_TH, idx, ones)
+    z, saved = fwd_experts(shared, d, fwd_layout(shared, d), sw1, sw2, want_dw=False)
+    return shared.dispatcher.combine(z, d.handle), saved
+
+
+def _shared_backward(shared, dout: Tensor, saved, sw1: Tensor, sw2: Tensor, want_dx: bool):
+    dz = bwd_dispatch(shared, dout, saved)
+    dx_rows, _, dw1, dw2 = bwd_experts(shared, dz, dout, saved, sw1, sw2, want_dx)
+    dx, _ = bwd_combine(shared, dx_rows, None, saved, dout.dtype)
+    return dx, dw1, dw2
