@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from moefp8.fp8 import Fp8Tensor
-from moefp8.moe import (bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout, restore,
-                        save)
+from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
+                        restore, save)
 
 _COMM_STREAMS: dict = {}
 
@@ -215,3 +215,14 @@ def _shared_backward(shared, dout: Tensor, saved, sw1: Tensor, sw2: Tensor, want
     dx_rows, _, dw1, dw2 = bwd_experts(shared, dz, dout, saved, sw1, sw2, want_dx)
     dx, _ = bwd_combine(shared, dx_rows, None, saved, dout.dtype)
     return dx, dw1, dw2
+
+
+def serialized(layer, x_TH: Tensor) -> Tensor:
+    """The serialized schedule, the reference `OverlappedMoE` must equal bit for bit: micro-batch
+    A then B through the plain routed path on one stream, then the shared experts on all tokens.
+    layer: a moefp8.moe.MoELayer; x [T, H] -> routed + shared [T, H]."""
+    r = layer.router(x_TH)
+    outs = [_RoutedExperts.apply(x_TH[p], r.topk_w_TK[p], layer.w1, layer.w2, r.topk_idx_TK[p], layer)
+            for p in _halves(x_TH.shape[0])]
+    out = torch.cat(outs)
+    return out + layer.shared(x_TH) if layer.shared is not None else out

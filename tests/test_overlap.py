@@ -8,21 +8,11 @@ import torch
 import torch.distributed as dist
 
 from moefp8.dispatch import build_dispatcher
-from moefp8.moe import MoELayer, _RoutedExperts
+from moefp8.moe import MoELayer
+from moefp8.overlap import serialized
 from moefp8.testing import rel_err, spawn_group
 
 H, I, E, K = 256, 128, 8, 2
-
-
-def serialized(layer: MoELayer, x2: torch.Tensor) -> torch.Tensor:
-    """The serialized schedule: micro-batch A then B through the plain routed path, then the
-    shared experts on all tokens."""
-    r = layer.router(x2)
-    h = (x2.shape[0] + 1) // 2
-    outs = [_RoutedExperts.apply(x2[p], r.topk_w_TK[p], layer.w1, layer.w2, r.topk_idx_TK[p], layer)
-            for p in (slice(0, h), slice(h, None))]
-    out = torch.cat(outs)
-    return out + layer.shared(x2) if layer.shared is not None else out
 
 
 def run(layer, x, dout, fn):
@@ -33,7 +23,7 @@ def run(layer, x, dout, fn):
     return [out, x.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
-def check(layer, x, dout, device, exact_unsplit: bool = False):
+def check(layer, x, dout, device):
     names = ["out", "dx"] + [n for n, _ in layer.named_parameters()]
     layer.overlap = True
     got = run(layer, x, dout, lambda x: layer(x).out)
@@ -43,9 +33,11 @@ def check(layer, x, dout, device, exact_unsplit: bool = False):
         assert torch.isfinite(g).all(), n
         assert torch.equal(g, w), f"{n}: overlapped != serialized, rel. err {rel_err(g.float(), w.float()):.2e}"
     unsplit = run(layer, x, dout, lambda x: layer(x).out)
+    # vs. the unsplit layer only the fp32 order of the dW sums differs (dW_A + dW_B vs one GEMM over
+    # all rows); on GPUs the grouped GEMMs also see other segment sizes (other tiles, or cuBLAS)
+    tol = 1e-5 if device == "cpu" else 1e-3
     for n, g, w in zip(names, got, unsplit):
-        # only dW sums differ (dW_A + dW_B vs one GEMM over all rows: fp32 order)
-        assert rel_err(g.float(), w.float()) < 1e-5, f"{n}: overlapped vs unsplit {rel_err(g.float(), w.float()):.2e}"
+        assert rel_err(g.float(), w.float()) < tol, f"{n}: overlapped vs unsplit {rel_err(g.float(), w.float()):.2e}"
 
 
 @pytest.mark.parametrize("recipe,n_shared,T", [("fp8", 1, 100), ("bf16", 1, 37), ("fp8", 0, 1)])
@@ -56,11 +48,12 @@ def test_overlap_equals_serialized_ep1(recipe, n_shared, T):
     check(layer, x, dout, "cpu")
 
 
-def _ep_case(rank, world, dev, recipes):
-    for recipe in recipes:
+def _ep_case(rank, world, dev, cases):
+    for recipe, mode in cases:
         torch.manual_seed(0)
+        T_max = 64 + 19 * (world - 1)
         layer = MoELayer(H, I, E, K, n_shared=1, recipe=recipe,
-                         dispatcher=build_dispatcher("all_to_all", E, None)).to(dev)
+                         dispatcher=build_dispatcher("all_to_all", E, None, capacity=T_max, mode=mode)).to(dev)
         g = torch.Generator().manual_seed(10 + rank)
         T = 64 + 19 * rank  # ragged across ranks
         x = torch.randn(T, H, generator=g).bfloat16().to(dev)
@@ -75,7 +68,7 @@ def _ep_case(rank, world, dev, recipes):
 
 
 def test_overlap_equals_serialized_gloo_ep2():
-    spawn_group(_ep_case, 2, ("fp8", "bf16"))
+    spawn_group(_ep_case, 2, [("fp8", "exact"), ("bf16", "exact"), ("fp8", "capacity")])
 
 
 @pytest.mark.gpu
@@ -83,7 +76,8 @@ def test_overlap_equals_serialized_gloo_ep2():
 def test_gpu_overlap_equals_serialized_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    spawn_group(_ep_case, world, ("fp8", "bf16"), backend="nccl", timeout_s=300)
+    spawn_group(_ep_case, world, [("fp8", "exact"), ("bf16", "exact"), ("fp8", "capacity")], backend="nccl",
+                timeout_s=300)
 
 
 def test_training_with_overlap(tmp_path):
@@ -106,3 +100,22 @@ def test_training_with_overlap(tmp_path):
         losses[ov] = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["true"]) == 3 and all(torch.isfinite(torch.tensor(losses["true"])))
     assert losses["true"][0] == losses["false"][0]
+
+
+def test_bench_overlap_smoke(tmp_path):
+    """tools/bench_overlap.py end to end on 2 gloo ranks (tiny shapes): JSON rows and a trace."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "overlap.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "tools/bench_overlap.py", "--smoke", "--out", str(out)], cwd=repo, capture_output=True,
+                       text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    impls = {row["impl"] for row in doc["rows"]}
+    assert {"overlap on", "communication alone"} <= impls
+    assert (tmp_path / doc["trace"]).is_file()

@@ -1,0 +1,235 @@
+"""Two micro-batch overlap benchmark (issue 7): how much of the MoE layer's communication the
+overlapped schedule (moefp8.overlap) hides, on 2-4 GPUs.
+
+    torchrun --standalone --nproc_per_node 4 tools/bench_overlap.py
+    torchrun --standalone --nproc_per_node 2 tools/bench_overlap.py --smoke      # CPU, gloo
+
+Per MoE layer (fwd + bwd, FP8 recipe, all_to_all dispatch over NCCL), same inputs and routes:
+  t_off       the layer as users run it without overlap (one micro-batch);
+  t_serial    the serialized two micro-batch schedule (A then B on one stream): overlap's reference;
+  t_on        the overlapped schedule;
+  t_comm      its communication alone: the dispatches and combines of both micro-batches, forward
+              and backward, back to back (no compute);
+  exposed     (t_on - t_compute) / t_comm with t_compute = t_serial - t_comm; hidden = 1 - exposed.
+Whole step: the small training model (moefp8.model.Transformer) fwd + bwd with overlap off / on.
+NCCL CTA limit (ncclConfig max_ctas through ProcessGroupNCCL.Options): t_on with the
+communication group capped at --ctas CTAs, and what a running all-to-all costs an FP8 GEMM
+(alone vs. concurrent) at each cap. Speed-of-light for the comm: the NCCL all-reduce bus
+bandwidth of the same run. One overlapped layer step is traced (torch profiler, Chrome JSON)
+beside the results JSON. Timings: median of --iters, max over ranks.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_dispatch import allreduce_busbw, timed  # noqa: E402
+
+from moefp8.config import ModelConfig  # noqa: E402
+from moefp8.dispatch import build_dispatcher  # noqa: E402
+from moefp8.kernels.quant import quant_rowwise  # noqa: E402
+from moefp8.model import Transformer  # noqa: E402
+from moefp8.moe import MoELayer  # noqa: E402
+from moefp8.overlap import _halves, serialized  # noqa: E402
+from moefp8.testing import print_table, results_path, save_results  # noqa: E402
+
+
+def comm_group(ctas: int | None):
+    """A process group over all ranks; NCCL capped at `ctas` CTAs per collective if given."""
+    if ctas is None or dist.get_backend() != "nccl":
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.min_ctas = 1
+    opts.config.max_ctas = ctas
+    return dist.new_group(backend="nccl", pg_options=opts)
+
+
+def layer_times(layer, x, dout, warmup, iters, dev, disp_full, disp_half) -> dict:
+    """disp_full serves the one-micro-batch layer, disp_half the two-micro-batch schedules (in
+    capacity mode their capacities are T and ceil(T/2))."""
+    def step(fn):
+        def run():
+            layer.zero_grad(set_to_none=True)
+            xi = x.detach().requires_grad_()
+            fn(xi).backward(dout)
+        return run
+
+    out = {}
+    layer.overlap, layer.dispatcher = False, disp_full
+    out["t_off"] = timed(step(lambda xi: layer(xi).out), warmup, iters, dev)
+    layer.dispatcher = disp_half
+    out["t_serial"] = timed(step(lambda xi: serialized(layer, xi)), warmup, iters, dev)
+    layer.overlap = True
+    out["t_on"] = timed(step(lambda xi: layer(xi).out), warmup, iters, dev)
+    # communication alone, with the schedule's routes: both halves, forward and backward
+    disp = layer.dispatcher
+    with torch.no_grad():
+        r = layer.router(x)
+    parts = []
+    for p in _halves(x.shape[0]):
+        x8, g8 = quant_rowwise(x[p]), quant_rowwise(dout[p])
+        d = disp.dispatch(x8, r.topk_idx_TK[p], r.topk_w_TK[p])
+        z = torch.zeros(d.x.data.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+        dw = torch.zeros(d.topk_w.shape, dtype=torch.float32, device=x.device)
+        parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
+
+    def comm():
+        for x8, g8, idx, w, z, dw in parts:
+            h = disp.dispatch(x8, idx, w).handle
+            disp.combine(z, h)
+            disp.dispatch(g8, handle=h)
+            disp.combine(z, h)
+            disp.combine(dw, h)
+
+    out["t_comm"] = timed(comm, warmup, iters, dev)
+    t_compute = out["t_serial"] - out["t_comm"]
+    out["exposed"] = (out["t_on"] - t_compute) / out["t_comm"]
+    out["hidden"] = 1 - out["exposed"]
+    return out
+
+
+def gemm_under_comm(group, dev, warmup, iters) -> tuple[float, float]:
+    """(FP8 GEMM alone, the same GEMM while all-to-alls run on another stream) in seconds."""
+    from moefp8.kernels.gemm import fp8_gemm
+    from moefp8.kernels.quant import quant_weight
+
+    a = quant_rowwise(torch.randn(8192, 7168, device=dev).bfloat16())
+    b = quant_weight(torch.randn(4096, 7168, device=dev))
+    buf = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    rbuf = torch.empty_like(buf)
+    side = torch.cuda.Stream()
+    alone = timed(lambda: fp8_gemm(a, b), warmup, iters, dev)
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dist.all_to_all_single(rbuf, buf, group=group)
+        for _ in range(4):
+            fp8_gemm(a, b)
+        torch.cuda.current_stream().wait_stream(side)
+
+    # a GEMM's share of `both`: 4 GEMMs, measured as a whole and divided
+    return alone, timed(both, warmup, iters, dev) / 4
+
+
+def whole_step(cfg: ModelConfig, disp, tokens: int, seq: int, warmup, iters, dev) -> dict:
+    out = {}
+    model = Transformer(cfg, "fp8", "pow2", disp, ep_rank=dist.get_rank()).to(dev)
+    idx = torch.randint(0, 256, (tokens // seq, seq), device=dev)
+    for ov in (False, True):
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.overlap = ov
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(idx, idx).out.backward()
+
+        out["on" if ov else "off"] = timed(run, warmup, iters, dev)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64, help="total; rounded down to a multiple of the rank count")
+    p.add_argument("--ctas", default="16,8", help="NCCL max_ctas caps to measure (comma list; NCCL only)")
+    p.add_argument("--modes", default="exact,capacity", help="all_to_all dispatch modes to measure (comma list)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.smoke:
+        a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    E = (a.experts // n) * n
+    torch.manual_seed(0)  # the same router and weights on every rank (each keeps its expert slice)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(a.tokens, a.hidden, device=dev, generator=g).bfloat16()
+    dout = torch.randn(a.tokens, a.hidden, device=dev, generator=g).bfloat16()
+    busbw, _ = allreduce_busbw((1 if a.smoke else 256) << 20, a.warmup, a.iters, dev)
+    shape = f"T{a.tokens} H{a.hidden} I{a.inter} top{a.topk}/E{E} EP{n}"
+    peak = {"what": f"{dist.get_backend()} all-reduce bus bandwidth, 256 MB, {n} ranks", "value": round(busbw, 1),
+            "unit": "GB/s"}
+    rows = []
+
+    def add(case, impl, t, **kw):
+        rows.append({"case": case, "impl": impl, "value": round(t * 1e3, 3), "unit": "ms", **kw})
+
+    caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
+    modes = [m for m in a.modes.split(",") if m]
+    for cap, mode in [(c, m) for c in caps for m in modes]:
+        group = comm_group(cap)
+        full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode)
+                      for c in (a.tokens, (a.tokens + 1) // 2))
+        layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=full).to(dev)
+        r = layer_times(layer, x, dout, a.warmup, a.iters, dev, full, half)
+        tag = f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
+        case = f"MoE layer fwd+bwd {shape}{tag}"
+        add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
+            baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3))
+        add(case, "overlap on", r["t_on"], baseline="overlap off", baseline_value=round(r["t_off"] * 1e3, 3),
+            ratio=round(r["t_off"] / r["t_on"], 3), speedup_vs_serialized=round(r["t_serial"] / r["t_on"], 3),
+            t_comm_ms=round(r["t_comm"] * 1e3, 3), exposed_comm_share=round(r["exposed"], 3),
+            hidden_comm_share=round(r["hidden"], 3))
+        add(case, "communication alone", r["t_comm"])
+        if cuda and mode == modes[0]:
+            alone, under = gemm_under_comm(group, dev, a.warmup, a.iters)
+            add("FP8 GEMM 8192x4096x7168 during all-to-all" + (f", NCCL max_ctas {cap}" if cap else ", NCCL default CTAs"), "gemm under comm",
+                under, baseline="gemm alone", baseline_value=round(alone * 1e3, 3), ratio=round(alone / under, 3))
+        del layer
+    if not a.smoke:
+        cfg = ModelConfig(name="small", hidden=1024, n_layers=8, n_dense_layers=1, n_heads=8, head_dim=128,
+                          dense_inter=2816, moe_inter=512, n_experts=(32 // n) * n, topk=4, n_shared=1, n_groups=4,
+                          topk_groups=2)
+        s = whole_step(cfg, build_dispatcher("all_to_all", cfg.n_experts, None), 16384, 1024, a.warmup, a.iters, dev)
+        case = f"whole step, model small (8 layers, E{cfg.n_experts} top4), 16384 tokens/rank, EP{n}"
+        add(case, "overlap on", s["on"], baseline="overlap off", baseline_value=round(s["off"] * 1e3, 3),
+            ratio=round(s["off"] / s["on"], 3))
+
+    # one overlapped layer step traced (every rank runs it: collectives); rank 0 keeps the trace
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, overlap=True,
+                     dispatcher=build_dispatcher("all_to_all", E, None, capacity=(a.tokens + 1) // 2,
+                                                 mode=modes[-1])).to(dev)
+    for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            layer.zero_grad(set_to_none=True)
+            layer(x.detach().requires_grad_()).out.backward(dout)
+            if cuda:
+                torch.cuda.synchronize()
+    out_path = Path(a.out) if a.out else results_path("overlap", ep=n)
+    trace = out_path.with_suffix(".trace.json")
+    if rank == 0:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    if rank == 0:
+        print(f"EP={n} on {dev.type}; {peak['what']}: {busbw:.1f} GB/s")
+        print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
+        path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
+                            hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, trace=trace.name)
+        print(f"wrote {path} and {trace}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
