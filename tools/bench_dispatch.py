@@ -4,15 +4,23 @@
     torchrun --nproc_per_node 2 tools/bench_dispatch.py --smoke    # CPU (gloo), tiny shapes
 
 Traffic: 4096 tokens per rank, hidden 7168, top-8 of 256 experts (rounded down to a multiple
-of the rank count), random routing (top-k of |randn| + 1 scores, as DeepEP's test). For each
-backend (`all_to_all`; DeepEP's Buffer if `deep_ep` imports): dispatch FP8, dispatch BF16 (full,
-with the count exchange; and reusing the handle, as the backward does and as DeepEP tunes),
-combine BF16. Time: per rank the median of CUDA-event timings over --iters iterations after
---warmup, then the max over ranks. GB/s counted as DeepEP does, per rank: dispatch = bytes of
-the tokens this rank receives (BF16 2H per token; FP8 H + 4H/128, DeepEP's FP8 format with
-fp32 scales, so figures compare with DeepEP's printout), combine = bytes of the BF16 rows this
-rank sends back. Our own wire bytes per token (UE8M0 scales, routing fields, 16-byte padding)
-are in the JSON too, and the FP8 wire row must be <= 0.55x the BF16 one (asserted).
+of the rank count), random routing (top-k of |randn| + 1 scores, as DeepEP's test). In one run,
+for each implementation: dispatch FP8, dispatch BF16 (full, with the routing; and reusing the
+handle, as the backward does and as DeepEP tunes), combine BF16. Implementations (`impl`, and
+`mode` in the JSON rows): `all_to_all` (its exact mode: count exchange + host sync, then the
+payload; the figures of earlier runs), `all_to_all-capacity` (fixed blocks of capacity + 1 rows,
+capacity = --tokens, no count exchange, no host sync; one more row: the full FP8 dispatch
+followed by its error check, the one host sync of that mode, which in the MoE layer happens at
+the combine), `deepep` (the deepep backend, DeepEP's normal intranode kernels, when `deep_ep`
+imports). Time: per rank the median of CUDA-event timings over --iters iterations after
+--warmup, then the max over ranks. GB/s counted as DeepEP does, on the useful bytes, per rank:
+dispatch = bytes of the tokens this rank receives (BF16 2H per token; FP8 H + 4H/128, DeepEP's
+FP8 format with fp32 scales, so figures compare with DeepEP's printout), combine = bytes of the
+BF16 rows this rank sends back; the same for every implementation, whatever it moves. What each
+one really moves is `wire_bytes_per_rank` (ours: UE8M0 scales, routing fields, 16-byte padding,
+and in capacity mode the unsent slots and headers; DeepEP's: fp32 scales, int64 ids, fp32
+weights, an int32 source index), printed beside. The FP8 wire row must be <= 0.55x the BF16 one
+(asserted).
 
 Speed of light: the NCCL all-reduce bus bandwidth measured in the same run
 (busbw = 2 (n-1)/n * bytes / t, --allreduce-mb); ratio = GB/s / busbw.
@@ -66,53 +74,55 @@ def allreduce_busbw(nbytes: int, warmup: int, iters: int, dev) -> tuple[float, f
     return (2 * (n - 1) / n * nbytes / t / 1e9 if n > 1 else float("nan")), t
 
 
-def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev):
-    """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic."""
-    disp = AllToAllDispatcher(E, None)
-    T, H = x.shape
-    K = idx.shape[1]
+def _rows(disp, x, x8, idx, w, warmup, iters, dev, wire):
+    """The five cases of one dispatcher -> [(case, seconds, DeepEP-counted bytes, wire bytes)]; wire(kind,
+    d) gives the bytes the implementation moves for a dispatch result d ("fp8" | "bf16" | "fp8 cached" |
+    "bf16 cached" | "combine")."""
+    H = x.shape[1]
     d16 = disp.dispatch(x, idx, w)
-    n_recv = d16.handle.num_recv
+    n_recv = int((d16.topk_idx >= 0).any(1).sum())  # tokens received (capacity mode: its sent slots)
     b16, b8 = n_recv * 2 * H, n_recv * (H + 4 * H // 128)  # DeepEP's byte counts
     y = d16.x.contiguous()  # the rows a rank sends back in combine
     out = []
-    t = timed(lambda: disp.dispatch(x8, idx, w), warmup, iters, dev)
-    out.append(("dispatch fp8", t, b8, n_recv * row_bytes(H, K, "fp8-pow2")))
-    t = timed(lambda: disp.dispatch(x, idx, w), warmup, iters, dev)
-    out.append(("dispatch bf16", t, b16, n_recv * row_bytes(H, K, "bf16")))
-    t = timed(lambda: disp.dispatch(x8, handle=d16.handle), warmup, iters, dev)
-    out.append(("dispatch fp8, cached handle", t, b8, n_recv * row_bytes(H, None, "fp8-pow2")))
-    t = timed(lambda: disp.dispatch(x, handle=d16.handle), warmup, iters, dev)
-    out.append(("dispatch bf16, cached handle", t, b16, n_recv * row_bytes(H, None, "bf16")))
-    t = timed(lambda: disp.combine(y, d16.handle), warmup, iters, dev)
-    out.append(("combine bf16", t, b16, n_recv * 2 * H))
+    for case, fn, nbytes, kind in (
+            ("dispatch fp8", lambda: disp.dispatch(x8, idx, w), b8, "fp8"),
+            ("dispatch bf16", lambda: disp.dispatch(x, idx, w), b16, "bf16"),
+            ("dispatch fp8, cached handle", lambda: disp.dispatch(x8, handle=d16.handle), b8, "fp8 cached"),
+            ("dispatch bf16, cached handle", lambda: disp.dispatch(x, handle=d16.handle), b16, "bf16 cached"),
+            ("combine bf16", lambda: disp.combine(y, d16.handle), b16, "combine")):
+        out.append((case, timed(fn, warmup, iters, dev), nbytes, wire(kind, d16)))
+    return out
+
+
+def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact"):
+    """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic."""
+    disp = AllToAllDispatcher(E, None, capacity=x.shape[0] if mode == "capacity" else None, mode=mode)
+    H, K = x.shape[1], idx.shape[1]
+    per_row = {"fp8": row_bytes(H, K, "fp8-pow2"), "bf16": row_bytes(H, K, "bf16"), "combine": 2 * H,
+               "fp8 cached": row_bytes(H, None, "fp8-pow2"), "bf16 cached": row_bytes(H, None, "bf16")}
+    # rows received: exact, the routed tokens; capacity, R blocks of capacity + 1 rows, whatever they hold
+    out = _rows(disp, x, x8, idx, w, warmup, iters, dev, lambda kind, d: d.handle.num_recv * per_row[kind])
+    if mode == "capacity":
+        b8, wire8 = out[0][2], out[0][3]
+        t = timed(lambda: disp.dispatch(x8, idx, w).handle.check(), warmup, iters, dev)
+        out.insert(1, ("dispatch fp8 + error check (host sync)", t, b8, wire8))
     return out
 
 
 def bench_deepep(x, x8, idx, w, E, warmup, iters, dev):
-    """DeepEP's normal (intranode) kernels with its default configs; the same traffic."""
-    import deep_ep
+    """The deepep backend (DeepEP's normal intranode kernels, its default configs); the same traffic."""
+    from moefp8.dispatch.deepep import DeepEPDispatcher
 
-    buffer = deep_ep.Buffer(dist.group.WORLD, int(1e9), 0)
-    H = x.shape[1]
-    n_tok_rank, _, n_tok_expert, in_rank, _ = buffer.get_dispatch_layout(idx, E)
-    layout = dict(num_tokens_per_rank=n_tok_rank, is_token_in_rank=in_rank, num_tokens_per_expert=n_tok_expert)
-    x8_deepep = (x8.data, x8.scale.contiguous())  # DeepEP's FP8 format: e4m3 + fp32 scales [T, H/128]
-    recv, _, _, _, handle, _ = buffer.dispatch(x=x, topk_idx=idx, topk_weights=w, **layout)
-    n_recv = recv.shape[0]
-    b16, b8 = n_recv * 2 * H, n_recv * (H + 4 * H // 128)
-    out = []
-    t = timed(lambda: buffer.dispatch(x=x8_deepep, topk_idx=idx, topk_weights=w, **layout), warmup, iters, dev)
-    out.append(("dispatch fp8", t, b8, b8))
-    t = timed(lambda: buffer.dispatch(x=x, topk_idx=idx, topk_weights=w, **layout), warmup, iters, dev)
-    out.append(("dispatch bf16", t, b16, b16))
-    t = timed(lambda: buffer.dispatch(x=x8_deepep, handle=handle), warmup, iters, dev)
-    out.append(("dispatch fp8, cached handle", t, b8, b8))
-    t = timed(lambda: buffer.dispatch(x=x, handle=handle), warmup, iters, dev)
-    out.append(("dispatch bf16, cached handle", t, b16, b16))
-    t = timed(lambda: buffer.combine(x=recv, handle=handle), warmup, iters, dev)
-    out.append(("combine bf16", t, b16, b16))
-    return out
+    disp = DeepEPDispatcher(E, None)
+    H, K, G = x.shape[1], idx.shape[1], x.shape[1] // 128
+    # DeepEP's rows: data, fp32 scales, int32 source index, and with the routing int64 ids + fp32 weights
+    per_row = {"fp8": H + 4 * G + 4 + 12 * K, "bf16": 2 * H + 4 + 12 * K, "fp8 cached": H + 4 * G + 4,
+               "bf16 cached": 2 * H + 4, "combine": 2 * H}
+    try:
+        return _rows(disp, x, x8, idx, w, warmup, iters, dev, lambda kind, d: d.handle.num_recv * per_row[kind])
+    finally:
+        dist.barrier()
+        disp.close()
 
 
 def main():
@@ -125,6 +135,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--allreduce-mb", type=int, default=256)
     p.add_argument("--backends", default="all_to_all,deepep", help="comma list; deepep is skipped if it does not import")
+    p.add_argument("--modes", default="exact,capacity", help="all_to_all modes to run (comma list)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/dispatch-<device>-ep<N>.json)")
     a = p.parse_args()
@@ -153,10 +164,14 @@ def main():
 
     busbw, t_ar = allreduce_busbw(a.allreduce_mb << 20, a.warmup, a.iters, dev)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
-    rows = []
+    runs = []  # (impl, mode, fn)
     for backend in backends:
         if backend == "all_to_all":
-            fn = bench_all_to_all
+            for mode in (m.strip() for m in a.modes.split(",") if m.strip()):
+                if mode not in ("exact", "capacity"):
+                    raise SystemExit(f"bench_dispatch: unknown all_to_all mode {mode!r} (exact, capacity)")
+                impl = "all_to_all" if mode == "exact" else f"all_to_all-{mode}"
+                runs.append((impl, mode, lambda *args, mode=mode: bench_all_to_all(*args, mode=mode)))
         elif backend == "deepep":
             try:
                 import deep_ep  # noqa: F401
@@ -164,21 +179,24 @@ def main():
                 if rank == 0:
                     print(f"deepep: skipped (`import deep_ep` failed: {e})")
                 continue
-            fn = bench_deepep
+            runs.append(("deepep", "normal", bench_deepep))
         else:
             raise SystemExit(f"bench_dispatch: unknown backend {backend!r} (all_to_all, deepep)")
+    rows = []
+    for impl, mode, fn in runs:
         try:
             results = fn(x, x8, idx, w, E, a.warmup, a.iters, dev)
         except Exception as e:  # noqa: BLE001  (an API mismatch with the installed DeepEP: keep the other rows)
-            if backend == "all_to_all":
+            if impl != "deepep":
                 raise
-            print(f"rank {rank}: {backend} failed: {type(e).__name__}: {e}")
+            print(f"rank {rank}: {impl} failed: {type(e).__name__}: {e}")
             continue
         for case, t, nbytes, wire in results:
             gbs = nbytes / t / 1e9
-            rows.append({"case": f"{case} T{a.tokens} H{a.hidden} top{a.topk}/E{E} EP{n}", "impl": backend,
+            rows.append({"case": f"{case} T{a.tokens} H{a.hidden} top{a.topk}/E{E} EP{n}", "impl": impl, "mode": mode,
                          "value": round(gbs, 1 if gbs >= 1 else 4), "unit": "GB/s", "time_us": round(t * 1e6, 1),
                          "bytes_per_rank": nbytes, "wire_bytes_per_rank": wire,
+                         "wire_over_useful": round(wire / nbytes, 3) if nbytes else None,
                          "baseline": f"{dist.get_backend()} all-reduce busbw {a.allreduce_mb} MB", "baseline_value": round(busbw, 1),
                          "ratio": round(gbs / busbw, 3) if busbw == busbw else None})
     # the received-token count differs per rank; the table shows rank 0's bytes with the max time
@@ -186,7 +204,7 @@ def main():
         print(f"EP={n} on {dev.type}; all-reduce {a.allreduce_mb} MB: {t_ar * 1e6:.0f} us, busbw {busbw:.1f} GB/s; "
               f"wire bytes/token FP8 {row_bytes(a.hidden, a.topk, 'fp8-pow2')} vs BF16 "
               f"{row_bytes(a.hidden, a.topk, 'bf16')} ({ratio8:.3f}x)")
-        print_table(rows, ["case", "impl", "time_us", "value", "unit", "baseline_value", "ratio"])
+        print_table(rows, ["case", "impl", "time_us", "value", "unit", "baseline_value", "ratio", "wire_over_useful"])
         peak = {"what": f"{dist.get_backend()} all-reduce bus bandwidth, {a.allreduce_mb} MB, {n} ranks", "value": round(busbw, 1),
                 "unit": "GB/s"}
         path = save_results("bench_dispatch", rows, peak, path=a.out or results_path("dispatch", ep=n),

@@ -1,7 +1,7 @@
 """Profiles the all_to_all dispatch on rank 0 (torch profiler): where a full FP8 dispatch spends
 its time, device kernels and host ops. Launch like the benchmark:
 
-    torchrun --standalone --nproc_per_node 4 tools/profile_dispatch.py [--cached]
+    torchrun --standalone --nproc_per_node 4 tools/profile_dispatch.py [--cached] [--mode capacity]
 """
 
 import argparse
@@ -20,6 +20,7 @@ p.add_argument("--hidden", type=int, default=7168)
 p.add_argument("--experts", type=int, default=256)
 p.add_argument("--topk", type=int, default=8)
 p.add_argument("--cached", action="store_true", help="profile the dispatch that reuses a handle")
+p.add_argument("--mode", default="exact", choices=("exact", "capacity"), help="all_to_all mode (capacity: --tokens)")
 args = p.parse_args()
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -29,7 +30,7 @@ x8 = quant_rowwise(torch.randn(args.tokens, args.hidden, device="cuda", generato
 scores = torch.randn(args.tokens, args.experts, device="cuda", generator=g).abs() + 1
 idx = scores.topk(args.topk, dim=-1).indices
 w = torch.rand(args.tokens, args.topk, device="cuda", generator=g)
-disp = AllToAllDispatcher(args.experts)
+disp = AllToAllDispatcher(args.experts, capacity=args.tokens, mode=args.mode)
 h = disp.dispatch(x8, idx, w).handle
 fn = (lambda: disp.dispatch(x8, handle=h)) if args.cached else (lambda: disp.dispatch(x8, idx, w))
 for _ in range(5):

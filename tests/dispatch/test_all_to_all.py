@@ -259,12 +259,12 @@ GPU_TOL = {"out": 1.5e-2, "dx": 1.5e-2, "dx_vs_fp8dout": 1.5e-2, "drouter": 5e-2
 GPU_TOL_W = 1e-2  # dW1, dW2 on GPU (bit-exact on CPU)
 
 
-def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, mode="exact"):
+def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, mode="exact", backend="all_to_all"):
     group = None
     torch.manual_seed(0)
     ref = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe).to(dev)
     ep = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe,
-                  dispatcher=build_dispatcher("all_to_all", E, group, capacity=max(T_r), mode=mode)).to(dev)
+                  dispatcher=build_dispatcher(backend, E, group, capacity=max(T_r), mode=mode)).to(dev)
     E_l = E // world
     with torch.no_grad():
         if skew:  # every token to experts 0 and 1, both on rank 0: the other ranks receive nothing
@@ -314,7 +314,9 @@ def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, m
         g = p.grad.clone()
         dist.all_reduce(g)
         errs[f"dshared{i}"] = rel_err(g, g_shared[i])
-    report.append((f"{recipe} {mode}", T_r, E, K, skew, errs))
+    report.append((f"{recipe} {backend if backend != 'all_to_all' else mode}", T_r, E, K, skew, errs))
+    if hasattr(ep.dispatcher, "close"):  # DeepEP's buffer (collective: every rank gets here)
+        ep.dispatcher.close()
     for name, tol in TOL[recipe].items():
         tol = tol if dev == "cpu" else max(tol, GPU_TOL[name])
         assert errs.get(name, 0.0) <= tol, f"{recipe} {name}: rel. error {errs[name]:.2e} > {tol:.0e} ({T_r}, skew={skew})"
@@ -324,10 +326,14 @@ def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, m
     return [o.out, x.grad, ep.w1.grad, ep.w2.grad, d_router]
 
 
-def _layer_cases(rank, world, dev, recipes):
+def layer_token_counts(world, dev):
+    """Tokens per rank of the two layer cases: ragged; the second has a zero-token rank."""
     Ts = [(70, 45), (0, 90)] if world == 2 else [(40, 25, 60, 33), (30, 0, 41, 12)]
-    if dev == "cuda":
-        Ts = [tuple(4 * t for t in T) for T in Ts]
+    return [tuple(4 * t for t in T) for T in Ts] if dev == "cuda" else Ts
+
+
+def _layer_cases(rank, world, dev, recipes):
+    Ts = layer_token_counts(world, dev)
     report = []
     for recipe in recipes:
         exact = _layer_case(rank, world, dev, recipe, Ts[0], 4 * world, 3, False, report, n_shared=1)
@@ -341,6 +347,11 @@ def _layer_cases(rank, world, dev, recipes):
             # exact mode on CPU. The data-movement test covers that routing in capacity mode.
             skew = mode == "exact" or dev != "cpu"
             _layer_case(rank, world, dev, recipe, Ts[1], 2 * world, 2, skew, report, mode=mode)
+    print_report(rank, world, dev, report)
+
+
+def print_report(rank, world, dev, report):
+    """Rank 0 prints each case's errors, the max over ranks (for freezing bounds)."""
     n = max(len(e) for *_, e in report)
     errs = torch.tensor([list(e.values()) + [0.0] * (n - len(e)) for *_, e in report], dtype=torch.float64, device=dev)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
@@ -490,5 +501,10 @@ def test_bench_dispatch_smoke(tmp_path):
     r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["tool"] == "bench_dispatch" and len(doc["rows"]) == 5
+    assert doc["tool"] == "bench_dispatch" and len(doc["rows"]) == 11  # exact 5, capacity 6 (+ its error check)
+    assert {(r["impl"], r["mode"]) for r in doc["rows"]} == {("all_to_all", "exact"), ("all_to_all-capacity", "capacity")}
+    by = {(r["impl"], r["case"].split(" T")[0]): r for r in doc["rows"]}  # the same useful bytes, more on the wire
+    assert by["all_to_all", "dispatch fp8"]["bytes_per_rank"] == by["all_to_all-capacity", "dispatch fp8"]["bytes_per_rank"]
+    assert by["all_to_all-capacity", "dispatch fp8"]["wire_bytes_per_rank"] >= by["all_to_all", "dispatch fp8"][
+        "wire_bytes_per_rank"]
     assert doc["wire_bytes_per_token"]["fp8"] <= 0.55 * doc["wire_bytes_per_token"]["bf16"]
