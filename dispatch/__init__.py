@@ -14,7 +14,7 @@ The interface (`Dispatcher`, two methods):
 Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.distributed
 all_to_all_single, `all_to_all.py`; an "exact" mode that exchanges counts first and a
 "capacity" mode of fixed-size blocks without a host sync, picked per dispatch); ``deepep``
-(DeepEP's Buffer: needs `deep_ep`, which is not on PyPI; not implemented yet).
+(DeepEP's Buffer, normal intranode kernels, `deepep.py`: needs `deep_ep`, which is not on PyPI).
 `build_ep_group` makes the expert-parallel process groups.
 
 Handles have a `check()` method: it raises any input error that the dispatch found on any rank
@@ -75,8 +75,9 @@ def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str 
         except ImportError as e:
             raise ImportError(f"dispatch backend 'deepep' needs DeepEP, but `import deep_ep` failed ({e}). "
                               f"{DEEPEP_INSTALL}") from e
-        raise NotImplementedError("dispatch backend 'deepep' is not implemented yet (DeepEP imports); "
-                                  "use 'all_to_all'")
+        from moefp8.dispatch.deepep import DeepEPDispatcher
+
+        return DeepEPDispatcher(num_experts, group, scale_fmt)
     raise ValueError(f"unknown dispatch backend {backend!r}: expected 'local', 'all_to_all' or 'deepep'")
 
 

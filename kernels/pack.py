@@ -256,10 +256,10 @@ def _copy_payload(x_ptr, s_ptr, row, t, off, DATA_WORDS, G, stride_x, stride_s, 
 
 
 @triton.jit
-def _capacity_errors(idx_ptr, s_ptr, T, K, E, G, stride_s, CHECK_SCALES: tl.constexpr, K_PAD: tl.constexpr,
+def _input_errors(idx_ptr, s_ptr, T, K, E, G, stride_s, CHECK_SCALES: tl.constexpr, K_PAD: tl.constexpr,
                      G_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """-> (code, value) over all of this rank's tokens: 1 an id outside [-1, E) (the largest), 2 a
-    scale that is not a positive power of two, 0 none."""
+    """-> (code, value) over T tokens: 1 an id outside [-1, E) (value: the largest), 2 a scale that
+    is not a positive power of two (CHECK_SCALES), 0 none. One program scans everything."""
     k = tl.arange(0, K_PAD)
     bad_any = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     bad_val = tl.full((BLOCK_T, K_PAD), -(2**62), dtype=tl.int64)
@@ -289,20 +289,24 @@ def _capacity_errors(idx_ptr, s_ptr, T, K, E, G, stride_s, CHECK_SCALES: tl.cons
 def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, T, CAP, K, E, E_LOCAL, R, DATA_WORDS, G,
                           stride_x, stride_s, ROW_WORDS, ROW_BYTES, CHECK_SCALES: tl.constexpr, SCALES: tl.constexpr,
                           K_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
-    s = tl.program_id(0).to(tl.int64)  # one row of the send buffer: block r, slot t
-    r = s // (CAP + 1)
-    t = s % (CAP + 1)
+    # One row of the send buffer per program: the R header rows first (their programs scan all the
+    # inputs, so they start first), then block r's slot t at q = R + r * CAP + t.
+    q = tl.program_id(0).to(tl.int64)
+    is_hdr = q < R
+    r = tl.where(is_hdr, q, (q - R) // tl.maximum(CAP, 1))
+    t = tl.where(is_hdr, CAP, (q - R) % tl.maximum(CAP, 1))
+    s = r * (CAP + 1) + t
     row = out_ptr + s * ROW_WORDS  # int32 words
     k = tl.arange(0, K_PAD)
     km = k < K
-    if t == CAP:  # the header row: no expert (-1 ids), then int64 fields where the data goes
+    if is_hdr:  # the header row: no expert (-1 ids), then int64 fields where the data goes
         tl.store(row + k, tl.zeros((K_PAD,), dtype=tl.int32), mask=km)
         tl.store(row + K + k, tl.full((K_PAD,), -1, dtype=tl.int32), mask=km)
-        code, val = _capacity_errors(idx_ptr, s_ptr, tl.minimum(T, CAP), K, E, G, stride_s, CHECK_SCALES, K_PAD,
+        code, val = _input_errors(idx_ptr, s_ptr, tl.minimum(T, CAP), K, E, G, stride_s, CHECK_SCALES, K_PAD,
                                      G_PAD, BLOCK_T)
         over = T > CAP  # checked first: the tokens past CAP were not looked at
         code = tl.where(over, 3, code)
-        val = tl.where(over, T.to(tl.int64), val)
+        val = tl.where(over, T, val)
         h = tl.arange(0, 8)
         fields = tl.where(h == 0, 0x4D6F4538, tl.where(h == 1, ROW_BYTES, tl.where(h == 2, CAP, tl.where(
             h == 3, T, 0)))).to(tl.int64)
@@ -327,14 +331,13 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, T, CAP
 @triton.jit
 def _pack_capacity_cached_kernel(pos_ptr, x_ptr, s_ptr, out_ptr, T, CAP, R, DATA_WORDS, G, stride_x, stride_s,
                                  ROW_WORDS, SCALES: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    s = tl.program_id(0).to(tl.int64)
-    r = s // (CAP + 1)
-    t = s % (CAP + 1)
+    q = tl.program_id(0).to(tl.int64)  # block r's slot t at q = r * CAP + t (no header: nothing to check)
+    r = q // CAP
+    t = q % CAP
     if t < T:
-        if t < CAP:
-            if tl.load(pos_ptr + t * R + r) >= 0:
-                _copy_payload(x_ptr, s_ptr, out_ptr + s * ROW_WORDS, t, 0, DATA_WORDS, G, stride_x, stride_s, SCALES,
-                              G_PAD, BLOCK)
+        if tl.load(pos_ptr + t * R + r) >= 0:
+            _copy_payload(x_ptr, s_ptr, out_ptr + (r * (CAP + 1) + t) * ROW_WORDS, t, 0, DATA_WORDS, G, stride_x,
+                          stride_s, SCALES, G_PAD, BLOCK)
 
 
 def _payload_args(x):
@@ -371,7 +374,7 @@ def pack_capacity(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: 
     pos = torch.full((T, world), -1, dtype=torch.int32, device=dev) if T > cap else \
         torch.empty(T, world, dtype=torch.int32, device=dev)
     words, sc, G = _payload_args(x)
-    _pack_capacity_kernel[(world * (cap + 1),)](
+    _pack_capacity_kernel[(world * (cap + 1),)](  # the header programs first, then the rows
         topk_idx.contiguous(), topk_w.float().contiguous(), words, sc, out.view(torch.int32), pos, T, cap, K,
         num_experts, num_experts // world, world, words.shape[1], G, words.stride(0), sc.stride(0), row_bytes // 4,
         row_bytes, CHECK_SCALES=check_scales, SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
@@ -390,10 +393,12 @@ def pack_capacity_cached(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: st
         return pack_capacity_cached_ref(x, pos_TR, cap, row_bytes, scales)
     out = torch.empty(R * (cap + 1), row_bytes, dtype=torch.uint8, device=data.device)
     words, sc, G = _payload_args(x)
-    _pack_capacity_cached_kernel[(R * (cap + 1),)](pos_TR, words, sc, out.view(torch.int32), T, cap, R, words.shape[1],
-                                                   G, words.stride(0), sc.stride(0), row_bytes // 4,
-                                                   SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
-                                                   G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, num_warps=4)
+    if min(T, cap) == 0:
+        return out
+    _pack_capacity_cached_kernel[(R * cap,)](pos_TR, words, sc, out.view(torch.int32), T, cap, R, words.shape[1], G,
+                                             words.stride(0), sc.stride(0), row_bytes // 4,
+                                             SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
+                                             G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, num_warps=4)
     return out
 
 
@@ -454,3 +459,45 @@ def pack_capacity_cached_ref(x, pos_TR: Tensor, cap: int, row_bytes: int, scales
     ok = p >= 0
     out[p[ok], :pay.shape[1]] = pay.repeat_interleave(R, dim=0)[ok]
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad expert ids for the DeepEP backend: a flag that rides DeepEP's own count exchange
+
+BAD_RANK_FLAG = 1 << 24  # added to a per-expert token count; real counts stay below it
+
+
+@triton.jit
+def _flag_bad_experts_kernel(idx_ptr, cnt_ptr, out_ptr, T, K, E, E_LOCAL, R, K_PAD: tl.constexpr,
+                             R_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    code, val = _input_errors(idx_ptr, idx_ptr, T, K, E, 1, 0, False, K_PAD, 1, BLOCK_T)
+    h = tl.arange(0, 2)
+    tl.store(out_ptr + h, tl.where(h == 0, code, val))
+    r = tl.arange(0, R_PAD)
+    rm = (r < R) & (r * 0 + code > 0)
+    old = tl.load(cnt_ptr + r * E_LOCAL, mask=rm, other=0)
+    tl.store(cnt_ptr + r * E_LOCAL, old + 16777216, mask=rm)  # BAD_RANK_FLAG
+
+
+def flag_bad_experts(topk_idx: Tensor, num_experts: int, world: int, counts_E: Tensor, impl: str | None = None) -> Tensor:
+    """topk_idx int64 [T, K] global ids; counts_E int32 [E] tokens per expert (DeepEP's layout) ->
+    int64 [2] on the device: (1, the largest id outside [-1, E)) or (0, 0). When there is a bad id,
+    BAD_RANK_FLAG is added in place to counts_E[r * E / R] for every rank r (the first local expert
+    of each rank), so that every receiver's per-expert total says how many ranks had one. One launch."""
+    if not use_triton(topk_idx, impl):
+        return flag_bad_experts_ref(topk_idx, num_experts, world, counts_E)
+    T, K = topk_idx.shape
+    out = torch.empty(2, dtype=torch.int64, device=topk_idx.device)
+    _flag_bad_experts_kernel[(1,)](topk_idx.contiguous(), counts_E, out, T, K, num_experts, num_experts // world,
+                                   world, K_PAD=triton.next_power_of_2(max(K, 1)),
+                                   R_PAD=triton.next_power_of_2(world), BLOCK_T=128, num_warps=4)
+    return out
+
+
+def flag_bad_experts_ref(topk_idx: Tensor, num_experts: int, world: int, counts_E: Tensor) -> Tensor:
+    idx = topk_idx.long()
+    bad = (idx < -1) | (idx >= num_experts)
+    if not bool(bad.any()):
+        return torch.zeros(2, dtype=torch.int64, device=idx.device)
+    counts_E[::num_experts // world] += BAD_RANK_FLAG
+    return torch.stack([torch.ones((), dtype=torch.int64, device=idx.device), idx[bad].max()])
