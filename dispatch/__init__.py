@@ -15,7 +15,8 @@ Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.
 all_to_all_single, `all_to_all.py`; an "exact" mode that exchanges counts first and a
 "capacity" mode of fixed-size blocks without a host sync, picked per dispatch); ``deepep``
 (DeepEP's Buffer, normal intranode kernels, `deepep.py`: needs `deep_ep`, which is not on PyPI).
-`build_ep_group` makes the expert-parallel process groups.
+`build_ep_group` makes the expert-parallel process groups; `node_limited_groups` the router's
+groups for node-limited routing.
 
 Handles have a `check()` method: it raises any input error that the dispatch found on any rank
 (the same error on every rank). Backends whose dispatch raises at once make it a no-op; the
@@ -110,3 +111,30 @@ def build_ep_group(world_size: int, ep_size: int, num_experts: int):
         if dist.get_rank() in ranks:
             mine = g
     return mine
+
+
+def node_limited_groups(ep_size: int, ranks_per_node: int, num_experts: int, topk: int, max_nodes: int) -> tuple:
+    """Node-limited routing (DeepSeek-V3 caps each token at 4 nodes) as the router's group-limited
+    top-k: -> (n_groups, topk_groups) for `moefp8.router.Router`.
+
+    Experts are sharded contiguously over the EP group's ranks and the group's ranks are consecutive
+    (`ep_group_ranks`), so the experts of node n of the group are the contiguous block
+    [n * E / N, (n + 1) * E / N), N = ep_size / ranks_per_node nodes: one router group per node,
+    and picking experts from the best `max_nodes` groups sends a token to at most that many nodes.
+    max_nodes = 0 (off) or an EP group within one node: (1, 1), plain top-k. ValueError naming the
+    value when the group does not cover whole nodes or top-k experts do not fit in max_nodes nodes."""
+    for name, v in (("dispatch.max_nodes", max_nodes), ("ranks per node", ranks_per_node), ("ep size", ep_size)):
+        if not isinstance(v, int) or v < (0 if name == "dispatch.max_nodes" else 1):
+            raise ValueError(f"{name}={v!r}: must be an integer >= {0 if name == 'dispatch.max_nodes' else 1}")
+    if max_nodes == 0 or ep_size <= ranks_per_node:
+        return 1, 1
+    if ep_size % ranks_per_node:
+        raise ValueError(f"dispatch.max_nodes={max_nodes}: the EP group of {ep_size} ranks does not cover whole nodes "
+                         f"of {ranks_per_node} ranks, so its experts do not split by node; make dispatch.ep_size a "
+                         f"multiple of the ranks per node")
+    nodes = ep_size // ranks_per_node
+    per_node = num_experts // nodes
+    if topk > min(max_nodes, nodes) * per_node:
+        raise ValueError(f"dispatch.max_nodes={max_nodes}: top-{topk} experts cannot come from {min(max_nodes, nodes)} "
+                         f"node(s) of {per_node} experts each; raise dispatch.max_nodes")
+    return nodes, min(max_nodes, nodes)

@@ -16,6 +16,7 @@ from moefp8.fp8 import TILE
 RECIPES = ("fp8", "bf16")
 SCALE_FMTS = ("pow2", "fp32")
 BACKENDS = ("local", "all_to_all", "deepep")
+DISPATCH_MODES = ("auto", "exact", "capacity")  # the all_to_all backend's modes (dispatch/all_to_all.py)
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("stop", "skip")
@@ -62,6 +63,16 @@ class DispatchConfig:
     backend: str = "local"
     ep_size: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
     overlap: bool = False  # two micro-batches per MoE layer, communication overlapped (moefp8.overlap)
+    # all_to_all: "exact" (count exchange + host sync), "capacity" (fixed blocks, no sync) or "auto"
+    # (capacity on GPUs when ep_size <= model.topk); capacity: the most tokens a rank passes to one
+    # dispatch, 0: train.micro_batch * train.seq_len (half of it, rounded up, with overlap)
+    mode: str = "auto"
+    capacity: int = 0
+    # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
+    # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off.
+    # ranks_per_node: 0 = torchrun's LOCAL_WORLD_SIZE
+    max_nodes: int = 0
+    ranks_per_node: int = 0
 
 
 @dataclass
@@ -159,6 +170,17 @@ def validate(cfg: Config) -> None:
     _positive("optim.lr", o.lr)
     _positive("train.dist_timeout_s", t.dist_timeout_s)
     _positive("dispatch.ep_size", d.ep_size)
+    _one_of("dispatch.mode", d.mode, DISPATCH_MODES)
+    for key, off in (("capacity", "train.micro_batch * train.seq_len"), ("max_nodes", "off"),
+                     ("ranks_per_node", "torchrun's LOCAL_WORLD_SIZE")):
+        if getattr(d, key) < 0:
+            raise ValueError(f"dispatch.{key}={getattr(d, key)}: must be >= 0 (0: {off})")
+    if d.max_nodes and d.backend == "local":
+        raise ValueError(f"dispatch.max_nodes={d.max_nodes}: node-limited routing needs expert parallelism across "
+                         f"nodes (dispatch=all_to_all or deepep with dispatch.ep_size spanning nodes)")
+    if d.max_nodes and m.n_groups > 1:
+        raise ValueError(f"dispatch.max_nodes={d.max_nodes}: node-limited routing makes the router's groups the EP "
+                         f"group's nodes; leave model.n_groups=1 (got {m.n_groups}) or set dispatch.max_nodes=0")
     if m.vocab_size < BYTE_VOCAB:
         raise ValueError(f"model.vocab_size={m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB}")
     if m.head_dim % 2:

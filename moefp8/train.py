@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import Loader, prepare
-from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, ep_group_ranks
+from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, ep_group_ranks, node_limited_groups
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.router import load_stats
@@ -93,6 +93,7 @@ def check_launch(cfg: Config, env=os.environ) -> None:
         except ImportError as e:
             raise ValueError(f"dispatch=deepep: `import deep_ep` failed ({e}). {DEEPEP_INSTALL}") from None
     check_parallel(cfg, int(env.get("WORLD_SIZE", "1")))
+    routing_config(cfg, int(env.get("WORLD_SIZE", "1")), env)  # node-limited routing fits the topology
 
 
 def peak_flops(cfg: Config, device: torch.device) -> float | None:
@@ -134,6 +135,27 @@ def check_parallel(cfg: Config, world: int) -> None:
                          f"--nproc_per_node N -m moefp8.train ...); use dispatch=local on one process")
     if world % ep:
         raise ValueError(f"dispatch.ep_size={ep}: does not divide the {world} processes")
+
+
+def dispatch_capacity(cfg: Config) -> int:
+    """The most tokens a rank passes to one dispatch (the all_to_all capacity mode's blocks):
+    dispatch.capacity, else micro_batch x seq_len, half of it (rounded up) under the overlap."""
+    if cfg.dispatch.capacity:
+        return cfg.dispatch.capacity
+    T = cfg.train.micro_batch * cfg.train.seq_len
+    return -(-T // 2) if cfg.dispatch.overlap else T
+
+
+def routing_config(cfg: Config, world: int, env=os.environ):
+    """cfg.model with the router's groups set for node-limited routing (dispatch.max_nodes: one
+    group per node of the EP group, `dispatch.node_limited_groups`); cfg.model itself when off.
+    ValueError naming the value when the topology does not allow it."""
+    d = cfg.dispatch
+    if not d.max_nodes:
+        return cfg.model
+    rpn = d.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world))
+    n_groups, topk_groups = node_limited_groups(d.ep_size, rpn, cfg.model.n_experts, cfg.model.topk, d.max_nodes)
+    return replace(cfg.model, n_groups=n_groups, topk_groups=topk_groups)
 
 
 class Parallel:
@@ -256,8 +278,9 @@ def train(cfg: Config) -> dict:
         loader = Loader(cfg.data.path, t.micro_batch, t.seq_len, rank, world, t.seed)
     except (OSError, ValueError) as e:  # missing / empty / truncated shard, index, too little data
         raise DataError(str(e)) from e
-    dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt)
-    model = Transformer(cfg.model, cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
+    dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
+                                  capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode)
+    model = Transformer(routing_config(cfg, world), cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
                         t.seed, overlap=cfg.dispatch.overlap).to(device)
     opt = AdamW(model.named_parameters(), o)
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
