@@ -26,8 +26,9 @@ Two modes, the same results (rows, order, combine sums bit for bit):
   R = 2 (capacity sends 0.3% more), 0.904 at R = 4 (+11%), 0.662 at R = 8 (+51%), 0.408 at R = 16
   (2.5x). The combine and the backward's dispatch move fixed blocks too (the same ratios). Hence
   the default ("auto"): capacity when the dispatcher has a capacity, R <= K (p >= 1 - 1/e) and
-  the tensors are on a GPU (gloo is synchronous: no host sync to save on CPU), else exact. What it buys: no count exchange and no host sync (the host keeps queueing work, which
-  the two-micro-batch overlap needs): at EP4 on H200s they were ~260 of the exact mode's 608 us
+  the tensors are on a GPU (gloo is synchronous: no host sync to save on CPU), else exact.
+  What it buys: no count exchange and no host sync (the host keeps queueing work, which the
+  two-micro-batch overlap needs): at EP4 on H200s they were ~260 of the exact mode's 608 us
   per full FP8 dispatch (bench/notes/dispatch.md has the measurements of both modes).
   The receive buffer and the rows saved for backward hold R * (cap + 1) rows instead of ~p * R * T.
 

@@ -345,8 +345,10 @@ def _payload_args(x):
     fp8 = isinstance(x, Fp8Tensor)
     data = x.data if fp8 else x
     data = data if data.stride(-1) == 1 or data.numel() == 0 else data.contiguous()
-    words = data.view(torch.int32) if data.numel() else data.new_empty(data.shape[0], data.shape[1] * data.element_size()
-                                                                      // 4, dtype=torch.int32)
+    if data.numel():
+        words = data.view(torch.int32)
+    else:  # an empty tensor's strides may refuse the view
+        words = data.new_empty(data.shape[0], data.shape[1] * data.element_size() // 4, dtype=torch.int32)
     sc = x.scale.float().contiguous() if fp8 else words
     return words, sc, (sc.shape[1] if fp8 else 0)
 
@@ -479,7 +481,8 @@ def _flag_bad_experts_kernel(idx_ptr, cnt_ptr, out_ptr, T, K, E, E_LOCAL, R, K_P
     tl.store(cnt_ptr + r * E_LOCAL, old + 16777216, mask=rm)  # BAD_RANK_FLAG
 
 
-def flag_bad_experts(topk_idx: Tensor, num_experts: int, world: int, counts_E: Tensor, impl: str | None = None) -> Tensor:
+def flag_bad_experts(topk_idx: Tensor, num_experts: int, world: int, counts_E: Tensor,
+                     impl: str | None = None) -> Tensor:
     """topk_idx int64 [T, K] global ids; counts_E int32 [E] tokens per expert (DeepEP's layout) ->
     int64 [2] on the device: (1, the largest id outside [-1, E)) or (0, 0). When there is a bad id,
     BAD_RANK_FLAG is added in place to counts_E[r * E / R] for every rank r (the first local expert

@@ -134,7 +134,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--allreduce-mb", type=int, default=256)
-    p.add_argument("--backends", default="all_to_all,deepep", help="comma list; deepep is skipped if it does not import")
+    p.add_argument("--backends", default="all_to_all,deepep",
+                   help="comma list; deepep is skipped if it does not import")
     p.add_argument("--modes", default="exact,capacity", help="all_to_all modes to run (comma list)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/dispatch-<device>-ep<N>.json)")

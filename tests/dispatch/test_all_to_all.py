@@ -319,7 +319,8 @@ def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, m
         ep.dispatcher.close()
     for name, tol in TOL[recipe].items():
         tol = tol if dev == "cpu" else max(tol, GPU_TOL[name])
-        assert errs.get(name, 0.0) <= tol, f"{recipe} {name}: rel. error {errs[name]:.2e} > {tol:.0e} ({T_r}, skew={skew})"
+        assert errs.get(name, 0.0) <= tol, \
+            f"{recipe} {name}: rel. error {errs[name]:.2e} > {tol:.0e} ({T_r}, skew={skew})"
     if skew:
         empty = [e for e in range(E_l) if rank * E_l + e not in (0, 1)]
         assert torch.all(ep.w1.grad[empty] == 0)
@@ -458,7 +459,8 @@ def _bad_inputs_capacity(rank):
         disp.combine(d.x, d.handle)
     T = 5 if rank == 1 else 2  # more than the capacity on rank 1
     d = disp.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 2, dtype=torch.long), torch.ones(T, 2))
-    with pytest.raises(ValueError, match="rank 1 of the EP group passed 5 tokens, more than the dispatcher's capacity 3"):
+    over = "rank 1 of the EP group passed 5 tokens, more than the dispatcher's capacity 3"
+    with pytest.raises(ValueError, match=over):
         disp.dispatch(torch.zeros(T, H, dtype=torch.bfloat16), handle=d.handle)  # the cached dispatch checks too
     d = disp.dispatch(x, torch.tensor([[0, 3]] * 3), w)  # and it still works afterwards
     assert torch.equal(disp.combine(d.x, d.handle), 2 * x)
@@ -502,9 +504,10 @@ def test_bench_dispatch_smoke(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["tool"] == "bench_dispatch" and len(doc["rows"]) == 11  # exact 5, capacity 6 (+ its error check)
-    assert {(r["impl"], r["mode"]) for r in doc["rows"]} == {("all_to_all", "exact"), ("all_to_all-capacity", "capacity")}
+    assert {(r["impl"], r["mode"]) for r in doc["rows"]} == {("all_to_all", "exact"),
+                                                             ("all_to_all-capacity", "capacity")}
     by = {(r["impl"], r["case"].split(" T")[0]): r for r in doc["rows"]}  # the same useful bytes, more on the wire
-    assert by["all_to_all", "dispatch fp8"]["bytes_per_rank"] == by["all_to_all-capacity", "dispatch fp8"]["bytes_per_rank"]
-    assert by["all_to_all-capacity", "dispatch fp8"]["wire_bytes_per_rank"] >= by["all_to_all", "dispatch fp8"][
-        "wire_bytes_per_rank"]
+    exact, cap = by["all_to_all", "dispatch fp8"], by["all_to_all-capacity", "dispatch fp8"]
+    assert exact["bytes_per_rank"] == cap["bytes_per_rank"]
+    assert cap["wire_bytes_per_rank"] >= exact["wire_bytes_per_rank"]
     assert doc["wire_bytes_per_token"]["fp8"] <= 0.55 * doc["wire_bytes_per_token"]["bf16"]

@@ -83,7 +83,8 @@ def _check_bad_id(rank, dev, dep):
     E = dep.num_experts
     x = torch.zeros(3, H, dtype=torch.bfloat16, device=dev)
     idx = torch.tensor([[0, E + 3 if rank == 1 else 1]] * 3, device=dev)
-    with pytest.raises(ValueError, match=r"1 rank\(s\) of the EP group passed topk_idx holding an expert id outside") as e:
+    msg = r"1 rank\(s\) of the EP group passed topk_idx holding an expert id outside"
+    with pytest.raises(ValueError, match=msg) as e:
         dep.dispatch(x, idx, torch.ones(3, 2, device=dev))
     assert (f"this rank (1) passed expert {E + 3}" in str(e.value)) == (rank == 1)
     d = dep.dispatch(x + 1, idx.clamp(max=1), torch.ones(3, 2, device=dev))  # and it still works afterwards

@@ -110,7 +110,8 @@ def test_layout_gpu_vs_ref(T, K, E, R):
 
 
 # Fixed-capacity send buffer (the all_to_all dispatch's capacity mode)
-CAP_CASES = [("fp8-pow2", "ue8m0", 7, 9, 3, 8, 2), ("bf16", "none", 5, 5, 2, 8, 4), ("fp8-fp32", "fp32", 6, 4, 3, 12, 3),
+CAP_CASES = [("fp8-pow2", "ue8m0", 7, 9, 3, 8, 2), ("bf16", "none", 5, 5, 2, 8, 4),
+             ("fp8-fp32", "fp32", 6, 4, 3, 12, 3),
              ("fp8-pow2", "ue8m0", 0, 3, 2, 4, 2), ("fp8-pow2", "ue8m0", 6, 4, 2, 8, 2)]
 
 
