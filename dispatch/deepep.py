@@ -48,6 +48,7 @@ from moefp8.kernels.pack import BAD_RANK_FLAG, flag_bad_experts
 RANKS = (2, 4, 8)  # group sizes of DeepEP's intranode kernels (all ranks on one node, NVLink)
 MAX_LOCAL_EXPERTS = 1024  # DeepEP's NUM_MAX_LOCAL_EXPERTS
 DUMMY_COLS = 8  # BF16 columns of the payload that carries an fp32 combine (16 bytes, DeepEP's minimum)
+MAX_ROW_BYTES = 2 * (8192 - 8)  # the dispatch kernel stages half a row per warp in 8 KB of TMA memory
 
 
 @dataclass(frozen=True)
@@ -148,13 +149,18 @@ class DeepEPDispatcher:
             if x.data.shape[1] % TILE or x.scale.shape != (x.data.shape[0], x.data.shape[1] // TILE):
                 raise ValueError(f"dispatch: FP8 scales must be [T, H/{TILE}], got {tuple(x.scale.shape)} for data "
                                  f"{tuple(x.data.shape)}")
-            return (x.data.contiguous(), x.scale.float()), x.data.shape
-        if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            xin = (x.data.contiguous(), x.scale.float())
+        elif not isinstance(x, Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
             what = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"dispatch: expected an Fp8Tensor or a bfloat16 tensor [T, H], got {what}")
-        if (2 * x.shape[1]) % 16:
-            raise ValueError(f"dispatch: DeepEP needs rows of a multiple of 16 bytes, got H={x.shape[1]} (BF16)")
-        return x.contiguous(), x.shape
+        else:
+            xin = x.contiguous()
+        data = xin[0] if isinstance(xin, tuple) else xin
+        nb = data.element_size() * data.shape[1]
+        if nb % 32 or nb > MAX_ROW_BYTES:  # DeepEP's kernel would trap (a device assert ends the process)
+            raise ValueError(f"dispatch: DeepEP's intranode dispatch takes rows of a multiple of 32 bytes, at most "
+                             f"{MAX_ROW_BYTES}; got {nb} (H={x.shape[1]})")
+        return xin, x.shape
 
     @staticmethod
     def _output(recv):
