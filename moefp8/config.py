@@ -219,6 +219,14 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"optim.warmup_steps={o.warmup_steps}: must be in [0, train.steps={t.steps}]")
     if o.grad_clip < 0 or o.weight_decay < 0:
         raise ValueError(f"optim.grad_clip={o.grad_clip}, optim.weight_decay={o.weight_decay}: must be >= 0")
+    for key, v, lo, hi in (("model.norm_eps", m.norm_eps, 0, None), ("model.rope_theta", m.rope_theta, 1, None),
+                           ("model.init_std", m.init_std, 0, None), ("model.route_scale", m.route_scale, 0, None),
+                           ("model.bias_update_rate", m.bias_update_rate, 0, None),
+                           ("model.seq_aux_alpha", m.seq_aux_alpha, 0, None), ("optim.beta1", o.beta1, 0, 1),
+                           ("optim.beta2", o.beta2, 0, 1), ("optim.eps", o.eps, 0, None),
+                           ("train.peak_tflops", t.peak_tflops, 0, None)):
+        if v < lo or (hi is not None and v >= hi):  # a NaN loss at the first step otherwise (found by fuzzing)
+            raise ValueError(f"{key}={v}: must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi})"))
     if t.ckpt_every < 0:
         raise ValueError(f"train.ckpt_every={t.ckpt_every}: must be >= 0 (0: only at the end)")
     if not t.out_dir:

@@ -460,7 +460,13 @@ def describe_config_error(e: BaseException, overrides: list[str]) -> str:
             why = _first_line(c.msg if getattr(c, "msg", None) else c)
             hint = " (python -m moefp8.train --cfg job lists the keys)" if "not in" in why else ""
             return f"{override_for(c.full_key)}: {why}{hint}"
-    return _first_line(e) or type(e).__name__
+    msg = _first_line(e) or type(e).__name__
+    keyed = [(ov, ov.lstrip("+~").split("=", 1)[0]) for ov in overrides]
+    if not any(msg.startswith((ov, k)) for ov, k in keyed if k):  # name the override it is about
+        about = [ov for ov, k in keyed if k and f"'{k}'" in msg] or (overrides if len(overrides) == 1 else [])
+        if about:
+            return f"{about[0]}: {msg}"
+    return msg
 
 
 def _auto_model_overrides(overrides: list[str], device: str) -> list[str]:
@@ -493,23 +499,40 @@ def load_config(overrides: list[str] = (), auto_model: bool = False) -> Config:
     import yaml
 
     overrides = list(overrides)
+    errors = (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError)
     _register_schema()
     GlobalHydra.instance().clear()
-    try:
+
+    def to_object(ovs):
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            dcfg = compose(config_name="config", overrides=overrides)
-            if auto_model:
-                ovs = _auto_model_overrides(overrides, dcfg.train.device)
-                if ovs != overrides:
-                    overrides, dcfg = ovs, compose(config_name="config", overrides=ovs)
-        stray = _unknown_keys(dcfg, Config)
-        if stray:
-            raise ValueError(f"{stray[0]}: no such key in the config schema (moefp8/config.py; "
-                             f"python -m moefp8.train --cfg job lists the keys)")
-        cfg = OmegaConf.to_object(dcfg)
+            d = compose(config_name="config", overrides=ovs)
+        return d, OmegaConf.to_object(d)
+
+    try:
+        dcfg, cfg = to_object(overrides)
+        if auto_model:
+            ovs = _auto_model_overrides(overrides, cfg.train.device)
+            if ovs != overrides:
+                overrides = ovs
+                dcfg, cfg = to_object(ovs)
+    except errors as e:
+        msg = describe_config_error(e, overrides)
+        if len(overrides) > 1 and not msg.startswith(tuple(overrides)):  # which override is it?
+            for ov in overrides:
+                try:
+                    to_object([ov])
+                except errors as e1:
+                    msg = describe_config_error(e1, [ov])
+                    break
+        raise ConfigError(msg) from e
+    stray = _unknown_keys(dcfg, Config)
+    if stray:
+        raise ConfigError(f"{stray[0]}: no such key in the config schema (moefp8/config.py; "
+                          f"python -m moefp8.train --cfg job lists the keys)")
+    try:
         validate(cfg)
-    except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError, TypeError) as e:
-        raise ConfigError(describe_config_error(e, overrides)) from e
+    except ValueError as e:  # already `key=value: why`
+        raise ConfigError(str(e)) from e
     return cfg
 
 
