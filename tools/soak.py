@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.testing import REPO, device_name, save_results  # noqa: E402
+from moefp8.testing import REPO, device_name, git_commit, save_results  # noqa: E402
 
 
 def cpu_s(pid: int) -> float | None:
@@ -157,9 +157,11 @@ def main() -> int:
     env = dict(os.environ)
     if a.threads:
         env.update(OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+    commit = git_commit()  # what runs: the run imports the working tree now (edits later do not count)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
-    log.write(f"# soak: {' '.join(cmd)}\n# minutes={a.minutes} sample_s={a.sample_s} threads={a.threads or 'default'}\n")
+    log.write(f"# soak: {' '.join(cmd)}\n# commit {commit}; minutes={a.minutes} sample_s={a.sample_s} "
+              f"threads={a.threads or 'default'}\n")
     log.flush()
     print(f"soak: {a.minutes:g} min, log {log_path}")
     t0 = time.time()
@@ -204,7 +206,7 @@ def main() -> int:
     log.write(f"# {summary}\n")
     log.close()
     save_results("soak", rows, {"what": "none: a soak compares the last third with the first (baseline)"},
-                 path=json_path, minutes=a.minutes, run_command=" ".join(cmd), threads=a.threads or None,
+                 path=json_path, commit=commit, minutes=a.minutes, run_command=" ".join(cmd), threads=a.threads or None,
                  tps_metric=f"tokens_per_{a.tps_metric}", ok=ok, samples=samples, log=os.path.relpath(log_path, REPO) if log_path.is_relative_to(REPO)
                  else str(log_path))
     print(summary)
