@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 # One CPU thread: multi-threaded CPU matmuls may split their sums differently from run to run (seen
@@ -165,18 +166,26 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fault", ["hang", "die"])
-def test_a_lost_peer_ends_the_survivor_within_the_timeout(tmp_path, fault):
-    """Two "nodes" with no launcher to stop the survivors (env:// rendezvous, gloo, one process
-    each): rank 1 hangs (SIGSTOP) or dies (SIGKILL) mid-training; rank 0, blocked in a gradient
-    all-reduce, exits by itself within train.dist_timeout_s (plus slack) with one line."""
-    timeout_s = 4
+def test_a_lost_peer_ends_the_survivor_within_the_timeout(tmp_path, fault, device):
+    """Two "nodes" with no launcher to stop the survivors (env:// rendezvous, one process each,
+    gloo on CPU, NCCL on two GPUs): rank 1 hangs (SIGSTOP) or dies (SIGKILL) mid-training; rank 0,
+    blocked in a gradient all-reduce, exits by itself within train.dist_timeout_s (plus slack).
+    gloo: the collective raises and rank 0 prints one line. NCCL: its watchdog aborts rank 0 once
+    the collective has waited train.dist_timeout_s (its own multi-line report)."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    timeout_s = 4 if device == "cpu" else 20
     args = tiny_args(tmp_path, "train.steps=100000", "train.micro_batch=1", "train.seq_len=32", "train.log_every=1",
-                     "train.ckpt_every=0", "train.progress=false", f"train.dist_timeout_s={timeout_s}")
+                     "train.ckpt_every=0", "train.progress=false", f"train.dist_timeout_s={timeout_s}",
+                     f"train.device={device}")
     port = _free_port()
     procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-                                   "RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) for r in (0, 1)]
+                                   "RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                                   **({"CUDA_VISIBLE_DEVICES": str(r)} if device == "cuda" else {})})
+             for r in (0, 1)]
     try:
         deadline = time.time() + 300
         while all(p.poll() is None for p in procs) and time.time() < deadline and max(_logged(tmp_path / "run"),
@@ -185,13 +194,16 @@ def test_a_lost_peer_ends_the_survivor_within_the_timeout(tmp_path, fault):
         assert all(p.poll() is None for p in procs), "a rank exited before step 3"
         os.kill(procs[1].pid, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
         t0 = time.time()
-        _, err = procs[0].communicate(timeout=120)
+        _, err = procs[0].communicate(timeout=timeout_s + 120)
         elapsed = time.time() - t0
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
+    if device == "cuda":  # the watchdog polls: allow it a minute past the timeout
+        assert procs[0].returncode != 0 and elapsed < timeout_s + 60, (elapsed, err[-3000:])
+        return
     lines = err.strip().splitlines()
     assert procs[0].returncode == 1 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith(f"error: rank 0: a collective failed, a peer rank died or hangs (collectives wait at "
