@@ -29,8 +29,9 @@ dispatch: a one-launch kernel (`kernels/pack.py:flag_bad_experts`) adds a flag t
 DeepEP exchanges anyway, so no extra collective and no extra host sync (DeepEP itself ignores such
 ids). The error names how many ranks passed one; the ranks that did name their largest bad id.
 
-The one singleton: the `deep_ep.Buffer` (NVLink IPC buffers, ~1 GB at hidden 7168 and 8 ranks)
-is owned by its dispatcher, allocated at the first dispatch for that hidden size (collective:
+The one singleton: the `deep_ep.Buffer` (NVLink IPC buffers of DeepEP's size hint, 0.34 GB per
+GPU at hidden 7168, 8 ranks, 20 SMs) is owned by its dispatcher, allocated at the first dispatch
+for that hidden size (collective:
 every rank of the group dispatches together) and released by `close()` (collective too; call it on
 every rank, or let the process exit).
 """
