@@ -429,9 +429,10 @@ def describe_config_error(e: BaseException, overrides: list[str]) -> str:
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
-    def override_for(key: str) -> str:  # the command-line override that set key, else key itself
+    def override_for(key: str) -> str:  # the command-line override that set key (or under it), else key
         for ov in overrides:
-            if ov.lstrip("+~").split("=", 1)[0] == key:
+            k = ov.lstrip("+~").split("=", 1)[0]
+            if k == key or k.startswith(key + ".") or key.startswith(k + "."):
                 return ov
         return key
 
