@@ -268,6 +268,8 @@ def permute_rows_ref(x_TH: Tensor, layout: PermuteLayout) -> Tensor:
 def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor) -> Tensor:
     T, K = layout.row_TK.shape
     out = torch.zeros(T, y_MH.shape[1], dtype=torch.float32, device=y_MH.device)
+    if y_MH.shape[0] == 0:  # no row at all (every slot -1): nothing to gather
+        return out.bfloat16()
     for k in range(K):  # slot order, as the kernel sums
         r = layout.row_TK[:, k].long()
         ok = r >= 0
@@ -281,7 +283,9 @@ def combine_backward_ref(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayo
     r = layout.row_TK.long()
     ok = r >= 0
     dw = dy = None
-    if y_MH is not None:
+    if y_MH is not None and y_MH.shape[0] == 0:  # no row at all (every slot -1)
+        dw = torch.zeros(T, K, dtype=torch.float32, device=dz_TH.device)
+    elif y_MH is not None:
         yg = y_MH[r.clamp(min=0)].float()  # [T, K, H]
         dw = torch.where(ok, (yg * dz_TH.float()[:, None, :]).sum(-1), 0.0)
     if want_dy:

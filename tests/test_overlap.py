@@ -33,9 +33,10 @@ def check(layer, x, dout, device):
         assert torch.isfinite(g).all(), n
         assert torch.equal(g, w), f"{n}: overlapped != serialized, rel. err {rel_err(g.float(), w.float()):.2e}"
     unsplit = run(layer, x, dout, lambda x: layer(x).out)
-    # vs. the unsplit layer only the fp32 order of the dW sums differs (dW_A + dW_B vs one GEMM over
-    # all rows); on GPUs the grouped GEMMs also see other segment sizes (other tiles, or cuBLAS)
-    tol = 1e-5 if device == "cpu" else 1e-3
+    # vs. the unsplit layer: the weight gradients' col-wise FP8 tiles (128 tokens of one expert)
+    # hold other tokens once the batch is split, so their scales and codes can differ (measured on
+    # 4x H200: dW1 2.4e-3), and dW_A + dW_B adds in another fp32 order; the rest is row-local
+    tol = 1e-2
     for n, g, w in zip(names, got, unsplit):
         assert rel_err(g.float(), w.float()) < tol, f"{n}: overlapped vs unsplit {rel_err(g.float(), w.float()):.2e}"
 

@@ -165,3 +165,17 @@ def test_triton_interpreter_vs_ref(T, K, E, kind):
                                           (1000, 4, 8, "one_expert", 384), (0, 8, 8, "random", 256)])
 def test_triton_gpu_vs_ref(T, K, E, kind, H):
     _compare_all(T, K, E, kind, H, "cuda", exact=True)
+
+
+def test_refs_with_no_row_at_all():
+    """Every slot -1 (a rank that receives tokens routed to none of its experts): the references
+    return zeros instead of indexing an empty tensor (found by the hypothesis round trip)."""
+    from moefp8.kernels.permute import PermuteLayout, combine_backward_ref, unpermute_combine_ref
+
+    T, K, H = 5, 2, 128
+    L = PermuteLayout(torch.full((T, K), -1, dtype=torch.int32), torch.empty(0, dtype=torch.int32),
+                      torch.zeros(3, dtype=torch.int64), [0, 0], 0)
+    y, w, dz = torch.empty(0, H).bfloat16(), torch.rand(T, K), torch.randn(T, H).bfloat16()
+    assert torch.equal(unpermute_combine_ref(y, L, w), torch.zeros(T, H).bfloat16())
+    dy, dw = combine_backward_ref(dz, y, L, w)
+    assert dy.shape == (0, H) and torch.equal(dw, torch.zeros(T, K))
