@@ -75,9 +75,10 @@ def check_gpus(device: torch.device, local_rank: int, visible: int, nproc: int) 
     """More processes on this node than GPUs it can see (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE
     against torch.cuda.device_count()): ValueError before any CUDA or NCCL call."""
     if device.type == "cuda" and max(local_rank + 1, nproc) > visible:
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise ValueError(f"train.device=cuda: {max(local_rank + 1, nproc)} processes on this node but only "
-                         f"{visible} GPU(s) visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                         f"launch at most {visible} per node (torchrun --nproc_per_node {visible})")
+                         f"{visible} GPU(s) visible (CUDA_VISIBLE_DEVICES={cvd}); launch at most {visible} per "
+                         f"node (torchrun --nproc_per_node {visible})")
 
 
 def check_launch(cfg: Config, env=os.environ) -> None:

@@ -202,13 +202,15 @@ def main() -> int:
     ok = all(r["ok"] for r in rows if r["decides"])
     summary = (f"soak: {samples[-1]['step']} steps in {samples[-1]['t_s'] / 60:.1f} min; "
                + "; ".join(f"{r['case']} {r['baseline_value']:.1f} -> {r['value']:.1f} (bound {r['bound']:.1f}"
-                           f"{'' if r['decides'] else ', reported'})" for r in rows) + ("; flat" if ok else "; NOT FLAT"))
+                           f"{'' if r['decides'] else ', reported'})" for r in rows)
+               + ("; flat" if ok else "; NOT FLAT"))
     log.write(f"# {summary}\n")
     log.close()
+    log_name = os.path.relpath(log_path, REPO) if log_path.is_relative_to(REPO) else str(log_path)
     save_results("soak", rows, {"what": "none: a soak compares the last third with the first (baseline)"},
-                 path=json_path, commit=commit, minutes=a.minutes, run_command=" ".join(cmd), threads=a.threads or None,
-                 tps_metric=f"tokens_per_{a.tps_metric}", ok=ok, samples=samples, log=os.path.relpath(log_path, REPO) if log_path.is_relative_to(REPO)
-                 else str(log_path))
+                 path=json_path, commit=commit, minutes=a.minutes, run_command=" ".join(cmd),
+                 threads=a.threads or None, tps_metric=f"tokens_per_{a.tps_metric}", ok=ok, samples=samples,
+                 log=log_name)
     print(summary)
     print(f"soak: {json_path}")
     return 0 if ok else 1
