@@ -110,13 +110,17 @@ H, I, E, K, T = 256, 128, 8, 2, 256
 MOE_GRADS = ["out", "dx", "dW1", "dW2", "d router", "d shared W1", "d shared W2"]
 
 
-def moe_run(recipe, x, dout):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: through the Triton kernels
+
+
+def moe_run(recipe, x, dout, device="cpu"):
     torch.manual_seed(0)
-    m = MoELayer(H, I, E, K, n_shared=1, recipe=recipe)
-    x = x.clone().requires_grad_()
+    m = MoELayer(H, I, E, K, n_shared=1, recipe=recipe).to(device)
+    x = x.to(device).requires_grad_()
     o = m(x)
-    o.out.backward(dout)
-    return [o.out.detach(), x.grad, m.w1.grad, m.w2.grad, m.router.weight.grad, m.shared.w1.grad, m.shared.w2.grad]
+    o.out.backward(dout.to(device))
+    grads = [o.out.detach(), x.grad, m.w1.grad, m.w2.grad, m.router.weight.grad, m.shared.w1.grad, m.shared.w2.grad]
+    return [g.cpu() for g in grads]
 
 
 def extreme_inputs(seed, big: bool):
@@ -130,19 +134,21 @@ def extreme_inputs(seed, big: bool):
     return x.bfloat16(), (torch.randn(T, H, generator=g) * 1e-8).bfloat16()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [1, 2])
-def test_moe_gradients_down_to_1e8(seed):
+def test_moe_gradients_down_to_1e8(seed, device):
     # The amax clamp (1e-4) puts a 1e-8 gradient tile at scale 2**-22, values ~0.04: normal E4M3
     # numbers, so the precision is that of unit-scale inputs. Measured SQNR vs the BF16 recipe:
     # 21.4..23.9 dB for everything (test_moe's floor at unit scale: 20 dB).
     x, dout = extreme_inputs(seed, big=False)
-    for name, u, v in zip(MOE_GRADS, moe_run("fp8", x, dout), moe_run("bf16", x, dout)):
+    for name, u, v in zip(MOE_GRADS, moe_run("fp8", x, dout, device), moe_run("bf16", x, dout, device)):
         assert torch.isfinite(u).all(), name
         assert sqnr(u.float(), v.float()) > 20, f"{name}: SQNR {sqnr(u.float(), v.float()):.1f} dB"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [1, 2])
-def test_moe_activations_up_to_1e4_and_gradients_down_to_1e8(seed):
+def test_moe_activations_up_to_1e4_and_gradients_down_to_1e8(seed, device):
     # All finite: that is the no-overflow guarantee (h and y reach ~3e8 here). Precision vs the
     # BF16 recipe, measured over seeds 1-4: out, dW2 and the shared dW2 21.7..23.5 dB; dx, dW1
     # and the shared dW1 15.6..19.9 dB (a 1e4 outlier sets its whole 1x128 tile's scale, and the
@@ -151,7 +157,7 @@ def test_moe_activations_up_to_1e4_and_gradients_down_to_1e8(seed):
     # (sigmoid scores of |logits| ~ 1e3, normalized over the top-k): the BF16 recipe's own router
     # gradient moves by 0..16 dB when these inputs get 1.5% noise.
     x, dout = extreme_inputs(seed, big=True)
-    fp8, bf16 = moe_run("fp8", x, dout), moe_run("bf16", x, dout)
+    fp8, bf16 = moe_run("fp8", x, dout, device), moe_run("bf16", x, dout, device)
     assert fp8[0].abs().max() > 1e7  # the activations really went large
     for name, u, v in zip(MOE_GRADS, fp8, bf16):
         assert torch.isfinite(u).all() and u.abs().max() > 0, name
@@ -160,13 +166,15 @@ def test_moe_activations_up_to_1e4_and_gradients_down_to_1e8(seed):
             assert sqnr(u.float(), v.float()) > floor, f"{name}: SQNR {sqnr(u.float(), v.float()):.1f} dB"
 
 
-def test_fp8_linear_is_scale_invariant_up_to_1e4():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_linear_is_scale_invariant_up_to_1e4(device):
     """Power-of-two scales make x * 2**13 (|x| up to ~3e4) quantize to the same FP8 bytes with
     scales 2**13 larger: y and dW scale exactly, dx is unchanged, bit for bit."""
     torch.manual_seed(0)
-    lin = Fp8Linear(256, 384)
+    lin = Fp8Linear(256, 384).to(device)
     g = torch.Generator().manual_seed(3)
     x, dy = torch.randn(200, 256, generator=g).bfloat16(), torch.randn(200, 384, generator=g).bfloat16()
+    x, dy = x.to(device), dy.to(device)
     res = []
     for s in (1.0, 2.0**13):
         xi = (x * s).requires_grad_()
