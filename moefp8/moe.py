@@ -137,6 +137,7 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
                                      validate=False, host_offsets=L.offsets_host)  # = forward's y
                 dzf = dout if not disp.communicates else dz.dequantize(torch.bfloat16)
                 dw = combine_backward(dzf, y, L, w_TK, want_dy=False)[1]
+                del y, dzf  # [M, H] and [T_recv, H] bf16: not alive during the expert backward
         with record_function("bwd_permute"):
             dy8 = permute_fp8(dz, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
             x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L)
