@@ -7,6 +7,11 @@ weights zeroed, rows in (source rank, token) order, the per-local-expert counts 
 sources returned as a host list, `allocate_on_comm_stream` only with `previous_event` and
 `async_finish`, a handle tied to its SM count. The data moves through the all_to_all backend
 (exact mode, fp32 scales); DeepEP's own kernels are tested by the GPU tests with the real module.
+DeepEP v1.2.1 semantics checked against its source (csrc/kernels/intranode.cu) and mirrored here:
+fresh and cached dispatch receive in (source rank, channel, token) order = (source rank, token),
+bytes moved as is (NaN payloads included); combine sums each token's rows and its fp32 top-k
+weights per slot over the ranks that received it, in rank order, starting from 0, one rounding for
+BF16; tokens sent nowhere combine to 0.
 """
 
 import torch
@@ -96,6 +101,11 @@ class Buffer:
         ev = self._check(config, previous_event, async_finish, allocate_on_comm_stream)
         fp8 = isinstance(x, tuple)
         assert (x[0] if fp8 else x).is_contiguous() and num_worst_tokens == 0
+        if fp8:  # DeepEP: e4m3 data [T, H], scales fp32 (or int) [T, H/128], any strides
+            assert x[0].element_size() == 1 and x[1].dtype in (torch.float32, torch.int32) and x[1].dim() == 2
+            assert x[1].shape[0] == x[0].shape[0]
+        else:
+            assert x.dtype == torch.bfloat16 and (2 * x.shape[1]) % 16 == 0
         xin = Fp8Tensor(x[0], x[1].float(), "1x128") if fp8 else x
         if handle is not None:
             assert topk_idx is None and topk_weights is None and handle[2] == config.num_sms
@@ -119,6 +129,9 @@ class Buffer:
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and (2 * x.shape[1]) % 16 == 0
         assert handle[2] == config.num_sms
         disp, h = handle[0], handle[1]
+        if topk_weights is not None:  # summed over the ranks in rank order from 0.0 in fp32, per slot
+            assert topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+            assert topk_weights.dim() == 2 and topk_weights.shape[0] == x.shape[0] and topk_weights.shape[1] <= 32
         out = disp.combine(x, h)
         w = disp.combine(topk_weights, h) if topk_weights is not None else None
         return out, w, ev
