@@ -217,7 +217,7 @@ def main():
             if cuda:
                 torch.cuda.synchronize()
     out_path = Path(a.out) if a.out else results_path("overlap", ep=n)
-    trace = out_path.with_suffix(".trace.json")
+    trace = out_path.with_suffix(".trace.json.gz")  # torch writes it gzipped (Perfetto and chrome://tracing read it)
     if rank == 0:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
