@@ -8,6 +8,7 @@ is compared too.
 
     python tools/convergence.py model=small train.steps=2000               # one GPU
     python tools/convergence.py --parallel experiment=small_gpu           # two GPUs, one run each
+    python tools/convergence.py --parallel --noise-floor experiment=small_gpu   # + BF16 seed+1 (3 GPUs)
     python tools/convergence.py --out outputs/conv model=tiny train.steps=40   # CPU smoke run
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefp8.testing import REPO, results_path, save_results  # noqa: E402
 
 RECIPES = ("bf16", "fp8")
+NOISE = "bf16_seed+1"
 
 
 def ema(xs: list[float], beta: float = 0.9) -> list[float]:
@@ -51,12 +53,21 @@ def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float], dic
     return steps, [by_step[s]["loss"] for s in steps], [by_step[s]["tokens_per_s"] for s in steps], load
 
 
+def run_overrides(name: str, overrides: list[str]) -> list[str]:
+    """The overrides of run `name`: "bf16", "fp8", or "bf16_seed+1" (the noise floor: BF16 again
+    with the seed after the configured one, i.e. another init and data order)."""
+    if name == NOISE:
+        seed = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.seed=")), 0)
+        return [*overrides, "recipe=bf16", f"train.seed={seed + 1}"]
+    return [*overrides, f"recipe={name}"]
+
+
 def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
-    """Runs each recipe through the real entry point; with `parallel`, both at once, recipe i on
-    GPU i (CUDA_VISIBLE_DEVICES), each alone on its GPU, so tokens/s stay comparable."""
+    """Runs each recipe through the real entry point; with `parallel`, all at once, run i on GPU i
+    (CUDA_VISIBLE_DEVICES), each alone on its GPU, so tokens/s stay comparable."""
     procs = {}
     for i, (recipe, run_dir) in enumerate(runs.items()):
-        cmd = [sys.executable, "-m", "moefp8.train", *overrides, f"recipe={recipe}", f"train.out_dir={run_dir}"]
+        cmd = [sys.executable, "-m", "moefp8.train", *run_overrides(recipe, overrides), f"train.out_dir={run_dir}"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if parallel else None
         print("convergence:", " ".join(cmd), f"(GPU {i})" if parallel else "", flush=True)
         procs[recipe] = subprocess.Popen(cmd, cwd=REPO, env=env)
@@ -94,16 +105,20 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for the runs, the JSON and the PNG")
     p.add_argument("--threshold", type=float, default=0.0025, help="acceptance: max |EMA relative difference|")
     p.add_argument("--skip-train", action="store_true", help="only read existing runs and report")
-    p.add_argument("--parallel", action="store_true", help="run both recipes at once, one GPU each (needs 2 GPUs)")
+    p.add_argument("--parallel", action="store_true", help="run all at once, one GPU each (needs 2 GPUs, 3 with "
+                   "--noise-floor)")
+    p.add_argument("--noise-floor", action="store_true", help="also train BF16 with the next seed: the same "
+                   "smoothed relative difference between two BF16 runs, the scale the FP8 gap is judged against")
     args, overrides = p.parse_known_args()
     json_path = Path(args.out) / "convergence.json" if args.out else results_path("convergence")
     runs = (Path(args.out) if args.out else REPO / "outputs" / "convergence") / "runs"
-    run_dirs = {recipe: (runs / recipe).resolve() for recipe in RECIPES}
+    names = RECIPES + ((NOISE,) if args.noise_floor else ())
+    run_dirs = {name: (runs / name).resolve() for name in names}
     if args.parallel:
         import torch
 
-        if torch.cuda.device_count() < 2:
-            raise SystemExit(f"convergence: --parallel needs 2 GPUs, {torch.cuda.device_count()} visible")
+        if torch.cuda.device_count() < len(names):
+            raise SystemExit(f"convergence: --parallel needs {len(names)} GPUs, {torch.cuda.device_count()} visible")
     if not args.skip_train:
         train(run_dirs, overrides, args.parallel)
     curves = {}
@@ -118,6 +133,11 @@ def main() -> None:
     rel = [(e8[s] - e16[s]) / e16[s] for s in steps]
     last = rel[len(rel) // 2:]
     worst = max(abs(r) for r in last)
+    noise = None
+    if NOISE in curves:  # the same statistic between two BF16 runs that differ only in the seed
+        en = dict(zip(curves[NOISE]["steps"], curves[NOISE]["ema"]))
+        both = [s for s in steps if s in en]
+        noise = max(abs(en[s] - e16[s]) / e16[s] for s in both[len(both) // 2:])
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
     case = f"{' '.join(overrides) or 'defaults'}, {steps[-1]} steps"
     rows = [
@@ -126,7 +146,8 @@ def main() -> None:
          "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
          "mean_rel_diff_last_half_pct": round(100 * sum(last) / len(last), 4),
          "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()},
-         "final_expert_load": {r: c["load"] for r, c in curves.items()}},
+         "final_expert_load": {r: c["load"] for r, c in curves.items()},
+         "noise_floor_pct": round(100 * noise, 4) if noise is not None else None},
         {"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
          "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
          "ratio": round(tps["fp8"] / tps["bf16"], 3)},
@@ -141,6 +162,8 @@ def main() -> None:
     verdict = "PASS" if worst < args.threshold else "FAIL"
     print(f"max |EMA rel. loss diff| over the last half: {100 * worst:.3f}% (threshold {100 * args.threshold}%): "
           f"{verdict}; tokens/s fp8 {tps['fp8']:,.0f} vs bf16 {tps['bf16']:,.0f} ({tps['fp8'] / tps['bf16']:.2f}x)")
+    if noise is not None:
+        print(f"noise floor: BF16 vs BF16 with the next seed, same statistic: {100 * noise:.3f}%")
     print(f"saved {json_path} and {png}")
 
 
