@@ -26,6 +26,7 @@ import datetime
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from dataclasses import asdict, fields, is_dataclass, replace
@@ -124,8 +125,16 @@ def start_wandb(cfg: Config, run_dir: Path, is_main: bool):
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
+    # One wandb run per run dir: its id is kept in the run dir, so a resumed training continues the
+    # same wandb run (resume="allow") instead of starting a new one at every restart.
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # wandb: [a-z0-9]
+    if not id_file.is_file():
+        tmp = id_file.with_suffix(".tmp")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, id_file)
     return wandb.init(project=cfg.logger.project, name=cfg.logger.name or run_dir.name, dir=str(run_dir),
-                      mode=cfg.logger.mode, config=asdict(cfg))
+                      mode=cfg.logger.mode, config=asdict(cfg), id=run_id, resume="allow")
 
 
 def check_parallel(cfg: Config, world: int) -> None:

@@ -178,3 +178,14 @@ def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
         assert abs(x["loss"] - y["loss"]) < 2e-3 and abs(x["grad_norm"] - y["grad_norm"]) < 2e-2 * y["grad_norm"]
     for x, y in zip(m_ep[2:], m_res):
         assert abs(x["loss"] - y["loss"]) < 2e-3
+
+
+def test_resume_continues_the_same_wandb_run(data_dir, tmp_path):
+    """A resumed training logs into the same wandb run (id kept in the run dir), not a new one."""
+    run = tmp_path / "run"
+    for steps in (2, 4):
+        train(compose_config(base(data_dir, run, **{"train.steps": steps, "train.ckpt_every": 2,
+                                                    "logger.mode": "offline"})))
+    dirs = sorted((run / "wandb").glob("offline-run-*"))
+    ids = {d.name.rsplit("-", 1)[1] for d in dirs}
+    assert len(dirs) == 2 and ids == {(run / "wandb_run_id").read_text().strip()}, [d.name for d in dirs]
