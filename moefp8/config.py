@@ -117,6 +117,9 @@ class TrainConfig:
     # seconds a collective waits for its peers before this rank gives up (a peer died or hangs,
     # e.g. on another node): gloo raises and the run stops with one line; NCCL's watchdog aborts
     dist_timeout_s: float = 600.0
+    # deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG), for GPU runs that
+    # repeat (and resume) bit for bit; an op with no deterministic kernel warns, naming it
+    deterministic: bool = False
 
 
 @dataclass

@@ -267,6 +267,9 @@ def train(cfg: Config) -> dict:
     rank under torchrun; returns the last step's metrics. Raises Diverged on a non-finite loss
     under nan_policy=stop."""
     t, o = cfg.train, cfg.optim
+    if t.deterministic:  # before the first cuBLAS call; GPU runs (and resumes) then repeat bit for bit
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns, naming it
     device = resolve_device(t.device)
     if device.type == "cuda" and "LOCAL_RANK" in os.environ:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -189,3 +189,19 @@ def test_resume_continues_the_same_wandb_run(data_dir, tmp_path):
     dirs = sorted((run / "wandb").glob("offline-run-*"))
     ids = {d.name.rsplit("-", 1)[1] for d in dirs}
     assert len(dirs) == 2 and ids == {(run / "wandb_run_id").read_text().strip()}, [d.name for d in dirs]
+
+
+def test_deterministic_switch(data_dir, tmp_path):
+    """train.deterministic=true trains (CPU here; on GPUs it makes runs repeat bit for bit) and two
+    runs give the same losses."""
+    losses = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        args = base(data_dir, out, **{"train.steps": 3, "train.log_every": 1, "train.ckpt_every": 0,
+                                      "train.deterministic": "true"})
+        # one thread: CPU matmul threading varies between runs whatever the flag (it governs GPU kernels)
+        r = subprocess.run([sys.executable, "-m", "moefp8.train", *args], cwd=REPO, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses.append([m["loss"] for m in metrics(out)])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
