@@ -9,6 +9,11 @@ is compared too.
     python tools/convergence.py model=small train.steps=2000               # one GPU
     python tools/convergence.py --parallel experiment=small_gpu           # two GPUs, one run each
     python tools/convergence.py --parallel --noise-floor experiment=small_gpu   # + BF16 seed+1 (3 GPUs)
+
+The stdlib corpus is ~10 MB on a typical machine: 2000 steps x 16384 tokens read it three times.
+For a run that stays under one epoch point the data at a bigger folder of text, e.g. the
+installed packages' sources: data.prepare_from=<site-packages dir> data.path=outputs/data/sitepkgs
+data.max_bytes=64000000.
     python tools/convergence.py --out outputs/conv model=tiny train.steps=40   # CPU smoke run
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
@@ -120,6 +125,12 @@ def main() -> None:
         if torch.cuda.device_count() < len(names):
             raise SystemExit(f"convergence: --parallel needs {len(names)} GPUs, {torch.cuda.device_count()} visible")
     if not args.skip_train:
+        if args.parallel:  # prepare the data once here: the runs would race to write the same shards
+            from rich.console import Console
+
+            from moefp8.train import compose_config, ensure_data
+
+            ensure_data(compose_config(overrides), Console())
         train(run_dirs, overrides, args.parallel)
     curves = {}
     for recipe, run_dir in run_dirs.items():
