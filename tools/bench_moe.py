@@ -11,9 +11,12 @@ same run. megablocks' dMoE is timed too when `megablocks` imports.
 
     python tools/bench_moe.py                 # saves bench/results/moe-<device>.json
     python tools/bench_moe.py --cases 8x4096  # E x T
+    torchrun --nproc_per_node 8 tools/bench_moe.py --cases 32x4096   # EP8: 32 experts and 4096 tokens per rank
+                                              # (all_to_all dispatch, capacity mode; bench/results/moe-<device>-ep8.json)
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefp8.moe import MoELayer  # noqa: E402
 from moefp8.testing import bench, print_table, results_path, save_results, saved_bytes, sqnr  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dispatch import timed  # noqa: E402
 
 STAGES = ["router", "quant", "dispatch", "permute", "fc1", "swiglu", "fc2", "combine", "shared",
           "bwd_combine", "bwd_permute", "bwd_fc2", "bwd_swiglu", "bwd_fc1", "bwd_unpermute"]
@@ -61,26 +67,47 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--cases", default="8x4096,16x8192,32x16384", help="local experts x tokens")
+    p.add_argument("--cases", default="8x4096,16x8192,32x16384", help="local experts x tokens (per rank under EP)")
+    p.add_argument("--warmup", type=int, default=3, help="EP: fixed warm-up iterations")
+    p.add_argument("--iters", type=int, default=10, help="EP: fixed timed iterations (median, max over ranks)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (tests the EP path on gloo)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_moe needs a CUDA GPU (the CPU path is the reference implementation)")
+    if args.smoke:
+        args.hidden, args.inter, args.topk, args.cases, args.warmup, args.iters = 256, 128, 2, "4x64", 1, 2
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        sys.exit("bench_moe needs a CUDA GPU (the CPU path is the reference implementation; --smoke runs tiny shapes)")
+    ep = int(os.environ.get("WORLD_SIZE", "1"))
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank = 0
+    if ep > 1:  # expert parallel under torchrun: E local experts per rank, T tokens per rank
+        import torch.distributed as dist
+
+        from moefp8.dispatch import build_dispatcher
+
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank = dist.get_rank()
     H, I, K = args.hidden, args.inter, args.topk
-    peaks = matmul_peaks()
-    print(f"speed-of-light on this device: BF16 dense {peaks['bf16_dense_tflops']} TFLOP/s, "
-          f"FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s")
+    peaks = matmul_peaks() if cuda else {"bf16_dense_tflops": None, "fp8_dense_tflops": None}
+    if rank == 0:
+        print(f"speed-of-light on this device: BF16 dense {peaks['bf16_dense_tflops']} TFLOP/s, "
+              f"FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s" + (f"; EP{ep}, all_to_all (capacity)" if ep > 1 else ""))
     rows = []
     for case in args.cases.split(","):
         E, T = (int(v) for v in case.split("x"))
-        flops = 18 * H * I * T * K + 18 * H * I * T + 6 * H * E * T
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_()
-        dout = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        # per rank: its T tokens' routed slots on average (the slots of all ranks spread over the ranks)
+        flops = 18 * H * I * T * K + 18 * H * I * T + 6 * H * E * ep * T
+        g = torch.Generator(device=dev).manual_seed(rank)
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
+        dout = torch.randn(T, H, device=dev, generator=g).bfloat16()
         res = {}
         for recipe in ("fp8", "bf16"):
-            torch.manual_seed(0)
-            layer = MoELayer(H, I, E, K, n_shared=1, recipe=recipe).cuda()
+            torch.manual_seed(0)  # the same router on every rank; each rank keeps its expert slice
+            disp = build_dispatcher("all_to_all", E * ep, None, capacity=T) if ep > 1 else None
+            layer = MoELayer(H, I, E * ep, K, n_shared=1, recipe=recipe, dispatcher=disp).to(dev)
 
             def step():
                 layer.cache._store.clear()  # weights change every step: convert them again
@@ -92,20 +119,27 @@ def main() -> None:
             out.backward(dout)
             res[recipe] = out.detach()
             layer.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            peak = None
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             step()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-            ms = bench(step, warmup_ms=100, rep_ms=500)
-            stages = stage_times(step)
-            rows.append({"case": f"moe fwd+bwd E{E} T{T} H{H} I{I} top{K}", "impl": f"moefp8 {recipe}",
+            if cuda:
+                torch.cuda.synchronize()
+                peak = round((torch.cuda.max_memory_allocated() - base) / 1e9, 2)
+            if ep > 1:  # collectives inside: every rank runs the same fixed number of steps
+                ms = timed(step, args.warmup, args.iters, dev) * 1e3
+            else:
+                ms = bench(step, warmup_ms=100, rep_ms=500)
+            stages = stage_times(step) if cuda else {}
+            rows.append({"case": f"moe fwd+bwd E{E * ep} ({E}/rank) T{T}/rank H{H} I{I} top{K} EP{ep}" if ep > 1
+                         else f"moe fwd+bwd E{E} T{T} H{H} I{I} top{K}", "impl": f"moefp8 {recipe}",
                          "value": round(flops / ms / 1e9, 1), "unit": "TFLOP/s", "ms": round(ms, 3),
-                         "peak_mem_gb": round(peak / 1e9, 2), "saved_act_gb": round(nbytes / 1e9, 3),
-                         "stages_ms": stages})
+                         "peak_mem_gb": peak, "saved_act_gb": round(nbytes / 1e9, 3), "stages_ms": stages})
             del layer, out
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
         fp8_row, bf16_row = rows[-2], rows[-1]
         for r in (fp8_row, bf16_row):
             r.update(baseline="moefp8 bf16 recipe (same run)", baseline_value=bf16_row["value"],
@@ -119,16 +153,20 @@ def main() -> None:
                          "note": "megablocks imports; its dMoE timing is not wired yet"})
         except ImportError:
             pass
-    path = Path(args.out) if args.out else results_path("moe")
-    save_results("bench_moe", rows, {"what": "dense matmul 8192^3 on this device", "value": peaks["fp8_dense_tflops"],
-                                     "unit": "TFLOP/s (FP8 per-tensor)", **peaks}, path=path,
-                 megablocks="installed" if any(r["impl"] == "megablocks dMoE" for r in rows) else "not installed")
-    for r in rows:
-        print(r["case"], r["impl"], "stages (ms):", r.get("stages_ms"))
-    print_table(rows, ["case", "impl", "ms", "value", "ratio", "peak_mem_gb", "saved_act_gb", "saved_act_vs_bf16",
-                       "sqnr_vs_bf16_db"])
-    print(f"speed-of-light: BF16 dense {peaks['bf16_dense_tflops']}, FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s; "
-          f"ratio = bf16 time / time. saved {path}")
+    if rank == 0:
+        path = Path(args.out) if args.out else results_path("moe", ep=ep if ep > 1 else None)
+        save_results("bench_moe", rows, {"what": "dense matmul 8192^3 on this device", "value": peaks["fp8_dense_tflops"],
+                                         "unit": "TFLOP/s (FP8 per-tensor)", **peaks}, path=path, ranks=ep,
+                     megablocks="installed" if any(r["impl"] == "megablocks dMoE" for r in rows) else "not installed")
+        for r in rows:
+            print(r["case"], r["impl"], "stages (ms):", r.get("stages_ms"))
+        print_table(rows, ["case", "impl", "ms", "value", "ratio", "peak_mem_gb", "saved_act_gb", "saved_act_vs_bf16",
+                           "sqnr_vs_bf16_db"])
+        print(f"speed-of-light: BF16 dense {peaks['bf16_dense_tflops']}, FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s; "
+              f"ratio = bf16 time / time. saved {path}")
+    if ep > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
