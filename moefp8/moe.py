@@ -31,8 +31,8 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm
 from moefp8.fp8 import TILE, Fp8Tensor, check_scale_fmt
-from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
-                                    unpermute_combine)
+from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, dense_layout, permute_fp8,
+                                    permute_rows, unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.router import Router
 
@@ -91,8 +91,11 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
 
 
 def fwd_layout(layer, d) -> PermuteLayout:
-    """(comm) the permutation of the received rows; one host sync (the counts)."""
+    """(comm) the permutation of the received rows; one host sync (the counts), none for the
+    shared experts (every token in one expert: the layout follows from the token count)."""
     with record_function("layout"):
+        if isinstance(layer, SharedExperts):
+            return dense_layout(d.topk_idx.shape[0], d.topk_idx.device)
         return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
 
 
