@@ -95,9 +95,11 @@ def ep_group_ranks(world_size: int, ep_size: int, num_experts: int) -> list[list
     return [list(range(i, i + ep_size)) for i in range(0, world_size, ep_size)]
 
 
-def build_ep_group(world_size: int, ep_size: int, num_experts: int):
+def build_ep_group(world_size: int, ep_size: int, num_experts: int, timeout=None):
     """This rank's expert-parallel process group (torch.distributed must be initialized; every rank
-    must call this, in the same order: new_group is collective). ep_size == world_size: the default group."""
+    must call this, in the same order: new_group is collective). ep_size == world_size: the default group.
+    timeout: a datetime.timedelta every collective of the group waits for its peers at most (None:
+    torch's default for new groups, 30 min on gloo, not the default group's)."""
     import torch.distributed as dist
 
     groups = ep_group_ranks(world_size, ep_size, num_experts)
@@ -107,7 +109,7 @@ def build_ep_group(world_size: int, ep_size: int, num_experts: int):
         return dist.group.WORLD
     mine = None
     for ranks in groups:
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if dist.get_rank() in ranks:
             mine = g
     return mine

@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import Loader, prepare
-from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, ep_group_ranks, node_limited_groups
+from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, build_ep_group, node_limited_groups
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.router import load_stats
@@ -188,16 +188,10 @@ class Parallel:
         # rank on another node); gloo then raises, NCCL's watchdog aborts the process.
         timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-        # new_group is collective: every rank creates every group, in order. Groups made here, not
-        # by dispatch.build_ep_group, which has no timeout argument (new_group's default is 30 min
-        # for gloo, 10 for NCCL, not the world's).
+        # new_group is collective: every rank creates every group, in order, each with the timeout
+        # (new_group's default is 30 min for gloo, 10 for NCCL, not the world's).
         if d.backend != "local":
-            if ep == self.world:
-                self.ep_group = dist.group.WORLD
-            for ranks in ep_group_ranks(self.world, ep, cfg.model.n_experts) if ep < self.world else []:
-                g = dist.new_group(ranks, timeout=timeout)
-                if self.rank in ranks:
-                    self.ep_group = g
+            self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts, timeout)
         for r in range(ep):
             g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout)
             if r == self.ep_rank:
