@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import moefp8.train as train_mod
+import moefp8.hydra_config as hydra_config
 from moefp8.data import prepare
-from moefp8.train import ConfigError, DataError, check_gpus, check_launch, compose_config, load_config, train
+from moefp8.hydra_config import ConfigError, compose_config, load_config
+from moefp8.train import DataError, check_gpus, check_launch, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +58,7 @@ def test_malformed_yaml_names_file_and_line(tmp_path, monkeypatch):
     cfg_dir = tmp_path / "configs"
     shutil.copytree(REPO / "configs", cfg_dir)
     (cfg_dir / "experiment" / "broken.yaml").write_text("# @package _global_\ntrain:\n  steps: [1, 2\n")
-    monkeypatch.setattr(train_mod, "CONFIG_DIR", str(cfg_dir))
+    monkeypatch.setattr(hydra_config, "CONFIG_DIR", str(cfg_dir))
     with pytest.raises(ConfigError, match=rf"^{cfg_dir / 'experiment' / 'broken.yaml'}:4:1: malformed YAML: "
                                           r"expected ',' or '\]'"):
         load_config(["experiment=broken"])

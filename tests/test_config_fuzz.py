@@ -1,7 +1,7 @@
 """Fuzz of the Hydra config surface: random command-line overrides (keys from the schema and
 made-up ones, values of the right type, the wrong type, out of range, non-finite, random text
 with Hydra's special characters; group options real and made-up; `+`, `++` and `~` prefixes) go
-through the real Hydra compose and `validate` (`moefp8.train.load_config`) and the launch checks.
+through the real Hydra compose and `validate` (`moefp8.hydra_config.load_config`) and the launch checks.
 Every outcome is a Config or a ConfigError/ValueError of one line naming a key: never another
 exception type, never a multi-line message. A config that passes and changed the model builds
 it and runs one finite forward (when the model is small enough).
@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from moefp8.config import Config
 from moefp8.model import Transformer, param_counts
-from moefp8.train import ConfigError, check_launch, load_config
+from moefp8.hydra_config import ConfigError, load_config
+from moefp8.train import check_launch
 
 N = int(os.environ.get("MOEFP8_FUZZ_EXAMPLES", "0"))
 SETTINGS = settings(max_examples=N or 150, deadline=None, derandomize=not N, database=None,

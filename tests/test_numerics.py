@@ -11,7 +11,8 @@ from moefp8.linear import Fp8Linear
 from moefp8.model import Transformer
 from moefp8.moe import MoELayer
 from moefp8.testing import rel_err, sqnr
-from moefp8.train import Diverged, compose_config, train
+from moefp8.hydra_config import compose_config
+from moefp8.train import Diverged, train
 
 
 @pytest.fixture(scope="module")

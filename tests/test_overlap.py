@@ -88,7 +88,8 @@ def test_training_with_overlap(tmp_path):
     import json
 
     from moefp8.data import prepare
-    from moefp8.train import compose_config, train
+    from moefp8.hydra_config import compose_config
+    from moefp8.train import train
 
     data = tmp_path / "data"
     prepare("stdlib", str(data), max_bytes=300_000)

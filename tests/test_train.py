@@ -17,7 +17,8 @@ from moefp8 import checkpoint
 from moefp8.data import prepare
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
-from moefp8.train import Diverged, compose_config, model_state, train
+from moefp8.hydra_config import compose_config
+from moefp8.train import Diverged, model_state, train
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -128,7 +128,8 @@ def main() -> None:
         if args.parallel:  # prepare the data once here: the runs would race to write the same shards
             from rich.console import Console
 
-            from moefp8.train import compose_config, ensure_data
+            from moefp8.hydra_config import compose_config
+            from moefp8.train import ensure_data
 
             ensure_data(compose_config(overrides), Console())
         train(run_dirs, overrides, args.parallel)
