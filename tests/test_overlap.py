@@ -119,5 +119,5 @@ def test_bench_overlap_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     impls = {row["impl"] for row in doc["rows"]}
-    assert {"overlap on", "communication alone"} <= impls
+    assert {"overlap on", "communication alone", "overlap on, compute only (exchanges replayed)"} <= impls
     assert (tmp_path / doc["trace"]).is_file()
