@@ -35,7 +35,8 @@ _NO_PG_WARNING = "torch.distributed is disabled, unavailable or uninitialized"  
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: partial, corrupt or missing (the message names it)."""
+    """A checkpoint that cannot be loaded (partial, corrupt or missing) or written (e.g. a full disk);
+    the message names it."""
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -61,15 +62,23 @@ def save(run_dir: str | Path, step: int, state: dict, meta: dict | None = None, 
         tmp.mkdir(parents=True)
     if multi:
         dist.barrier()  # the directory exists before any rank writes into it
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
-        dcp.save(state, checkpoint_id=str(tmp))
-    if is_writer:
-        _write_atomic(tmp / "meta.json", json.dumps({"format": FORMAT, "step": step, **(meta or {})}, indent=1))
-        if final.exists():  # the same step saved again (e.g. the end of a run that resumed at its end)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(Path(run_dir) / "latest", final.name + "\n")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
+            dcp.save(state, checkpoint_id=str(tmp))
+        if is_writer:
+            _write_atomic(tmp / "meta.json", json.dumps({"format": FORMAT, "step": step, **(meta or {})}, indent=1))
+            if final.exists():  # the same step saved again (e.g. the end of a run that resumed at its end)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(Path(run_dir) / "latest", final.name + "\n")
+    except (OSError, CheckpointException) as e:  # e.g. the disk is full; DCP wraps a rank's error
+        if is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial save: never loaded, and frees the space
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        kept = find_latest(run_dir)
+        raise CheckpointError(f"checkpoint {final}: could not be written ({why}); the last complete checkpoint "
+                              f"({kept or 'none'}) is kept and `train.resume=auto` continues from it") from e
     if multi:
         dist.barrier()  # no rank goes on (or loads) before the rename
     return final

@@ -206,3 +206,32 @@ def test_deterministic_switch(data_dir, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         losses.append([m["loss"] for m in metrics(out)])
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_full_disk_during_a_checkpoint_save(data_dir, tmp_path, monkeypatch):
+    """The disk fills while a checkpoint is written: the run stops with one line naming the
+    checkpoint and the reason, the partial save is removed, `latest` still names the previous
+    checkpoint, and a resume (space freed) continues from it to the end."""
+    import errno
+
+    run = tmp_path / "run"
+    real_save, calls = checkpoint.dcp.save, []
+
+    def full_disk(state, checkpoint_id):
+        calls.append(checkpoint_id)
+        if len(calls) == 2:  # the second checkpoint: a partial file, then ENOSPC
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+    cfg = compose_config(base(data_dir, run, **{"train.steps": 6, "train.ckpt_every": 2}))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        train(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "step_0000004" in msg and "No space left on device" in msg and "step_0000002" in msg
+    assert not (run / "step_0000004.tmp").exists() and (run / "latest").read_text().strip() == "step_0000002"
+    monkeypatch.setattr(checkpoint.dcp, "save", real_save)
+    train(cfg)  # resume=auto: from step 2 to the end
+    assert (run / "latest").read_text().strip() == "step_0000006"
+    assert [m["step"] for m in metrics(run)] == list(range(1, 7))
