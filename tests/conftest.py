@@ -20,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interp" in item.keywords and not INTERPRET:
             item.add_marker(skip_interp)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """Byte-level shards of ~2 MB of the Python standard library, prepared once per test session
+    and shared read-only by the training tests."""
+    from moefp8.data import prepare
+
+    d = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare("stdlib", str(d), max_bytes=2_000_000)
+    return str(d)

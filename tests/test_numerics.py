@@ -6,20 +6,12 @@ import pytest
 import torch
 
 import moefp8.train as train_mod
-from moefp8.data import prepare
 from moefp8.linear import Fp8Linear
 from moefp8.model import Transformer
 from moefp8.moe import MoELayer
 from moefp8.testing import rel_err, sqnr
 from moefp8.hydra_config import compose_config
 from moefp8.train import Diverged, train
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare("stdlib", str(d), max_bytes=300_000)
-    return str(d)
 
 
 def tiny(data_dir, out, **kw):

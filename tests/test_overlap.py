@@ -81,24 +81,21 @@ def test_gpu_overlap_equals_serialized_nccl(world):
                 timeout_s=300)
 
 
-def test_training_with_overlap(tmp_path):
+def test_training_with_overlap(tmp_path, data_dir):
     """`dispatch.overlap=true` through the real config path: the tiny model trains, and its first
     step's loss equals the run without overlap (the forward is bit-exact; later steps differ by
     the fp32 order of the expert weight gradients)."""
     import json
 
-    from moefp8.data import prepare
     from moefp8.hydra_config import compose_config
     from moefp8.train import train
 
-    data = tmp_path / "data"
-    prepare("stdlib", str(data), max_bytes=300_000)
     losses = {}
     for ov in ("false", "true"):
         out = tmp_path / f"run-{ov}"
         train(compose_config([f"dispatch.overlap={ov}", "train.steps=3", "train.log_every=1", "train.micro_batch=2",
                               "train.seq_len=64", "train.progress=false", "logger.mode=disabled", "optim.warmup_steps=1",
-                              f"data.path={data}", f"train.out_dir={out}", "train.ckpt_every=0"]))
+                              f"data.path={data_dir}", f"train.out_dir={out}", "train.ckpt_every=0"]))
         losses[ov] = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["true"]) == 3 and all(torch.isfinite(torch.tensor(losses["true"])))
     assert losses["true"][0] == losses["false"][0]

@@ -8,18 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from moefp8.data import prepare
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_soak_smoke(tmp_path):
-    prepare("stdlib", str(tmp_path / "data"), max_bytes=300_000)
+def test_soak_smoke(tmp_path, data_dir):
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, "tools/soak.py", "--minutes", "0.25", "--sample-s", "0.5", "--ckpt-every", "5",
                         "--device", "cpu", "--out-dir", str(tmp_path / "run"), "--json", str(out), "model=tiny",
-                        "train.micro_batch=1", "train.seq_len=32", f"data.path={tmp_path / 'data'}"],
+                        "train.micro_batch=1", "train.seq_len=32", f"data.path={data_dir}"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode in (0, 1), r.stdout[-2000:] + r.stderr[-2000:]  # 1: not flat (too short to judge)
     doc = json.loads(out.read_text())

@@ -14,20 +14,12 @@ import pytest
 import torch
 
 from moefp8 import checkpoint
-from moefp8.data import prepare
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
 from moefp8.hydra_config import compose_config
 from moefp8.train import Diverged, model_state, train
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare("stdlib", str(d), max_bytes=2_000_000)
-    return str(d)
 
 
 def base(data_dir, out, **kw):
