@@ -41,6 +41,17 @@ from moefp8.kernels.quant import quant_rowwise
 from moefp8.testing import print_table, results_path, save_results
 
 
+def init_torchrun() -> tuple[int, int, torch.device]:
+    """The process group of a torchrun launch (env://; NCCL with one GPU per rank, gloo on CPU)
+    -> (rank, world size, this rank's device). Shared by the multi-GPU benchmarks."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
 def timed(fn, warmup: int, iters: int, dev) -> float:
     """Median seconds of fn() on this rank, max over the ranks."""
     for _ in range(warmup):
@@ -143,12 +154,7 @@ def main():
     if a.smoke:
         a.tokens, a.hidden, a.topk, a.experts, a.warmup, a.iters, a.allreduce_mb = 64, 512, 4, 32, 1, 3, 1
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, n, dev = init_torchrun()
     E = (a.experts // n) * n
     if E < n or a.topk > E or a.hidden % 128:
         raise SystemExit(f"bench_dispatch: experts {a.experts} (-> {E} for {n} ranks), top-k {a.topk}, hidden "

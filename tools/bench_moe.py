@@ -27,7 +27,7 @@ from moefp8.moe import MoELayer  # noqa: E402
 from moefp8.testing import bench, print_table, results_path, save_results, saved_bytes, sqnr  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dispatch import timed  # noqa: E402
+from bench_dispatch import init_torchrun, timed  # noqa: E402
 
 STAGES = ["router", "quant", "dispatch", "permute", "fc1", "swiglu", "fc2", "combine", "shared",
           "bwd_combine", "bwd_permute", "bwd_fc2", "bwd_swiglu", "bwd_fc1", "bwd_unpermute"]
@@ -79,17 +79,13 @@ def main() -> None:
     if not cuda and not args.smoke:
         sys.exit("bench_moe needs a CUDA GPU (the CPU path is the reference implementation; --smoke runs tiny shapes)")
     ep = int(os.environ.get("WORLD_SIZE", "1"))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    rank = 0
+    rank, dev = 0, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if ep > 1:  # expert parallel under torchrun: E local experts per rank, T tokens per rank
         import torch.distributed as dist
 
         from moefp8.dispatch import build_dispatcher
 
-        dist.init_process_group("nccl" if cuda else "gloo")
-        rank = dist.get_rank()
+        rank, ep, dev = init_torchrun()
     H, I, K = args.hidden, args.inter, args.topk
     peaks = matmul_peaks() if cuda else {"bf16_dense_tflops": None, "fp8_dense_tflops": None}
     if rank == 0:

@@ -23,8 +23,6 @@ beside the results JSON. Timings: median of --iters, max over ranks.
 """
 
 import argparse
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_dispatch import allreduce_busbw, timed  # noqa: E402
+from bench_dispatch import allreduce_busbw, init_torchrun, timed  # noqa: E402
 
 from moefp8.config import ModelConfig  # noqa: E402
 from moefp8.dispatch import build_dispatcher  # noqa: E402
@@ -197,12 +195,8 @@ def main():
     if a.smoke:
         a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, n, dev = init_torchrun()
+    cuda = dev.type == "cuda"
     E = (a.experts // n) * n
     torch.manual_seed(0)  # the same router and weights on every rank (each keeps its expert slice)
     g = torch.Generator(device=dev).manual_seed(rank)
