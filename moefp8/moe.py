@@ -56,17 +56,23 @@ class Saved(NamedTuple):
     handle: object
 
 
+def _tensors(s: Saved) -> tuple:
+    return (*s.x, *s.h, *s.y, s.topk_w, s.layout.row_TK, s.layout.src_M, s.layout.offsets)
+
+
+_N_SAVED = 10  # len(_tensors(...))
+
+
 def save(ctx, saves: list[Saved], *params: Tensor) -> None:
     """Saved tensors go through save_for_backward (so saved-tensor hooks see and count them); the
     host-side parts (counts, the dispatch handle) stay on ctx."""
-    ts = [t for s in saves for t in (*s.x, *s.h, *s.y, s.topk_w, s.layout.row_TK, s.layout.src_M, s.layout.offsets)]
-    ctx.save_for_backward(*ts, *params)
+    ctx.save_for_backward(*(t for s in saves for t in _tensors(s)), *params)
     ctx.saved_meta = [(s.layout.counts, s.layout.M, s.handle) for s in saves]
 
 
 def restore(ctx) -> tuple[list[Saved], tuple]:
-    """-> (the Saved of each micro-batch, the params given to `save`)."""
-    ts, n = ctx.saved_tensors, 10
+    """-> (the Saved of each micro-batch, the params given to `save`); the inverse of `_tensors`."""
+    ts, n = ctx.saved_tensors, _N_SAVED
     saves = []
     for i, (counts, M, handle) in enumerate(ctx.saved_meta):
         t = ts[n * i:n * (i + 1)]
@@ -91,12 +97,10 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
 
 
 def fwd_layout(layer, d) -> PermuteLayout:
-    """(comm) the permutation of the received rows; one host sync (the counts), none for the
-    shared experts (every token in one expert: the layout follows from the token count)."""
+    """(comm) the permutation of the received rows (`layer.layout`: one host sync for the routed
+    experts, none for the shared ones)."""
     with record_function("layout"):
-        if isinstance(layer, SharedExperts):
-            return dense_layout(d.topk_idx.shape[0], d.topk_idx.device)
-        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
+        return layer.layout(d.topk_idx)
 
 
 def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool) -> tuple[Tensor, Saved]:
@@ -207,6 +211,10 @@ class SharedExperts(nn.Module):
         self.dispatcher = build_dispatcher("local", 1)
         self.cache = WeightCache()
 
+    def layout(self, topk_idx_TK: Tensor) -> PermuteLayout:
+        """Every token in the one expert: the layout follows from the token count (no host sync)."""
+        return dense_layout(topk_idx_TK.shape[0], topk_idx_TK.device)
+
     def forward(self, x_TH: Tensor) -> Tensor:
         T = x_TH.shape[0]
         idx = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
@@ -251,6 +259,10 @@ class MoELayer(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
         self.shared = SharedExperts(hidden, n_shared * inter, recipe, scale_fmt) if n_shared else None
         self.cache = WeightCache()
+
+    def layout(self, topk_idx_TK: Tensor) -> PermuteLayout:
+        """Where the received (token, slot) pairs go among the local experts (one host sync: the counts)."""
+        return build_layout(topk_idx_TK, self.dispatcher.num_local_experts)
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
