@@ -104,6 +104,51 @@ def _quant_cols_store(x, offs_m, offs_k, m_left, k_left, q_ptr, s_ptr, stride_qk
 
 
 @triton.jit
+def _pack4(q0, q1, q2, q3):
+    """Four FP8 tiles -> one uint32 tile, q0's byte lowest: four consecutive rows' codes in the
+    order they sit in memory once stored transposed (little-endian)."""
+    b0 = q0.to(tl.uint8, bitcast=True).to(tl.uint32)
+    b1 = q1.to(tl.uint8, bitcast=True).to(tl.uint32)
+    b2 = q2.to(tl.uint8, bitcast=True).to(tl.uint32)
+    b3 = q3.to(tl.uint8, bitcast=True).to(tl.uint32)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _quant_cols4_store(x0, x1, x2, x3, offs_i, offs_k, m_left, k_left, q_ptr, s_ptr, stride_qk, stride_sk,
+                       POW2: tl.constexpr, PACK: tl.constexpr):
+    """One 128-row group as four [32, BLOCK_K] fp32 tiles, x_j holding rows 4i + j (masked rows
+    must be 0) -> one scale per column, FP8 stored transposed (q[k, m]); q_ptr and s_ptr point at
+    the tile's origin.
+
+    PACK (needs M % 16 == 0): the four rows' codes go into one uint32, so the transposing
+    layout conversion moves 32-bit words; Triton moves a transposed FP8 tile through shared
+    memory one byte per instruction, which made the col-wise kernels instruction-bound
+    (bench/notes/quant.md). Without PACK each x_j is stored transposed on its own, byte-wise."""
+    amax = tl.max(tl.maximum(tl.maximum(_abs_nan0(x0), _abs_nan0(x1)), tl.maximum(_abs_nan0(x2), _abs_nan0(x3))),
+                  axis=0)
+    scale, inv = _scale_from_amax(amax, POW2)
+    q0 = _to_fp8(x0, scale[None, :], inv[None, :], POW2)
+    q1 = _to_fp8(x1, scale[None, :], inv[None, :], POW2)
+    q2 = _to_fp8(x2, scale[None, :], inv[None, :], POW2)
+    q3 = _to_fp8(x3, scale[None, :], inv[None, :], POW2)
+    col_ok = offs_k < k_left
+    if PACK:
+        words = tl.trans(_pack4(q0, q1, q2, q3))  # [BLOCK_K, 32] uint32 = [BLOCK_K, 128] bytes
+        q32 = q_ptr.to(tl.pointer_type(tl.uint32))
+        mask = col_ok[:, None] & (offs_i < m_left // 4)[None, :]
+        tl.store(q32 + offs_k[:, None] * (stride_qk // 4) + offs_i[None, :], words, mask=mask)
+    else:
+        rows = 4 * offs_i
+        ptrs = q_ptr + offs_k[:, None] * stride_qk + rows[None, :]
+        tl.store(ptrs, tl.trans(q0), mask=col_ok[:, None] & (rows < m_left)[None, :])
+        tl.store(ptrs + 1, tl.trans(q1), mask=col_ok[:, None] & (rows + 1 < m_left)[None, :])
+        tl.store(ptrs + 2, tl.trans(q2), mask=col_ok[:, None] & (rows + 2 < m_left)[None, :])
+        tl.store(ptrs + 3, tl.trans(q3), mask=col_ok[:, None] & (rows + 3 < m_left)[None, :])
+    tl.store(s_ptr + offs_k * stride_sk, scale, mask=col_ok)
+
+
+@triton.jit
 def _swiglu(g, u):
     """silu(g) * u in fp32, written as torch's CUDA silu (x / (1 + exp(-x))), precise exp/div."""
     if _INTERPRET:
@@ -132,18 +177,37 @@ def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_s
 
 
 @triton.jit
+def _load_rows(ptr, rows, offs_k, m_left, k_left, stride_m):
+    """[len(rows), BLOCK_K] tile of a row-major input as fp32; rows at or past m_left read 0."""
+    mask = (rows < m_left)[:, None] & (offs_k < k_left)[None, :]
+    return tl.load(ptr + rows[:, None] * stride_m + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dequant_rows(q_ptr, s_ptr, rows, offs_k, m_left, stride_qm, stride_sm):
+    """[len(rows), BLOCK_K] tile of a "1x128" FP8 input (BLOCK_K <= 128, one scale per row),
+    dequantized to fp32; rows at or past m_left read 0."""
+    row_ok = rows < m_left
+    q = tl.load(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+    return q.to(tl.float32) * tl.load(s_ptr + rows * stride_sm, mask=row_ok, other=0.0)[:, None]
+
+
+@triton.jit
 def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, stride_sk,
-                          POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                          POW2: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K
     pid_m = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * 128
-    offs_m = tl.arange(0, 128)
+    r = 4 * tl.arange(0, 32)  # the tile's rows as four interleaved quarters, rows r + j
     offs_k = tl.arange(0, BLOCK_K)
     m_left, k_left = M - m0, K - k0
-    mask = (offs_m < m_left)[:, None] & (offs_k < k_left)[None, :]
-    x = tl.load(x_ptr + m0 * stride_xm + k0 + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    _quant_cols_store(x.to(tl.float32), offs_m, offs_k, m_left, k_left, q_ptr + k0.to(tl.int64) * stride_qk + m0,
-                      s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2)
+    x = x_ptr + m0 * stride_xm + k0
+    _quant_cols4_store(_load_rows(x, r, offs_k, m_left, k_left, stride_xm),
+                       _load_rows(x, r + 1, offs_k, m_left, k_left, stride_xm),
+                       _load_rows(x, r + 2, offs_k, m_left, k_left, stride_xm),
+                       _load_rows(x, r + 3, offs_k, m_left, k_left, stride_xm),
+                       tl.arange(0, 32), offs_k, m_left, k_left, q_ptr + k0.to(tl.int64) * stride_qk + m0,
+                       s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2, PACK)
 
 
 @triton.jit
@@ -166,20 +230,21 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
 
 @triton.jit
 def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride_sm, stride_ok, stride_osk,
-                            POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                            POW2: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns: one row-wise scale per row
     pid_m = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * 128
-    offs_m = tl.arange(0, 128)
+    r = 4 * tl.arange(0, 32)
     offs_k = tl.arange(0, BLOCK_K)
     m_left = M - m0
-    row_ok = offs_m < m_left
-    q = tl.load(q_ptr + m0 * stride_qm + k0 + offs_m[:, None] * stride_qm + offs_k[None, :],
-                mask=row_ok[:, None], other=0.0)
-    s = tl.load(s_ptr + m0 * stride_sm + k0 // 128 + offs_m * stride_sm, mask=row_ok, other=0.0)
-    x = q.to(tl.float32) * s[:, None]
-    _quant_cols_store(x, offs_m, offs_k, m_left, K - k0, o_ptr + k0.to(tl.int64) * stride_ok + m0,
-                      os_ptr + k0 * stride_osk + pid_m, stride_ok, stride_osk, POW2)
+    q = q_ptr + m0 * stride_qm + k0
+    s = s_ptr + m0 * stride_sm + k0 // 128
+    _quant_cols4_store(_dequant_rows(q, s, r, offs_k, m_left, stride_qm, stride_sm),
+                       _dequant_rows(q, s, r + 1, offs_k, m_left, stride_qm, stride_sm),
+                       _dequant_rows(q, s, r + 2, offs_k, m_left, stride_qm, stride_sm),
+                       _dequant_rows(q, s, r + 3, offs_k, m_left, stride_qm, stride_sm),
+                       tl.arange(0, 32), offs_k, m_left, K - k0, o_ptr + k0.to(tl.int64) * stride_ok + m0,
+                       os_ptr + k0 * stride_osk + pid_m, stride_ok, stride_osk, POW2, PACK)
 
 
 @triton.jit
@@ -199,24 +264,33 @@ def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride
 
 
 @triton.jit
+def _dequant_swiglu_rows(h_ptr, hs_ptr, rows, offs_k, m_left, I, stride_hm, stride_hsm):
+    """silu(gate) * up for rows of a "1x128" FP8 h [M, 2I] (BLOCK_K <= 128 columns of a; h_ptr
+    and hs_ptr at the tile's gate columns). Masked rows load as 0 and give silu(0) * 0 = 0: they
+    leave the amax alone."""
+    g = _dequant_rows(h_ptr, hs_ptr, rows, offs_k, m_left, stride_hm, stride_hsm)
+    u = _dequant_rows(h_ptr + I, hs_ptr + I // 128, rows, offs_k, m_left, stride_hm, stride_hsm)
+    return _swiglu(g, u)
+
+
+@triton.jit
 def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_hsm,
-                                         stride_qk, stride_sk, POW2: tl.constexpr, BLOCK_K: tl.constexpr):
+                                         stride_qk, stride_sk, POW2: tl.constexpr, PACK: tl.constexpr,
+                                         BLOCK_K: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns of a: one row-wise scale per row for gate and up
     pid_m = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * 128
-    offs_m = tl.arange(0, 128)
+    r = 4 * tl.arange(0, 32)
     offs_k = tl.arange(0, BLOCK_K)
     m_left = M - m0
-    row_ok = offs_m < m_left
-    ptrs = h_ptr + m0 * stride_hm + k0 + offs_m[:, None] * stride_hm + offs_k[None, :]
-    s_ptrs = hs_ptr + m0 * stride_hsm + k0 // 128 + offs_m * stride_hsm
-    sg = tl.load(s_ptrs, mask=row_ok, other=0.0)
-    su = tl.load(s_ptrs + I // 128, mask=row_ok, other=0.0)
-    g = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32) * sg[:, None]
-    u = tl.load(ptrs + I, mask=row_ok[:, None], other=0.0).to(tl.float32) * su[:, None]
-    a = _swiglu(g, u)  # masked rows load as 0 and give silu(0) * 0 = 0: they leave the amax alone
-    _quant_cols_store(a, offs_m, offs_k, m_left, I - k0, q_ptr + k0.to(tl.int64) * stride_qk + m0,
-                      s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2)
+    h = h_ptr + m0 * stride_hm + k0
+    hs = hs_ptr + m0 * stride_hsm + k0 // 128
+    _quant_cols4_store(_dequant_swiglu_rows(h, hs, r, offs_k, m_left, I, stride_hm, stride_hsm),
+                       _dequant_swiglu_rows(h, hs, r + 1, offs_k, m_left, I, stride_hm, stride_hsm),
+                       _dequant_swiglu_rows(h, hs, r + 2, offs_k, m_left, I, stride_hm, stride_hsm),
+                       _dequant_swiglu_rows(h, hs, r + 3, offs_k, m_left, I, stride_hm, stride_hsm),
+                       tl.arange(0, 32), offs_k, m_left, I - k0, q_ptr + k0.to(tl.int64) * stride_qk + m0,
+                       s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2, PACK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,6 +307,12 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128
 }
 
+
+
+def _packs(M: int) -> bool:
+    """Col-wise kernels store 4 tokens' codes per 32-bit word when rows of the [K, M] output
+    stay 16-byte aligned; other M take the byte-wise store (same result, slower)."""
+    return M % 16 == 0
 
 
 def _check_input(name: str, x: Tensor, k_multiple_of_128: bool = True) -> None:
@@ -291,7 +371,8 @@ def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
     if M:
         cfg = LAUNCH["colwise"]
         grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, TILE))
-        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), POW2=pow2, **cfg)
+        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), POW2=pow2,
+                                    PACK=_packs(M), **cfg)
     return Fp8Tensor(q, s, "128x1")
 
 
@@ -335,7 +416,7 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
         cfg = LAUNCH["requant_colwise"]
         grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _requant_colwise_kernel[grid](data, sc, out, out_s, M, K, data.stride(0), sc.stride(0),
-                                      out.stride(0), out_s.stride(0), POW2=pow2, **cfg)
+                                      out.stride(0), out_s.stride(0), POW2=pow2, PACK=_packs(M), **cfg)
     return Fp8Tensor(out, out_s, "128x1")
 
 
@@ -376,7 +457,7 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
         cfg = LAUNCH["dequant_swiglu_quant_colwise"]
         grid = (I // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _dequant_swiglu_quant_colwise_kernel[grid](data, sc, q, s, M, I, data.stride(0), sc.stride(0),
-                                                   q.stride(0), s.stride(0), POW2=pow2, **cfg)
+                                                   q.stride(0), s.stride(0), POW2=pow2, PACK=_packs(M), **cfg)
     return Fp8Tensor(q, s, "128x1")
 
 

@@ -25,11 +25,11 @@ from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path,
 
 SWEEP = {
     "rowwise": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
-    "colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (4, 8))],
+    "colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128, 256), (2, 4, 8))],
     "weight": [dict(num_warps=w) for w in (4, 8, 16)],
-    "requant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (4, 8))],
+    "requant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
     "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
-    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (4, 8))],
+    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
 }
 
 

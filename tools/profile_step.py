@@ -1,0 +1,131 @@
+"""Where a training step's time goes, FP8 vs BF16 recipe: builds the model of a Hydra config on
+one device (EP=1, `local` dispatch, random tokens: no data needed), times whole steps
+(forward + backward + optimizer, the training loop's order) and prints, per recipe, the
+kernels that took the most device time per step, grouped by name.
+
+    python tools/profile_step.py experiment=small_gpu
+    python tools/profile_step.py experiment=small_gpu model.hidden=2048 model.moe_inter=1024 --top 30
+    python tools/profile_step.py model=tiny train.device=cpu --steps 2    # CPU smoke run
+
+Every argument that is not an option is a Hydra override for both recipes. The step time is the
+median over --steps steps after --warmup (Triton compiles and tunes in the warm-up); the table
+comes from a torch.profiler trace of --profile-steps further steps. Speed-of-light beside it:
+the model's training FLOPs per token x tokens/s against the device's dense BF16 / FP8 peak
+(moefp8.train.peak_flops). Writes a JSON (rows per recipe, the top kernels) with --json.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moefp8.dispatch import build_dispatcher  # noqa: E402
+from moefp8.hydra_config import compose_config  # noqa: E402
+from moefp8.model import Transformer, flops_per_token, param_counts  # noqa: E402
+from moefp8.optim import AdamW  # noqa: E402
+from moefp8.testing import save_results  # noqa: E402
+from moefp8.train import peak_flops, resolve_device  # noqa: E402
+
+
+def build(cfg, device: torch.device):
+    m = cfg.model
+    model = Transformer(m, cfg.recipe.recipe, cfg.recipe.scale_fmt,
+                        build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0,
+                        cfg.train.seed).to(device)
+    return model, AdamW(model.named_parameters(), cfg.optim)
+
+
+def step_fn(cfg, model, opt, device):
+    t = cfg.train
+    gen = torch.Generator(device="cpu").manual_seed(t.seed)
+    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen).to(device)
+
+    def step() -> None:
+        out = model(x[:, :-1], x[:, 1:])
+        (out.out + out.aux_loss).backward()
+        opt.step(cfg.optim.lr)
+        opt.zero_grad()
+        for router, load_E in zip(model.routers(), out.load_LE):
+            router.update_bias(load_E)
+    return step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(overrides: list[str], recipe: str, args) -> dict:
+    cfg = compose_config([*overrides, f"recipe={recipe}"])
+    device = resolve_device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    model, opt = build(cfg, device)
+    step = step_fn(cfg, model, opt, device)
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.profile_steps):
+            step()
+        sync(device)
+    dev = "cuda" if device.type == "cuda" else "cpu"
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
+        if us > 0 and (dev == "cpu" or e.device_type == torch.autograd.DeviceType.CUDA):
+            rows.append({"kernel": e.key[:90], "ms_per_step": us / 1e3 / args.profile_steps,
+                         "calls_per_step": e.count / args.profile_steps})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    step_s = statistics.median(times)
+    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    peak = peak_flops(cfg, device)
+    tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"recipe": recipe, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "tflops": tflops,
+            "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
+            "top": rows[:args.top], "device": str(device), "params": param_counts(cfg.model)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default="bf16,fp8")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json", help="write the rows here")
+    args, overrides = p.parse_known_args()
+    res = [measure(overrides, r, args) for r in args.recipes.split(",")]
+    n = res[0]["params"]
+    print(f"overrides: {' '.join(overrides) or '(none)'}; {n['total'] / 1e6:.1f}M parameters, "
+          f"{n['active'] / 1e6:.1f}M active")
+    for r in res:
+        sol = f" of {r['peak_tflops']:.0f} peak ({r['tflops'] / r['peak_tflops']:.1%})" if r["peak_tflops"] else ""
+        print(f"\n{r['recipe']}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
+              f"{r['tflops']:.1f} TFLOP/s{sol}; kernels {r['kernels_ms_per_step']:.1f} ms/step")
+        print(f"  {'ms/step':>8} {'calls':>6}  kernel")
+        for k in r["top"]:
+            print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
+    if len(res) == 2:
+        print(f"\n{res[1]['recipe']} / {res[0]['recipe']} tokens/s: {res[1]['tokens_per_s'] / res[0]['tokens_per_s']:.3f}")
+    if args.json:
+        save_results("profile_step", res, {r["recipe"]: r["peak_tflops"] for r in res}, path=Path(args.json),
+                     overrides=overrides)
+
+
+if __name__ == "__main__":
+    main()
