@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -182,15 +183,33 @@ def _group_entry(rank, world, init, backend, fn, args):
     try:
         fn(rank, world, "cuda" if backend == "nccl" else "cpu", *args)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Report now and leave without teardown: the peers may be blocked in a collective (or a
+        # DeepEP kernel) this rank will never join, and destroying the group or a DeepEP buffer
+        # waits on them, which hid the error behind a hang. spawn_group then stops the others.
+        report = f"rank {rank} of {world} failed:\n{traceback.format_exc()}"
+        print(report, file=sys.stderr, flush=True)
+        Path(init.removeprefix("file://")).with_name(f"rank{rank}.err").write_text(report)
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def _joined(ctx, folder: str) -> bool:
+    """ctx.join(1), a failed rank's exit turned into an error carrying its traceback."""
+    try:
+        return ctx.join(timeout=1)
+    except Exception as e:  # ProcessExitedException / ProcessRaisedException: the others are killed
+        reports = sorted(Path(folder).glob("rank*.err"))
+        if not reports:
+            raise
+        raise RuntimeError("\n".join(r.read_text() for r in reports)) from e
 
 
 def spawn_group(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 120) -> None:
     """Runs fn(rank, world, device, *args) in `world` fresh processes joined in a process group
-    (gloo on CPU, nccl one GPU each); raises the worker's error, or TimeoutError after timeout_s
-    (never hangs). fn must be importable (a module-level function)."""
-    import os
+    (gloo on CPU, nccl one GPU each); raises RuntimeError carrying the failed ranks' tracebacks
+    as soon as one fails (the others are stopped), or TimeoutError after timeout_s (never hangs).
+    fn must be importable (a module-level function)."""
     import tempfile
     import time
 
@@ -201,7 +220,7 @@ def spawn_group(fn, world: int, *args, backend: str = "gloo", timeout_s: float =
         ctx = mp.start_processes(_group_entry, args=(world, init, backend, fn, args), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=1):
+        while not _joined(ctx, d):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     if p.is_alive():

@@ -22,12 +22,14 @@ update, and each expert is checkpointed under its global index (resumable under 
     torchrun --nproc_per_node 4 -m moefp8.train dispatch=all_to_all dispatch.ep_size=4
 """
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import secrets
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -197,6 +199,55 @@ class Parallel:
         return x
 
 
+class StepWatchdog:
+    """Multi-process runs: ends the process with one line when no step (or checkpoint save) has
+    finished for `limit_s()` seconds, counted from the end of the first step (the first one
+    compiles). Collectives already wait at most train.dist_timeout_s, and NCCL's own watchdog is
+    meant to take the process down after it, but a rank blocked on a stopped or dead peer may
+    stay blocked in a CUDA synchronisation; this thread does not depend on either.
+
+    limit_s = dist_timeout_s + 3 x the slowest step so far + grace_s (30 s); around a checkpoint save
+    `allow(s)` adds s seconds once (the save's collectives have their own timeout)."""
+
+    def __init__(self, rank: int, dist_timeout_s: float, exit_fn=None, poll_s: float = 1.0, grace_s: float = 30.0):
+        self.rank, self.timeout_s, self.poll_s, self.grace_s = rank, dist_timeout_s, poll_s, grace_s
+        self.exit_fn = exit_fn or (lambda: os._exit(1))
+        self.last = self.slowest = self.extra = None
+        self.stop_evt = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="moefp8-step-watchdog", daemon=True)
+        self.thread.start()
+
+    def limit_s(self) -> float:
+        return self.timeout_s + 3 * (self.slowest or 0.0) + self.grace_s + (self.extra or 0.0)
+
+    def beat(self, step_s: float | None = None) -> None:
+        """A step (of step_s seconds) or a save finished: progress."""
+        if step_s is not None:
+            self.slowest = max(self.slowest or 0.0, step_s)
+        self.last, self.extra = time.monotonic(), None
+
+    def allow(self, extra_s: float) -> None:
+        self.extra = extra_s
+
+    def stop(self) -> None:
+        self.stop_evt.set()
+
+    def __enter__(self) -> "StepWatchdog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self.stop_evt.wait(self.poll_s):
+            if self.last is not None and time.monotonic() - self.last > self.limit_s():
+                print(f"error: rank {self.rank}: no training step finished in {self.limit_s():.0f} s "
+                      f"(train.dist_timeout_s={self.timeout_s:g} s + 3 x the slowest step + {self.grace_s:g} s): "
+                      f"a peer rank died or hangs, or a collective is stuck; stopping", file=sys.stderr, flush=True)
+                self.exit_fn()
+                return
+
+
 def expert_keys(sd: dict, names: list[str], offset: int) -> dict:
     """A state dict with each routed expert tensor [E_l, ...] replaced by one entry per expert,
     keyed by its global index (`layers.1.mlp.w1.expert5`, views sharing the storage): DCP then
@@ -335,7 +386,8 @@ def train(cfg: Config) -> dict:
                         disable=not (t.progress and is_main and console.is_terminal))
     task = progress.add_task("train", total=t.steps, completed=start, info="")
     last_saved, m = None, {}
-    with progress, open(metrics_path, "a") if is_main else open(os.devnull, "w") as mf:
+    watchdog = StepWatchdog(rank, t.dist_timeout_s) if world > 1 else contextlib.nullcontext()
+    with progress, watchdog, open(metrics_path, "a") if is_main else open(os.devnull, "w") as mf:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, o, t.steps)
@@ -369,12 +421,16 @@ def train(cfg: Config) -> dict:
                     raise Diverged(msg + ". Stopped (train.nan_policy=stop).")
                 console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip)")
                 opt.zero_grad()
+                if world > 1:
+                    watchdog.beat()
                 continue
             opt.step(lr)
             opt.zero_grad()
             for router, load_E in zip(model.routers(), load_LE):  # the step's summed load per layer
                 router.update_bias(load_E)
             dt = time.perf_counter() - t0
+            if world > 1:
+                watchdog.beat(dt)
             stats = [load_stats(l) for l in load_LE]
             m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
@@ -395,10 +451,14 @@ def train(cfg: Config) -> dict:
                               f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}")
             if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps:
+                if world > 1:
+                    watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
                 last_saved = checkpoint.save(run_dir, step + 1, state(step + 1),
                                              {"loss": loss, "tokens": (step + 1) * tokens_per_step,
                                               "world": world, "ep_size": par.ep_size}, is_writer=is_main)
                 console.print(f"checkpoint {last_saved}")
+                if world > 1:
+                    watchdog.beat()
     if run is not None:
         run.finish()
     if world > 1:

@@ -84,7 +84,8 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
     rows = []
     for e in prof.key_averages():
         us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
-        if us > 0 and (dev == "cpu" or e.device_type == torch.autograd.DeviceType.CUDA):
+        annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
+        if us > 0 and not annotation and (dev == "cpu" or e.device_type == torch.autograd.DeviceType.CUDA):
             rows.append({"kernel": e.key[:90], "ms_per_step": us / 1e3 / args.profile_steps,
                          "calls_per_step": e.count / args.profile_steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
@@ -121,7 +122,8 @@ def main() -> None:
         for k in r["top"]:
             print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
     if len(res) == 2:
-        print(f"\n{res[1]['recipe']} / {res[0]['recipe']} tokens/s: {res[1]['tokens_per_s'] / res[0]['tokens_per_s']:.3f}")
+        a, b = res
+        print(f"\n{b['recipe']} / {a['recipe']} tokens/s: {b['tokens_per_s'] / a['tokens_per_s']:.3f}")
     if args.json:
         save_results("profile_step", res, {r["recipe"]: r["peak_tflops"] for r in res}, path=Path(args.json),
                      overrides=overrides)

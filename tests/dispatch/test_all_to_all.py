@@ -10,59 +10,34 @@ tokens with the same weights (each rank holds its slice of the experts). Both mo
 Each test spawns its processes once and runs several cases in them (a spawn costs ~3 s on CPU).
 """
 
-import datetime
 import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moefp8.dispatch import build_dispatcher, build_ep_group, ep_group_ranks
 from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
 from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.moe import MoELayer
-from moefp8.testing import rel_err
+from moefp8.testing import rel_err, spawn_group
 
 H, I = 256, 128
-TIMEOUT_S = 120  # whole spawn; a collective waits at most COLL_TIMEOUT_S
-COLL_TIMEOUT_S = 60
+TIMEOUT_S = 120  # whole spawn; a collective waits at most 60 s (spawn_group's process group)
 
 
 # ----------------------------------------------------------------------------------------------
 # Process harness
 
 
-def _entry(rank, world, init, backend, fn, args):
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)  # 4 processes on a 2-core runner: intra-op threads oversubscribe 30x
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLL_TIMEOUT_S))
-    try:
-        fn(rank, world, "cuda" if backend == "nccl" else "cpu", *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn(fn, world: int, *args, backend: str = "gloo"):
-    """Runs fn(rank, world, device, *args) in `world` fresh processes; fails (never hangs) after TIMEOUT_S."""
-    with tempfile.TemporaryDirectory() as d:
-        init = f"file://{os.path.join(d, 'init')}"
-        ctx = mp.start_processes(_entry, args=(world, init, backend, fn, args), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ctx.join(timeout=1):  # raises ProcessRaisedException with the worker's traceback
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                pytest.fail(f"{fn.__name__} on {world} ranks did not finish in {TIMEOUT_S} s")
+    """Runs fn(rank, world, device, *args) in `world` fresh processes (moefp8.testing.spawn_group);
+    fails (never hangs) after TIMEOUT_S."""
+    try:
+        spawn_group(fn, world, *args, backend=backend, timeout_s=TIMEOUT_S)
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 # ----------------------------------------------------------------------------------------------
