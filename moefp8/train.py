@@ -206,7 +206,7 @@ class StepWatchdog:
     meant to take the process down after it, but a rank blocked on a stopped or dead peer may
     stay blocked in a CUDA synchronisation; this thread does not depend on either.
 
-    limit_s = dist_timeout_s + 3 x the slowest step so far + grace_s (30 s); around a checkpoint save
+    limit_s = dist_timeout_s + 3 x the slowest step after the first + grace_s (30 s); around a checkpoint save
     `allow(s)` adds s seconds once (the save's collectives have their own timeout)."""
 
     def __init__(self, rank: int, dist_timeout_s: float, exit_fn=None, poll_s: float = 1.0, grace_s: float = 30.0):
@@ -221,8 +221,9 @@ class StepWatchdog:
         return self.timeout_s + 3 * (self.slowest or 0.0) + self.grace_s + (self.extra or 0.0)
 
     def beat(self, step_s: float | None = None) -> None:
-        """A step (of step_s seconds) or a save finished: progress."""
-        if step_s is not None:
+        """A step (of step_s seconds) or a save finished: progress. The first step arms the
+        watchdog without counting (its compilation would stretch every later limit)."""
+        if step_s is not None and self.last is not None:
             self.slowest = max(self.slowest or 0.0, step_s)
         self.last, self.extra = time.monotonic(), None
 
