@@ -13,8 +13,11 @@ The same `Dispatcher` contract as `all_to_all.py` (its exact mode is this backen
 * dispatch(x, handle=h): DeepEP's cached dispatch along h's routes (the backward's FP8 gradient).
 * combine(y bf16 [T_recv, H], h): DeepEP's combine: each token's rows summed in fp32 over the
   ranks in rank order, rounded once (the all_to_all backend's sum, bit for bit). y fp32
-  [T_recv, C <= 32] (the routing weights' gradient): through combine's top-k weights path (fp32,
-  same order), next to a dummy 8-column BF16 payload.
+  [T_recv, C <= 32] (the routing weights' gradient, where each (token, column) is nonzero on one
+  rank at most): its bytes travel as BF16 columns, one byte per column (integers 0-255 are exact
+  in BF16 and the other ranks add zeros), through the same BF16 combine, and are reassembled.
+  DeepEP's own fp32 path (combine's top-k weights) returned other tokens' values and garbage for
+  some entries on an H200 (v1.2.1 intranode, 2 ranks: 24-181 of 888 entries), so it is not used.
 
 Overlap (optional members, DeepEP's event API): `dispatch_async` / `combine_async` take
 `previous_event` (run after it instead of after the current stream) and
@@ -46,9 +49,23 @@ from moefp8.dispatch import Dispatched
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.pack import BAD_RANK_FLAG, flag_bad_experts
 
+def fp32_to_byte_cols(y: Tensor) -> Tensor:
+    """fp32 [N, C] -> bf16 [N, 4C rounded up to 8]: byte j of y[:, c] as the integer value of column
+    4c + j (exact in BF16); the padding is 0. A sum over ranks of such rows, where at most one rank
+    is nonzero per (row, column), gives the bytes back (`byte_cols_to_fp32`)."""
+    N, C = y.shape
+    b = y.contiguous().view(torch.int32)
+    cols = torch.stack([(b >> s) & 0xFF for s in (0, 8, 16, 24)], dim=-1).reshape(N, 4 * C)
+    return torch.nn.functional.pad(cols, (0, -(4 * C) % 8)).to(torch.bfloat16)
+
+
+def byte_cols_to_fp32(cols: Tensor, C: int) -> Tensor:
+    b = cols[:, :4 * C].to(torch.int32).reshape(-1, C, 4)
+    return (b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)).view(torch.float32)
+
+
 RANKS = (2, 4, 8)  # group sizes of DeepEP's intranode kernels (all ranks on one node, NVLink)
 MAX_LOCAL_EXPERTS = 1024  # DeepEP's NUM_MAX_LOCAL_EXPERTS
-DUMMY_COLS = 8  # BF16 columns of the payload that carries an fp32 combine (16 bytes, DeepEP's minimum)
 MAX_ROW_BYTES = 2 * (8192 - 8)  # the dispatch kernel stages half a row per warp in 8 KB of TMA memory
 
 
@@ -240,11 +257,11 @@ class DeepEPDispatcher:
             out, _, ev = self._buffer(y.shape[1]).combine(y.contiguous(), **kw)
             return out, ev
         if y.shape[1] > 32:
-            raise ValueError(f"combine: fp32 rows go through DeepEP's top-k weights path, at most 32 columns; got "
+            raise ValueError(f"combine: fp32 rows (the routing weights' gradient) are at most 32 columns; got "
                              f"{y.shape[1]}")
-        dummy = torch.empty(y.shape[0], DUMMY_COLS, dtype=torch.bfloat16, device=y.device)
-        _, out, ev = self._buffer(DUMMY_COLS).combine(dummy, topk_weights=y.contiguous(), **kw)
-        return out, ev
+        out, ev = self.combine_async(fp32_to_byte_cols(y), handle, previous_event, allocate_on_comm_stream,
+                                     async_finish=False)  # then reassembled on the current stream
+        return byte_cols_to_fp32(out, y.shape[1]), self.capture()
 
     def combine(self, y: Tensor, handle: DeepEPHandle) -> Tensor:
         """y [T_recv, C] bf16 (or fp32, C <= 32) in received order -> [T, C] like y: each token's rows

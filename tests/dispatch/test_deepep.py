@@ -210,3 +210,17 @@ def test_deepep_layer_nccl(world):
     pytest.importorskip("deep_ep")
     _need_gpus(world)
     spawn(_layer_cases, world, False, backend="nccl")
+
+
+def test_fp32_rows_as_byte_columns_survive_a_sum_with_zeros():
+    """The deepep backend's fp32 combine (the routing weights' gradient): every bit pattern (NaN,
+    -0, Inf, subnormals) comes back exactly after the BF16 combine's fp32 sum with the other
+    ranks' zero rows and its rounding to BF16."""
+    from moefp8.dispatch.deepep import byte_cols_to_fp32, fp32_to_byte_cols
+
+    y = torch.randn(64, 5, generator=torch.Generator().manual_seed(0)) * 1e3
+    y[0, 0], y[1, 1], y[2, 2], y[3, 3], y[4] = float("nan"), -0.0, float("-inf"), 1e-42, 3.0e38
+    cols = fp32_to_byte_cols(y)
+    assert cols.dtype == torch.bfloat16 and cols.shape == (64, 24)  # 4 x 5 columns, padded to 8
+    summed = (torch.zeros_like(cols, dtype=torch.float32) + cols.float() + 0.0).bfloat16()  # as DeepEP's reduce
+    assert torch.equal(byte_cols_to_fp32(summed, 5).view(torch.int32), y.view(torch.int32))
