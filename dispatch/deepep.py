@@ -15,7 +15,8 @@ The same `Dispatcher` contract as `all_to_all.py` (its exact mode is this backen
   ranks in rank order, rounded once (the all_to_all backend's sum, bit for bit). y fp32
   [T_recv, C <= 32] (the routing weights' gradient, where each (token, column) is nonzero on one
   rank at most): its bytes travel as BF16 columns, one byte per column (integers 0-255 are exact
-  in BF16 and the other ranks add zeros), through the same BF16 combine, and are reassembled.
+  in BF16 and the other ranks add zeros), padded to the buffer's row width, through the same BF16
+  combine, and are reassembled.
   DeepEP's own fp32 path (combine's top-k weights) returned other tokens' values and garbage for
   some entries on an H200 (v1.2.1 intranode, 2 ranks: 24-181 of 888 entries), so it is not used.
 
@@ -49,14 +50,15 @@ from moefp8.dispatch import Dispatched
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.pack import BAD_RANK_FLAG, flag_bad_experts
 
-def fp32_to_byte_cols(y: Tensor) -> Tensor:
-    """fp32 [N, C] -> bf16 [N, 4C rounded up to 8]: byte j of y[:, c] as the integer value of column
-    4c + j (exact in BF16); the padding is 0. A sum over ranks of such rows, where at most one rank
-    is nonzero per (row, column), gives the bytes back (`byte_cols_to_fp32`)."""
+def fp32_to_byte_cols(y: Tensor, min_cols: int = 8) -> Tensor:
+    """fp32 [N, C] -> bf16 [N, max(4C, min_cols) rounded up to 8]: byte j of y[:, c] as the integer
+    value of column 4c + j (exact in BF16); the padding is 0. A sum over ranks of such rows, where
+    at most one rank is nonzero per (row, column), gives the bytes back (`byte_cols_to_fp32`)."""
     N, C = y.shape
     b = y.contiguous().view(torch.int32)
     cols = torch.stack([(b >> s) & 0xFF for s in (0, 8, 16, 24)], dim=-1).reshape(N, 4 * C)
-    return torch.nn.functional.pad(cols, (0, -(4 * C) % 8)).to(torch.bfloat16)
+    width = -(-max(4 * C, min_cols) // 8) * 8
+    return torch.nn.functional.pad(cols, (0, width - 4 * C)).to(torch.bfloat16)
 
 
 def byte_cols_to_fp32(cols: Tensor, C: int) -> Tensor:
@@ -259,7 +261,10 @@ class DeepEPDispatcher:
         if y.shape[1] > 32:
             raise ValueError(f"combine: fp32 rows (the routing weights' gradient) are at most 32 columns; got "
                              f"{y.shape[1]}")
-        out, ev = self.combine_async(fp32_to_byte_cols(y), handle, previous_event, allocate_on_comm_stream,
+        # As wide as the buffer's rows (the forward's payload): 8-16 column payloads also came back
+        # with wrong rows on an H200 (v1.2.1, 2 and 4 ranks), full-width rows never did; not understood.
+        payload = fp32_to_byte_cols(y, min_cols=self.hidden_bytes // 2)
+        out, ev = self.combine_async(payload, handle, previous_event, allocate_on_comm_stream,
                                      async_finish=False)  # then reassembled on the current stream
         return byte_cols_to_fp32(out, y.shape[1]), self.capture()
 
