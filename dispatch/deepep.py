@@ -50,6 +50,7 @@ from moefp8.dispatch import Dispatched
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.pack import BAD_RANK_FLAG, flag_bad_experts
 
+
 def fp32_to_byte_cols(y: Tensor, min_cols: int = 8) -> Tensor:
     """fp32 [N, C] -> bf16 [N, max(4C, min_cols) rounded up to 8]: byte j of y[:, c] as the integer
     value of column 4c + j (exact in BF16); the padding is 0. A sum over ranks of such rows, where

@@ -22,7 +22,6 @@ update, and each expert is checkpointed under its global index (resumable under 
     torchrun --nproc_per_node 4 -m moefp8.train dispatch=all_to_all dispatch.ep_size=4
 """
 
-import contextlib
 import datetime
 import json
 import math
@@ -206,16 +205,18 @@ class StepWatchdog:
     meant to take the process down after it, but a rank blocked on a stopped or dead peer may
     stay blocked in a CUDA synchronisation; this thread does not depend on either.
 
-    limit_s = dist_timeout_s + 3 x the slowest step after the first + grace_s (30 s); around a checkpoint save
-    `allow(s)` adds s seconds once (the save's collectives have their own timeout)."""
+    limit_s = dist_timeout_s + 3 x the slowest step after the first + grace_s (30 s); around a
+    checkpoint save `allow(s)` adds s seconds once (the save's collectives have their own timeout).
+    With enabled=False (one process) no thread runs and the calls do nothing."""
 
-    def __init__(self, rank: int, dist_timeout_s: float, exit_fn=None, poll_s: float = 1.0, grace_s: float = 30.0):
+    def __init__(self, rank: int, dist_timeout_s: float, exit_fn=None, poll_s: float = 1.0, grace_s: float = 30.0,
+                 enabled: bool = True):
         self.rank, self.timeout_s, self.poll_s, self.grace_s = rank, dist_timeout_s, poll_s, grace_s
         self.exit_fn = exit_fn or (lambda: os._exit(1))
         self.last = self.slowest = self.extra = None
         self.stop_evt = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="moefp8-step-watchdog", daemon=True)
-        self.thread.start()
+        if enabled:
+            threading.Thread(target=self._run, name="moefp8-step-watchdog", daemon=True).start()
 
     def limit_s(self) -> float:
         return self.timeout_s + 3 * (self.slowest or 0.0) + self.grace_s + (self.extra or 0.0)
@@ -387,7 +388,7 @@ def train(cfg: Config) -> dict:
                         disable=not (t.progress and is_main and console.is_terminal))
     task = progress.add_task("train", total=t.steps, completed=start, info="")
     last_saved, m = None, {}
-    watchdog = StepWatchdog(rank, t.dist_timeout_s) if world > 1 else contextlib.nullcontext()
+    watchdog = StepWatchdog(rank, t.dist_timeout_s, enabled=world > 1)
     with progress, watchdog, open(metrics_path, "a") if is_main else open(os.devnull, "w") as mf:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
@@ -422,16 +423,14 @@ def train(cfg: Config) -> dict:
                     raise Diverged(msg + ". Stopped (train.nan_policy=stop).")
                 console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip)")
                 opt.zero_grad()
-                if world > 1:
-                    watchdog.beat()
+                watchdog.beat()
                 continue
             opt.step(lr)
             opt.zero_grad()
             for router, load_E in zip(model.routers(), load_LE):  # the step's summed load per layer
                 router.update_bias(load_E)
             dt = time.perf_counter() - t0
-            if world > 1:
-                watchdog.beat(dt)
+            watchdog.beat(dt)
             stats = [load_stats(l) for l in load_LE]
             m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
@@ -452,14 +451,12 @@ def train(cfg: Config) -> dict:
                               f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}")
             if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps:
-                if world > 1:
-                    watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
+                watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
                 last_saved = checkpoint.save(run_dir, step + 1, state(step + 1),
                                              {"loss": loss, "tokens": (step + 1) * tokens_per_step,
                                               "world": world, "ep_size": par.ep_size}, is_writer=is_main)
                 console.print(f"checkpoint {last_saved}")
-                if world > 1:
-                    watchdog.beat()
+                watchdog.beat()
     if run is not None:
         run.finish()
     if world > 1:
