@@ -3,8 +3,9 @@ clipping (DESIGN.md §1: "optimizer moments BF16 by default, FP32 optional").
 
 Hand-written because torch.optim.AdamW keeps its moments in the parameters' dtype (fp32 here).
 The moments are stored in `moment_dtype`; each update reads them in fp32, updates in fp32 and
-stores them back rounded (DeepSeek-V3 keeps BF16 moments the same way). Parameters are updated in
-place under no_grad, which bumps their version counters: the FP8/BF16 weight caches
+stores them back rounded (DeepSeek-V3 keeps BF16 moments the same way). Each parameter's update is
+one fused Triton kernel on CUDA (`moefp8.kernels.adamw`; its pure-PyTorch twin on CPU). Parameters
+are updated in place and their version counters bumped: the FP8/BF16 weight caches
 (moefp8.experts.WeightCache) re-quantize on the next forward. The state is keyed by parameter
 name, so it checkpoints as plain nested dicts of tensors.
 """
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from moefp8.config import OptimConfig
+from moefp8.kernels.adamw import adamw_step_
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -33,6 +35,7 @@ class AdamW:
         self.exp_avg = {n: torch.zeros_like(p, dtype=dt) for n, p in self.params.items()}
         self.exp_avg_sq = {n: torch.zeros_like(p, dtype=dt) for n, p in self.params.items()}
         self.step_count = 0
+        self.impl = None  # the update's implementation: None (by device), "triton" or "ref"
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -42,14 +45,9 @@ class AdamW:
         for n, p in self.params.items():
             if p.grad is None:
                 continue
-            g = p.grad.float()
-            m = self.exp_avg[n].float().lerp_(g, 1 - c.beta1)
-            v = self.exp_avg_sq[n].float().mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-            self.exp_avg[n].copy_(m)
-            self.exp_avg_sq[n].copy_(v)
-            if c.weight_decay and decays(n, p):
-                p.mul_(1 - lr * c.weight_decay)
-            p.addcdiv_(m, v.div_(bc2).sqrt_().add_(c.eps), value=-lr / bc1)
+            adamw_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], lr=lr, beta1=c.beta1, beta2=c.beta2,
+                        eps=c.eps, weight_decay=c.weight_decay if decays(n, p) else 0.0, bc1=bc1, bc2=bc2,
+                        impl=self.impl)
 
     def zero_grad(self) -> None:
         for p in self.params.values():

@@ -1,0 +1,163 @@
+"""Fused AdamW update: the reference vs an independent float64 computation, the Triton kernel
+(interpreter on CPU, compiled on GPU) vs the reference, AdamW.step through both, input errors."""
+
+import pytest
+import torch
+
+from moefp8.config import OptimConfig
+from moefp8.kernels import adamw as A
+from moefp8.optim import AdamW
+
+HPS = [dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, bc1=1 - 0.9**3, bc2=1 - 0.95**3),
+       dict(lr=1e-2, beta1=0.3, beta2=0.999, eps=1e-6, bc1=1 - 0.3, bc2=1 - 0.999)]  # torch.lerp's other formula
+MOMENTS = [torch.bfloat16, torch.float32]
+# Every fp32 result is a few roundings (unit roundoff u = 2**-24) of sums of the magnitudes
+# below, plus one more for the fp32 scalars: each implementation lies within ~6u of the exact value,
+# so two of them (FMA contraction or not, interpreter or GPU) within ~12u < 16u = 2**-20.
+TOL = 2.0**-20
+
+
+def make_state(n, moment_dtype, g_dtype=torch.float32, seed=0, device="cpu"):
+    """p, g, m, v as the optimizer holds them: gradients spread over 2**-8..2**8, every 7th zero
+    and every 11th scaled by 1e15 ((1 - beta2) g**2 ~ 1e28 stays finite in fp32 and bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-8, 9, (n,), generator=gen).float())
+    g[::7] = 0
+    g[3::11] *= 1e15
+    m = torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) * 0.01
+    return [t.to(device) for t in (p, g.to(g_dtype), m.to(moment_dtype), v.to(moment_dtype))]
+
+
+def exact(p, g, m, v, hp, weight_decay):
+    """The update in float64, written independently of the reference, with per-element error
+    bounds (TOL times the magnitudes involved; see TOL) for p, m and v."""
+    p, g, m, v = (t.double() for t in (p, g, m, v))
+    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+    m1 = b1 * m + (1 - b1) * g
+    v1 = b2 * v + (1 - b2) * g**2
+    denom = (v1 / hp["bc2"]).sqrt() + hp["eps"]
+    upd = lr / hp["bc1"] * m1 / denom
+    tol_m = TOL * (m.abs() + g.abs())
+    tol_p = TOL * (p.abs() + upd.abs()) + lr / hp["bc1"] * tol_m / denom  # m's error carried into p
+    return (p * (1 - lr * weight_decay) - upd, tol_p), (m1, tol_m), (v1, TOL * v1)
+
+
+def bf16_ulp(x):
+    """One bf16 ulp in x's binade (8 significant bits)."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x.double())[1] - 8)
+
+
+def assert_close(got, want, tol, what):
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    bad = ~((got - want).abs() <= tol.cpu())  # NaN fails too
+    assert not bad.any(), f"{what}: {int(bad.sum())} beyond tolerance, e.g. {got[bad][:3]} vs {want[bad][:3]}"
+
+
+def check_moment(got, want, tol, what):
+    """fp32 moments within tol; bf16 ones may also round the other way (one bf16 ulp)."""
+    if got.dtype == torch.bfloat16:
+        tol = tol + bf16_ulp(want)
+    assert_close(got, want, tol, what)
+
+
+def step(impl, state, hp, weight_decay):
+    """The update on copies, each the front of a buffer one element longer: the element past the
+    end (the masked tail's neighbour) must stay untouched."""
+    bufs = [torch.cat([t, torch.full((1,), 7.0, dtype=t.dtype, device=t.device)]) for t in state]
+    p, g, m, v = (b[:-1] for b in bufs)
+    A.adamw_step_(p, g, m, v, weight_decay=weight_decay, impl=impl, **hp)
+    assert all(b[-1] == 7 for b in bufs)
+    return p, m, v
+
+
+@pytest.mark.parametrize("moment_dtype", MOMENTS)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("hp", HPS)
+def test_ref_matches_float64(moment_dtype, weight_decay, hp):
+    state = make_state(5000, moment_dtype)
+    (p1, tol_p), (m1, tol_m), (v1, tol_v) = exact(*state, hp, weight_decay)
+    p, m, v = step("ref", state, hp, weight_decay)
+    assert_close(p, p1, tol_p, "p")
+    half = 0.5 if moment_dtype == torch.bfloat16 else 0.0  # stored rounded to nearest: half a bf16 ulp
+    assert_close(m, m1, tol_m + half * bf16_ulp(m1), "m")
+    assert_close(v, v1, tol_v + half * bf16_ulp(v1), "v")
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("n", [1, 1000, 3 * A.BLOCK + 5])
+@pytest.mark.parametrize("moment_dtype", MOMENTS)
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
+def test_interpreter_vs_ref(n, moment_dtype, g_dtype):
+    state = make_state(n, moment_dtype, g_dtype, seed=n)
+    for hp in HPS:
+        for wd in (0.0, 0.1):
+            (_, tol_p), (_, tol_m), (_, tol_v) = exact(*state, hp, wd)
+            got, want = step("triton", state, hp, wd), step("ref", state, hp, wd)
+            assert_close(got[0], want[0], tol_p, "p")
+            # the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: one bf16 ulp
+            check_moment(got[1], want[1], tol_m, "m")
+            check_moment(got[2], want[2], tol_v, "v")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 1023, 1024, 100_003, 1 << 24])
+@pytest.mark.parametrize("moment_dtype", MOMENTS)
+def test_gpu_vs_ref(n, moment_dtype):
+    state = make_state(n, moment_dtype, seed=n, device="cuda")
+    hp = HPS[0]
+    (_, tol_p), (_, tol_m), (_, tol_v) = exact(*state, hp, 0.1)
+    got, want = step(None, state, hp, 0.1), step("ref", state, hp, 0.1)
+    assert_close(got[0], want[0], tol_p, "p")
+    for i, tol, what in ((1, tol_m, "m"), (2, tol_v, "v")):
+        check_moment(got[i], want[i], tol, what)
+        # both round to nearest: bf16 moments differ only where fp32 values an ulp apart straddle a rounding point
+        assert (got[i] != want[i]).float().mean() < 1e-3, what
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("moment", ["bf16", "fp32"])
+def test_optimizer_triton_vs_ref(moment):
+    """Three steps through AdamW.step (bias corrections, decay by name, a parameter without a
+    gradient); after each, the Triton side must match and is then reset to the reference's state,
+    so that each step is checked with the single-step tolerances."""
+    shapes = {"embed.weight": (33, 16), "norm.weight": (16,), "layers.0.w1": (3, 40, 16), "no_grad": (5,)}
+    gen = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    cfg = OptimConfig(moment_dtype=moment)
+    tri, ref = (AdamW([(n, torch.nn.Parameter(t.clone())) for n, t in init.items()], cfg) for _ in range(2))
+    tri.impl, ref.impl = "triton", "ref"
+    for k, lr in enumerate((1e-2, 3e-3, 1e-3), 1):
+        grads = {n: torch.randn(s, generator=gen) for n, s in shapes.items() if n != "no_grad"}
+        hp = dict(lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, bc1=1 - cfg.beta1**k, bc2=1 - cfg.beta2**k)
+        tols = {n: exact(ref.params[n], g, ref.exp_avg[n], ref.exp_avg_sq[n], hp, 0.0) for n, g in grads.items()}
+        versions = {n: p._version for n, p in tri.params.items()}
+        for opt in (tri, ref):
+            for n, p in opt.params.items():
+                p.grad = grads[n].clone() if n in grads else None
+            opt.step(lr)
+        for n, (p_tol, m_tol, v_tol) in tols.items():
+            assert tri.params[n]._version > versions[n], n  # WeightCache sees the update
+            assert_close(tri.params[n], ref.params[n], p_tol[1], n)
+            check_moment(tri.exp_avg[n], ref.exp_avg[n], m_tol[1], n)
+            check_moment(tri.exp_avg_sq[n], ref.exp_avg_sq[n], v_tol[1], n)
+        assert tri.params["no_grad"]._version == versions["no_grad"]
+        assert torch.equal(tri.params["no_grad"], init["no_grad"])
+        tri.load_state_dict(ref.state_dict())
+        for n, p in tri.params.items():
+            p.data.copy_(ref.params[n])
+
+
+def test_errors():
+    p, g, m, v = make_state(64, torch.bfloat16)
+    hp = dict(weight_decay=0.0, **HPS[0])
+    with pytest.raises(ValueError, match=r"g is not contiguous \(shape \(8, 4\), stride \(1, 8\)\)"):
+        A.adamw_step_(p[:32].view(8, 4), g[:32].view(4, 8).t(), m[:32].view(8, 4), v[:32].view(8, 4), **hp)
+    with pytest.raises(ValueError, match=r"v has shape \(32,\), expected p's \(64,\)"):
+        A.adamw_step_(p, g, m, v[:32], **hp)
+    with pytest.raises(TypeError, match="m and v both bfloat16 or both float32"):
+        A.adamw_step_(p, g, m, v.float(), **hp)
+    with pytest.raises(TypeError, match="expected p float32"):
+        A.adamw_step_(p.bfloat16(), g, m, v, **hp)
