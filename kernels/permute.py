@@ -94,16 +94,6 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
     return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M)
 
 
-def dense_layout(T: int, device) -> PermuteLayout:
-    """The layout `build_layout` gives when every token picks expert 0 in its only slot (the shared
-    experts: topk_idx = zeros [T, 1], E = 1), built from T alone: no host sync."""
-    M = -(-T // ALIGN) * ALIGN
-    rows = torch.arange(M, dtype=torch.int32, device=device)
-    src_M = torch.where(rows < T, rows, -1)
-    offsets = torch.arange(2, dtype=torch.int32, device=device) * M  # [0, M] without a host-to-device copy
-    return PermuteLayout(rows[:T].view(T, 1), src_M, offsets, [T], M)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels
 

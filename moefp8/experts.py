@@ -3,6 +3,8 @@
 Rows are the local experts' tokens stacked in 128-aligned segments (`group_offsets`, the grouped
 GEMM contract); padding rows are zeros and stay zeros through the MLP, so they never reach a
 result or a gradient. Weights: W1 [E, 2I, H] (gate rows first, then up), W2 [E, H, I].
+`off=None` is the dense MLP every token goes through (the shared experts): weights [2I, H] and
+[H, I], dense GEMMs (`moefp8.kernels.gemm`) instead of grouped ones, the same fused kernels.
 
 FP8 recipe, forward: h = x8 · W1ᵀ (m-grouped FP8 GEMM, BF16 out) -> h cached as "1x128" FP8 ->
 a = swiglu(h) quantized "1x128" (one fused kernel) -> y = a8 · W2ᵀ (BF16).
@@ -24,6 +26,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from moefp8.fp8 import Fp8Tensor
+from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
 from moefp8.kernels.quant import (dequant_swiglu_quant_colwise, quant_rowwise, quant_weight, requant_colwise,
                                   swiglu_quant)
@@ -54,33 +57,45 @@ class WeightCache:
 # FP8
 
 
-def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
+def _mm(a8: Fp8Tensor, w8: Fp8Tensor, off: Tensor | None, off_host: list | None) -> Tensor:
+    """a8 "1x128" [M, K] · w8ᵀ -> BF16 [M, N]: m-grouped over `off`, or dense when off is None."""
+    if off is None:
+        return fp8_gemm(a8, w8)
+    return fp8_grouped_gemm(a8, w8, off, validate=False, host_offsets=off_host)
+
+
+def _wgrad(dy_col: Fp8Tensor, x_col: Fp8Tensor, off: Tensor | None, off_host: list | None) -> Tensor:
+    """dYᵀ · X per segment ("128x1" operands) -> FP32 [E, N, K], or [N, K] when off is None."""
+    if off is None:
+        return fp8_gemm(dy_col, x_col)
+    return fp8_grouped_gemm_wgrad(dy_col, x_col, off, validate=False, host_offsets=off_host)
+
+
+def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
                     off_host: list | None = None):
     """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I] the cache for backward, a8 "1x128"
     [M, I] fc2's input: y = fp8_grouped_gemm(a8, w2_8) again gives y bit for bit).
     off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop)."""
     with record_function("fc1"):
-        h = fp8_grouped_gemm(x8, w1_8, off, validate=False, host_offsets=off_host)
+        h = _mm(x8, w1_8, off, off_host)
     with record_function("swiglu"):
         h8 = quant_rowwise(h, scale_fmt)
         a8 = swiglu_quant(h, scale_fmt)
     with record_function("fc2"):
-        return fp8_grouped_gemm(a8, w2_8, off, validate=False, host_offsets=off_host), h8, a8
+        return _mm(a8, w2_8, off, off_host), h8, a8
 
 
-def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor, w1: Tensor, w2: Tensor,
+def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None, w1: Tensor, w2: Tensor,
                      cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None):
-    """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32)."""
-    kw = dict(validate=False, host_offsets=off_host)
+    """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I])."""
     with record_function("bwd_fc2"):
-        da = fp8_grouped_gemm(dy8, cache.get(w2, scale_fmt, transposed=True), off, **kw)
-        dw2 = fp8_grouped_gemm_wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt),
-                                     off, **kw)
+        da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host)
+        dw2 = _wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host)
     with record_function("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt)
     with record_function("bwd_fc1"):
-        dw1 = fp8_grouped_gemm_wgrad(dh_col, requant_colwise(x8, scale_fmt), off, **kw)
-        dx = fp8_grouped_gemm(dh8, cache.get(w1, scale_fmt, transposed=True), off, **kw) if want_dx else None
+        dw1 = _wgrad(dh_col, requant_colwise(x8, scale_fmt), off, off_host)
+        dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host) if want_dx else None
     return dx, dw1, dw2
 
 
@@ -88,10 +103,12 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor, 
 # BF16 (the baseline recipe)
 
 
-def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor, transpose_w: bool = True) -> Tensor:
+def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor | None, transpose_w: bool = True) -> Tensor:
     """x [M, K] bf16, w [E, N, K] -> [M, N] (x · w[e]ᵀ per segment); transpose_w=False: w [E, K, N]
-    used as is. offsets[E] == M (the permute layout's)."""
-    wt = w.transpose(1, 2) if transpose_w else w
+    used as is. offsets[E] == M (the permute layout's). off None: dense, w [N, K] (or [K, N])."""
+    wt = w.transpose(-1, -2) if transpose_w else w
+    if off is None:  # CPU: fp32 math, like the loop below
+        return x @ wt.to(x.dtype) if x.is_cuda else (x.float() @ wt.float()).to(x.dtype)
     if x.is_cuda and x.shape[0]:  # M == 0 (an EP rank that received no token): the loop below
         return torch._grouped_mm(x, wt.to(x.dtype), offs=off[1:].int())
     out = torch.zeros(x.shape[0], wt.shape[2], dtype=x.dtype, device=x.device)
@@ -102,8 +119,11 @@ def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor, transpose_w: bool = True)
     return out
 
 
-def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor) -> Tensor:
-    """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32 (BF16-rounded on CUDA)."""
+def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor | None) -> Tensor:
+    """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32 (BF16-rounded on CUDA);
+    off None: dense, [N, K]."""
+    if off is None:
+        return (dy.t() @ x).float() if dy.is_cuda else dy.float().t() @ x.float()
     # torch 2.11's _grouped_mm has no fp32 output for BF16 inputs: BF16, then upcast. M == 0 (an EP
     # rank that received no token) takes the loop: _grouped_mm rejects a zero-length contraction
     # ("strides should be multiple of 16 bytes", pytorch PR #192497)
@@ -117,7 +137,7 @@ def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor) -> Tensor:
     return out
 
 
-def bf16_mlp_forward(x: Tensor, off: Tensor, w1: Tensor, w2: Tensor):
+def bf16_mlp_forward(x: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor):
     """x [M, H] bf16, BF16 weights -> (y [M, H] bf16, h [M, 2I] bf16, the cache for backward)."""
     with record_function("fc1"):
         h = bf16_grouped_mm(x, w1, off)
@@ -127,7 +147,7 @@ def bf16_mlp_forward(x: Tensor, off: Tensor, w1: Tensor, w2: Tensor):
         return bf16_grouped_mm(a, w2, off), h
 
 
-def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor, w1: Tensor, w2: Tensor, want_dx: bool = True):
+def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor, want_dx: bool = True):
     """BF16 weights -> (dx [M, H] bf16 or None, dW1 fp32, dW2 fp32)."""
     with record_function("bwd_fc2"):
         da = bf16_grouped_mm(dy, w2, off, transpose_w=False)

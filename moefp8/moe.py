@@ -1,5 +1,5 @@
 """The MoE layer (DESIGN.md §2): router -> quantize -> dispatch -> permute -> experts ->
-unpermute -> combine, plus shared experts.
+unpermute -> combine, plus shared experts (a dense MLP on every token, `SharedExperts`).
 
 The routed path is one autograd Function with an explicit backward, in this order:
   forward:  x -> "1x128" FP8 (before dispatch) -> dispatch -> permute (FP8 rows + scales) ->
@@ -31,8 +31,8 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm
 from moefp8.fp8 import TILE, Fp8Tensor, check_scale_fmt
-from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, dense_layout, permute_fp8,
-                                    permute_rows, unpermute_combine)
+from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
+                                    unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.router import Router
 
@@ -198,28 +198,61 @@ class _RoutedExperts(torch.autograd.Function):
         return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
 
 
+def shared_forward(shared, x_TH: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor, tuple]:
+    """The shared experts' dense SwiGLU MLP on every token (no routing, no permutation):
+    -> (y [T, H] bf16, what backward needs: FP8 (x8 data, scale, h8 data, scale); BF16 (x, None, h, None))."""
+    fmt = shared.scale_fmt
+    if shared.recipe == "fp8":
+        x8 = quant_rowwise(x_TH, fmt)
+        y, h8, _ = fp8_mlp_forward(x8, None, shared.cache.get(w1, fmt), shared.cache.get(w2, fmt), fmt)
+        return y, (x8.data, x8.scale, h8.data, h8.scale)
+    x = x_TH.to(torch.bfloat16)
+    y, h = bf16_mlp_forward(x, None, shared.cache.get(w1, "bf16"), shared.cache.get(w2, "bf16"))
+    return y, (x, None, h, None)
+
+
+def shared_backward(shared, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, want_dx: bool):
+    """-> (dx [T, H] like dy or None, dW1 [2I, H] fp32, dW2 [H, I] fp32)."""
+    fmt, (x, xs, h, hs) = shared.scale_fmt, saved
+    if shared.recipe == "fp8":
+        dx, dw1, dw2 = fp8_mlp_backward(quant_rowwise(dy, fmt), Fp8Tensor(x, xs, "1x128"), Fp8Tensor(h, hs, "1x128"),
+                                        None, w1, w2, shared.cache, fmt, want_dx=want_dx)
+    else:
+        dx, dw1, dw2 = bf16_mlp_backward(dy.to(torch.bfloat16), x, h, None, shared.cache.get(w1, "bf16"),
+                                         shared.cache.get(w2, "bf16"), want_dx=want_dx)
+    return dx.to(dy.dtype) if dx is not None else None, dw1, dw2
+
+
+class _SharedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w1, w2, shared):
+        y, saved = shared_forward(shared, x_TH, w1, w2)
+        ctx.save_for_backward(*saved, w1, w2)
+        ctx.shared = shared
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        *saved, w1, w2 = ctx.saved_tensors
+        dx, dw1, dw2 = shared_backward(ctx.shared, dy.contiguous(), saved, w1, w2, ctx.needs_input_grad[0])
+        return dx, dw1.to(w1.dtype), dw2.to(w2.dtype), None
+
+
 class SharedExperts(nn.Module):
-    """Shared experts: a SwiGLU MLP every token goes through, computed as a routed expert that
-    every token picks with weight 1 (the same FP8 caching, fused kernels and recipe switch; one
-    group of the grouped GEMMs is a dense GEMM). Weights [1, 2I, H] and [1, H, I]."""
+    """Shared experts: a dense SwiGLU MLP every token goes through, with the routed experts' FP8
+    recipe (x and h cached in FP8, the fused SwiGLU kernels, FP8 weights cached per optimizer
+    step) on dense GEMMs. n_shared experts of size I are one MLP of size n_shared * I.
+    Weights [2I, H] (gate rows, then up) and [H, I]."""
 
     def __init__(self, hidden: int, inter: int, recipe: str, scale_fmt: str):
         super().__init__()
         self.recipe, self.scale_fmt = recipe, scale_fmt
-        self.w1 = nn.Parameter(torch.randn(1, 2 * inter, hidden) * hidden**-0.5)  # [gate | up]
-        self.w2 = nn.Parameter(torch.randn(1, hidden, inter) * inter**-0.5)
-        self.dispatcher = build_dispatcher("local", 1)
+        self.w1 = nn.Parameter(torch.randn(2 * inter, hidden) * hidden**-0.5)  # [gate | up]
+        self.w2 = nn.Parameter(torch.randn(hidden, inter) * inter**-0.5)
         self.cache = WeightCache()
 
-    def layout(self, topk_idx_TK: Tensor) -> PermuteLayout:
-        """Every token in the one expert: the layout follows from the token count (no host sync)."""
-        return dense_layout(topk_idx_TK.shape[0], topk_idx_TK.device)
-
     def forward(self, x_TH: Tensor) -> Tensor:
-        T = x_TH.shape[0]
-        idx = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
-        ones = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
-        return _RoutedExperts.apply(x_TH, ones, self.w1, self.w2, idx, self)
+        return _SharedMLP.apply(x_TH, self.w1, self.w2, self)
 
 
 class MoELayer(nn.Module):

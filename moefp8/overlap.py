@@ -35,7 +35,7 @@ from torch import Tensor
 
 from moefp8.fp8 import Fp8Tensor
 from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
-                        restore, save)
+                        restore, save, shared_backward, shared_forward)
 
 _COMM_STREAMS: dict = {}
 
@@ -134,7 +134,7 @@ class OverlappedMoE(torch.autograd.Function):
 
         def shared_part(i):  # no communication: fills the compute stream while the comm stream works
             if shared is not None:
-                s_out[i], s_saved[i] = _shared_forward(shared, x_TH[parts[i]], sw1, sw2)
+                s_out[i], s_saved[i] = shared_forward(shared, x_TH[parts[i]], sw1, sw2)
 
         # The host enqueues so that it never blocks (layout) while the compute stream is idle.
         send(0)
@@ -151,7 +151,7 @@ class OverlappedMoE(torch.autograd.Function):
         y = torch.cat(out)
         if shared is not None:
             y = y + torch.cat(s_out)
-        save(ctx, saves + (s_saved if shared is not None else []), w1, w2, *((sw1, sw2) if shared else ()))
+        save(ctx, saves, w1, w2, *((sw1, sw2, *s_saved[0], *s_saved[1]) if shared is not None else ()))
         ctx.layer, ctx.has_shared = layer, shared is not None
         return y
 
@@ -189,7 +189,8 @@ class OverlappedMoE(torch.autograd.Function):
 
         def shared_part(i):
             if ctx.has_shared:
-                sh[i] = _shared_backward(layer.shared, dout[parts[i]], saves[2 + i], params[2], params[3], want_dx)
+                sh[i] = shared_backward(layer.shared, dout[parts[i]], params[4 + 4 * i:8 + 4 * i], params[2], params[3],
+                                        want_dx)
 
         send(0)
         send(1)
@@ -211,24 +212,6 @@ class OverlappedMoE(torch.autograd.Function):
             dsw1 = (sh[0][1] + sh[1][1]).to(params[2].dtype)
             dsw2 = (sh[0][2] + sh[1][2]).to(params[3].dtype)
         return dx, dw, dw1, dw2, dsw1, dsw2, None, None
-
-
-def _shared_forward(shared, x_TH: Tensor, sw1: Tensor, sw2: Tensor):
-    """The shared experts (moefp8.moe.SharedExperts: a routed expert every token picks with weight
-    1, EP=1 `local` dispatcher) through the same stages, on the compute stream."""
-    T = x_TH.shape[0]
-    idx = torch.zeros(T, 1, dtype=torch.int64, device=x_TH.device)
-    ones = torch.ones(T, 1, dtype=torch.float32, device=x_TH.device)
-    d = fwd_dispatch(shared, x_TH, idx, ones)
-    z, saved = fwd_experts(shared, d, fwd_layout(shared, d), sw1, sw2, want_dw=False)
-    return shared.dispatcher.combine(z, d.handle), saved
-
-
-def _shared_backward(shared, dout: Tensor, saved, sw1: Tensor, sw2: Tensor, want_dx: bool):
-    dz = bwd_dispatch(shared, dout, saved)
-    dx_rows, _, dw1, dw2 = bwd_experts(shared, dz, dout, saved, sw1, sw2, want_dx)
-    dx, _ = bwd_combine(shared, dx_rows, None, saved, dout.dtype)
-    return dx, dw1, dw2
 
 
 def serialized(layer, x_TH: Tensor) -> Tensor:

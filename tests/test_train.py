@@ -142,7 +142,8 @@ def test_presets_compose_and_validate(overrides):
     cfg = compose_config(overrides)
     n = param_counts(cfg.model)
     if cfg.model.name == "small":
-        assert 0.1e9 < n["total"] < 0.5e9 and n["active"] < n["total"] / 3
+        # the 0.1-0.5B; sparse (at hidden 2048 attention and the dense layer are ~1/3 of it)
+        assert 0.1e9 < n["total"] < 0.5e9 and n["active"] < 0.6 * n["total"]
     if overrides == ["experiment=tiny_bf16"]:
         assert (cfg.model.name, cfg.recipe.recipe) == ("tiny", "bf16")
 

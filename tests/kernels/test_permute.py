@@ -179,15 +179,3 @@ def test_refs_with_no_row_at_all():
     assert torch.equal(unpermute_combine_ref(y, L, w), torch.zeros(T, H).bfloat16())
     dy, dw = combine_backward_ref(dz, y, L, w)
     assert dy.shape == (0, H) and torch.equal(dw, torch.zeros(T, K))
-
-
-@pytest.mark.parametrize("T", [0, 1, 127, 128, 300])
-def test_dense_layout_equals_build_layout(T):
-    """The shared experts' layout, built without a host sync, is build_layout's for all-zero ids."""
-    from moefp8.kernels.permute import dense_layout
-
-    want, got = P.build_layout(torch.zeros(T, 1, dtype=torch.int64), 1), dense_layout(T, "cpu")
-    assert got.counts == want.counts and got.M == want.M
-    for name in ("row_TK", "src_M", "offsets"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
