@@ -115,6 +115,55 @@ def _pack4(q0, q1, q2, q3):
 
 
 @triton.jit
+def _absmax4(a, b, c, d):
+    """Elementwise max of |a|, |b|, |c|, |d|, NaN ignored (see _abs_nan0)."""
+    return tl.maximum(tl.maximum(_abs_nan0(a), _abs_nan0(b)), tl.maximum(_abs_nan0(c), _abs_nan0(d)))
+
+
+@triton.jit
+def _unpack_e4m3x4(w, s):
+    """int32 word = four e4m3 codes of one row (byte c: column 4w + c), s fp32 -> four fp32 tiles
+    code_c * s. Inline PTX: two cvt.rn.f16x2.e4m3x2 convert the word in place (exact), where
+    Triton would first extract each byte (shift / and / prmt). The interpreter runs plain Triton."""
+    if _INTERPRET:
+        u = w.to(tl.uint32, bitcast=True)
+        x0 = (u & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+        x1 = ((u >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+        x2 = ((u >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+        x3 = (u >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+        return x0, x1, x2, x3
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b16 lo, hi, e<4>;\n.reg .b32 p, q;\n"
+        "mov.b32 {lo, hi}, $4;\n"
+        "cvt.rn.f16x2.e4m3x2 p, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 q, hi;\n"
+        "mov.b32 {e0, e1}, p;\nmov.b32 {e2, e3}, q;\n"
+        "cvt.f32.f16 $0, e0;\ncvt.f32.f16 $1, e1;\ncvt.f32.f16 $2, e2;\ncvt.f32.f16 $3, e3;\n"
+        "mul.rn.f32 $0, $0, $5;\nmul.rn.f32 $1, $1, $5;\nmul.rn.f32 $2, $2, $5;\nmul.rn.f32 $3, $3, $5;\n}",
+        "=f,=f,=f,=f,r,f", [w, s], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack_e4m3x4(y0, y1, y2, y3):
+    """Four fp32 tiles (already scaled) -> int32 word of their e4m3 codes, y0's byte lowest (rows
+    4i..4i+3 of one column in the transposed output's memory order). RNE, saturated to +-448, NaN
+    kept: cvt.rn.satfinite.e4m3x2.f32 d, hi, lo, the instruction Triton's own fp32 -> e4m3 cast
+    emits on sm_90, here writing two codes at once into place (no byte shifts / ors)."""
+    if _INTERPRET:  # _to_fp8 with scale 1: the interpreter's clamp + cast
+        b0 = _to_fp8(y0, 1.0, 1.0, True).to(tl.uint8, bitcast=True).to(tl.uint32)
+        b1 = _to_fp8(y1, 1.0, 1.0, True).to(tl.uint8, bitcast=True).to(tl.uint32)
+        b2 = _to_fp8(y2, 1.0, 1.0, True).to(tl.uint8, bitcast=True).to(tl.uint32)
+        b3 = _to_fp8(y3, 1.0, 1.0, True).to(tl.uint8, bitcast=True).to(tl.uint32)
+        return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.int32, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi};\n}",
+        "=r,f,f,f,f", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _quant_cols4_store(x0, x1, x2, x3, offs_i, offs_k, m_left, k_left, q_ptr, s_ptr, stride_qk, stride_sk,
                        POW2: tl.constexpr, PACK: tl.constexpr):
     """One 128-row group as four [32, BLOCK_K] fp32 tiles, x_j holding rows 4i + j (masked rows
@@ -228,9 +277,73 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
     tl.store(s_ptr + pid_e * stride_se + pid_n * stride_sn + pid_k, scale)
 
 
+@triton.jit(do_not_specialize=["M16", "q_row16", "stride_sm", "o_row16", "stride_osk"])
+def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, stride_sm, o_row16, stride_osk,
+                                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """pow2 scales, M % 16 == 0. q_ptr: the "1x128" data as int32 words [M, K/4]; o_ptr: the
+    output as int32 words [K, M/4]. A program requantizes one 128-row group of BLOCK_K columns.
+
+    The group is read as four interleaved word tiles [32, BLOCK_K/4] (rows 4i + j), so a thread
+    holds word w of rows 4i..4i+3: a 4x4 byte block. Unpacking the four rows and packing each
+    column's four values back (_unpack_e4m3x4 / _pack_e4m3x4) transposes that block in
+    registers: the output word of column 4w + c holds rows 4i..4i+3. Only int32 words then move
+    through shared memory (Triton's store layout), none of the byte-wise traffic of the generic
+    kernel. M and the row strides come in 16-byte units (M16 = M/16, q_row16 = K/16, o_row16 =
+    M/16): the compiler knows 16-byte accesses stay aligned (vector loads / stores, masked ones
+    too) without specialising on the shape. EVEN: M % 128 == 0, no masks."""
+    k0 = tl.program_id(0) * BLOCK_K
+    pid_m = tl.program_id(1)
+    m0 = pid_m.to(tl.int64) * 128
+    stride_qw = q_row16 * 4
+    stride_ow = o_row16 * 4
+    offs_i = tl.arange(0, 32)
+    offs_w = tl.arange(0, BLOCK_K // 4)
+    rows = 4 * offs_i
+    m_left = M16 * 16 - pid_m * 128  # rows of this group (< 128: the last, partial group)
+    n_left = M16 * 4 - pid_m * 32  # its output words per column (m_left / 4, kept visibly a multiple of 4)
+    p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
+    ps = s_ptr + m0 * stride_sm + k0 // 128 + rows * stride_sm
+    if EVEN:
+        w0, w1, w2, w3 = tl.load(p), tl.load(p + stride_qw), tl.load(p + 2 * stride_qw), tl.load(p + 3 * stride_qw)
+        s0, s1, s2, s3 = tl.load(ps), tl.load(ps + stride_sm), tl.load(ps + 2 * stride_sm), tl.load(ps + 3 * stride_sm)
+    else:  # rows past M read code 0 and scale 0: value 0, the amax is unchanged
+        w0 = tl.load(p, mask=(rows < m_left)[:, None], other=0)
+        w1 = tl.load(p + stride_qw, mask=(rows + 1 < m_left)[:, None], other=0)
+        w2 = tl.load(p + 2 * stride_qw, mask=(rows + 2 < m_left)[:, None], other=0)
+        w3 = tl.load(p + 3 * stride_qw, mask=(rows + 3 < m_left)[:, None], other=0)
+        s0 = tl.load(ps, mask=rows < m_left, other=0.0)
+        s1 = tl.load(ps + stride_sm, mask=rows + 1 < m_left, other=0.0)
+        s2 = tl.load(ps + 2 * stride_sm, mask=rows + 2 < m_left, other=0.0)
+        s3 = tl.load(ps + 3 * stride_sm, mask=rows + 3 < m_left, other=0.0)
+    # x_jc [32, BLOCK_K/4]: row 4i + j, column 4w + c, dequantized
+    x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
+    x10, x11, x12, x13 = _unpack_e4m3x4(w1, s1[:, None])
+    x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
+    x30, x31, x32, x33 = _unpack_e4m3x4(w3, s3[:, None])
+    sc0, i0 = _scale_from_amax(tl.max(_absmax4(x00, x10, x20, x30), axis=0), True)
+    sc1, i1 = _scale_from_amax(tl.max(_absmax4(x01, x11, x21, x31), axis=0), True)
+    sc2, i2 = _scale_from_amax(tl.max(_absmax4(x02, x12, x22, x32), axis=0), True)
+    sc3, i3 = _scale_from_amax(tl.max(_absmax4(x03, x13, x23, x33), axis=0), True)
+    i0, i1, i2, i3 = i0[None, :], i1[None, :], i2[None, :], i3[None, :]
+    # output word (column 4w + c, rows 4i..4i+3) at o[(k0 + 4w + c) * stride_ow + m0/4 + i]
+    po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4 + (4 * offs_w)[None, :] * stride_ow + offs_i[:, None]
+    words = (_pack_e4m3x4(x00 * i0, x10 * i0, x20 * i0, x30 * i0), _pack_e4m3x4(x01 * i1, x11 * i1, x21 * i1, x31 * i1),
+             _pack_e4m3x4(x02 * i2, x12 * i2, x22 * i2, x32 * i2), _pack_e4m3x4(x03 * i3, x13 * i3, x23 * i3, x33 * i3))
+    for c in tl.static_range(4):
+        if EVEN:
+            tl.store(po + c * stride_ow, words[c])
+        else:
+            tl.store(po + c * stride_ow, words[c], mask=(offs_i < n_left)[:, None])
+    pso = os_ptr + k0 * stride_osk + pid_m + 4 * offs_w * stride_osk
+    scales = (sc0, sc1, sc2, sc3)
+    for c in tl.static_range(4):
+        tl.store(pso + c * stride_osk, scales[c])
+
+
 @triton.jit
 def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride_sm, stride_ok, stride_osk,
                             POW2: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Generic requant (fp32 scales, or M % 16 != 0); pow2 with M % 16 == 0 takes the words kernel."""
     k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns: one row-wise scale per row
     pid_m = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * 128
@@ -302,7 +415,8 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "rowwise": dict(BLOCK_M=32, num_warps=8),
     "colwise": dict(BLOCK_K=64, num_warps=4),
     "weight": dict(num_warps=8),
-    "requant_colwise": dict(BLOCK_K=64, num_warps=2),  # BLOCK_K <= 128
+    "requant_colwise": dict(BLOCK_K=64, num_warps=2),  # words kernel (dev_requant_variants.py sweep); BLOCK_K <= 128
+    "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
     "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128
 }
@@ -414,8 +528,17 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     M, K = data.shape
     out = torch.empty(K, M, dtype=FP8_DTYPE, device=data.device)
     out_s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
-    if M:
+    if not M:
+        return Fp8Tensor(out, out_s, "128x1")
+    # The words kernel multiplies by the inverse scale (pow2 only) and needs 16-byte aligned rows.
+    if pow2 and M % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0:
         cfg = LAUNCH["requant_colwise"]
+        grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
+        _requant_colwise_words_kernel[grid](data.view(torch.int32), sc, out.view(torch.int32), out_s, M // 16,
+                                            data.stride(0) // 16, sc.stride(0), M // 16, out_s.stride(0),
+                                            EVEN=M % TILE == 0, **cfg)
+    else:
+        cfg = LAUNCH["requant_colwise_generic"]
         grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _requant_colwise_kernel[grid](data, sc, out, out_s, M, K, data.stride(0), sc.stride(0),
                                       out.stride(0), out_s.stride(0), POW2=pow2, PACK=_packs(M), **cfg)

@@ -180,6 +180,18 @@ def nonfinite_input() -> torch.Tensor:
     return x
 
 
+def requant_nonfinite_input(M: int, device="cpu") -> Fp8Tensor:
+    """"1x128" [M, 256], M > 128: a NaN code at (5, 3); scale Inf on row 7's second tile (codes 1,
+    one 0: NaN) and on row M-1's first tile (codes -2)."""
+    q = Q.quant_rowwise_ref(make_x(M, 256, torch.float32, seed=4))
+    q.data[5, 3] = float("nan")
+    q.data[7, 128:] = 1.0
+    q.data[7, 200] = 0.0
+    q.data[M - 1, :128] = -2.0
+    q.scale[7, 1] = q.scale[M - 1, 0] = float("inf")
+    return Fp8Tensor(q.data.to(device), q.scale.to(device), "1x128")
+
+
 def check_nonfinite_contract(q: Fp8Tensor, x: torch.Tensor, fmt: str) -> None:
     d = q.dequantize()
     assert torch.isnan(d[0, 3])
@@ -282,6 +294,56 @@ def test_triton_interpreter_nonfinite_scales(fmt):
     assert torch.equal(Q.quant_colwise(x.t().contiguous(), fmt, impl="triton").scale, want)
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel in Q's namespace: records its name on launch."""
+
+    def __init__(self, kernel, name, calls):
+        self.kernel, self.name, self.calls = kernel, name, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(self.name)
+        return self.kernel[grid]
+
+
+# requant_colwise has two kernels: int32 words (pow2 scales, M % 16 == 0; 256: no masks, 272 and
+# 144: a partial last 128-row group) and the generic one (fp32 scales, or M % 16 != 0: 200, 1)
+REQUANT_CASES = [(256, "pow2", "words"), (272, "pow2", "words"), (144, "pow2", "words"), (200, "pow2", "generic"),
+                 (1, "pow2", "generic"), (272, "fp32", "generic")]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("M,fmt,kernel", REQUANT_CASES)
+def test_triton_interpreter_requant_colwise_paths(monkeypatch, M, fmt, kernel):
+    calls = []
+    for name, tag in (("_requant_colwise_words_kernel", "words"), ("_requant_colwise_kernel", "generic")):
+        monkeypatch.setattr(Q, name, _LaunchSpy(getattr(Q, name), tag, calls))
+    # 384 columns: BLOCK_K-wide programs over three 128-column scale tiles
+    inp = Q.quant_rowwise_ref(make_x(M, 384, torch.bfloat16, seed=M))
+    got = Q.requant_colwise(inp, fmt, impl="triton")
+    assert calls == [kernel]
+    assert_fp8_equal(got, Q.requant_colwise_ref(inp, fmt), exact=False)
+    # the words kernel's byte order: values exactly representable in both passes give equal bytes
+    y = (torch.rand(M, 384, generator=torch.Generator().manual_seed(M)) * 0.7 + 1) * torch.randn(M, 384).sign()
+    y8 = Q.quant_rowwise_ref(y, fmt)
+    assert torch.equal(Q.requant_colwise(y8, fmt, impl="triton").data.view(torch.uint8),
+                       Q.requant_colwise_ref(y8, fmt).data.view(torch.uint8))
+
+
+@pytest.mark.interp
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy: Inf * 0
+@pytest.mark.parametrize("M", [144, 200])
+def test_triton_interpreter_requant_nonfinite_scales(M):
+    # Scale-half of the contract for both requant kernels: a NaN code is ignored by the amax; an
+    # Inf row scale on nonzero codes gives +-Inf values, so their "128x1" tiles get scale Inf.
+    inp = requant_nonfinite_input(M)
+    want = Q.requant_colwise_ref(inp).scale
+    inf_cols = torch.arange(128, 256) != 200  # column 200: code 0 * Inf = NaN, ignored
+    assert torch.isinf(want[128:, 0][inf_cols]).all() and torch.isfinite(want[200, 0])
+    assert torch.isinf(want[:128, 1]).all() and torch.isfinite(want[:128, 0]).all()
+    assert torch.isfinite(want[128:, 1]).all()
+    assert torch.equal(Q.requant_colwise(inp, impl="triton").scale, want)
+
+
 def test_dispatcher_picks_reference_on_cpu(monkeypatch):
     called = []
     monkeypatch.setattr(Q, "quant_rowwise_ref", lambda x, f="pow2": called.append(1) or "ref")
@@ -340,3 +402,8 @@ def test_triton_gpu_nonfinite_and_fp32_input(fmt):
     y = make_x(300, 1024, torch.float32, device="cuda")
     assert_fp8_equal(Q.quant_rowwise(y, fmt), Q.quant_rowwise_ref(y, fmt), exact=True)
     assert_fp8_equal(Q.quant_colwise(y, fmt), Q.quant_colwise_ref(y, fmt), exact=True)
+    for M in (144, 200):  # requant_colwise: NaN codes and Inf row scales, both kernels with pow2
+        z8 = requant_nonfinite_input(M, "cuda")
+        got, want = Q.requant_colwise(z8, fmt), Q.requant_colwise_ref(z8, fmt)
+        assert torch.isnan(want.dequantize()[5, 3]) and torch.isinf(want.scale[:128, 1]).all()
+        assert_fp8_equal(got, want, exact=True)
