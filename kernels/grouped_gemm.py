@@ -615,14 +615,17 @@ def _wgrad_cublas_loop(dy: Fp8Tensor, x: Fp8Tensor, h: list, out: Tensor | None)
     K = x.data.shape[0]
     E = len(h) - 1
     res = out if out is not None else torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
+    # One transposed copy of each scale grid per call; an expert's rows of it are contiguous: the
+    # column-major [N, T/128] scale_a and the [T/128, K] scale_b cuBLAS reads, without a copy per expert
+    dy_sT, x_sT = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [M/128, N], [M/128, K]
     for e in range(E):
         s, t = h[e], h[e + 1]
         if t == s:
             if out is None:
                 res[e].zero_()
             continue
-        sa = dy.scale[:, s // TILE:t // TILE].t().contiguous().t()  # column-major [N, T/128]
-        sb = x.scale[:, s // TILE:t // TILE].t().contiguous()  # [T/128, K]
+        sa = dy_sT[s // TILE:t // TILE].t()
+        sb = x_sT[s // TILE:t // TILE]
         if out is None:
             torch._scaled_mm(dy.data[:, s:t], x.data[:, s:t].t(), sa, sb, out_dtype=torch.float32, out=res[e])
         else:

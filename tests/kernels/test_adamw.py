@@ -113,8 +113,9 @@ def test_gpu_vs_ref(n, moment_dtype):
     assert_close(got[0], want[0], tol_p, "p")
     for i, tol, what in ((1, tol_m, "m"), (2, tol_v, "v")):
         check_moment(got[i], want[i], tol, what)
-        # both round to nearest: bf16 moments differ only where fp32 values an ulp apart straddle a rounding point
-        assert (got[i] != want[i]).float().mean() < 1e-3, what
+        if moment_dtype == torch.bfloat16:  # fp32 moments: FMA contraction moves ~20% by an ulp (H200), within tol
+            # both round to nearest: bf16 moments differ only where fp32 values an ulp apart straddle a rounding point
+            assert (got[i] != want[i]).float().mean() < 1e-3, what
 
 
 @pytest.mark.interp
