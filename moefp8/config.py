@@ -56,6 +56,9 @@ class ModelConfig:
 class RecipeConfig:
     recipe: str = "fp8"  # fp8: the DeepSeek-V3 recipe for every linear but embedding/head/router; bf16: baseline
     scale_fmt: str = "pow2"  # FP8 scales: powers of two (pow2) or exact amax/448 (fp32)
+    # FP8 recipe: the dense linears (attention projections, dense MLPs) in FP8 too; false: those in
+    # BF16 and only the MoE layers' experts in FP8 (an ablation knob: which part costs accuracy)
+    fp8_dense: bool = True
 
 
 @dataclass

@@ -335,7 +335,7 @@ def train(cfg: Config) -> dict:
     dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
                                   capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode)
     model = Transformer(routing_config(cfg, world), cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
-                        t.seed, overlap=cfg.dispatch.overlap).to(device)
+                        t.seed, overlap=cfg.dispatch.overlap, fp8_dense=cfg.recipe.fp8_dense).to(device)
     opt = AdamW(model.named_parameters(), o)
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]

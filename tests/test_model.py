@@ -165,3 +165,17 @@ def test_validate_other():
     c.recipe.recipe = "fp16"
     with pytest.raises(ValueError, match="recipe.recipe='fp16'"):
         validate(c)
+
+
+def test_fp8_dense_false_keeps_dense_linears_in_bf16():
+    """recipe.fp8_dense=false: attention projections and the dense MLP compute in BF16, experts in FP8."""
+    from moefp8.linear import Fp8Linear
+    from moefp8.model import Bf16Linear
+
+    m = Transformer(TINY, "fp8", fp8_dense=False)
+    dense = [mod for n, mod in m.named_modules() if n.endswith(("wqkv", "wo")) or ".mlp.w" in n]
+    assert dense and all(isinstance(mod, Bf16Linear) for mod in dense)
+    assert not any(isinstance(mod, Fp8Linear) for mod in m.modules())
+    assert all(b.mlp.recipe == "fp8" for b in m.layers if b.is_moe)
+    out = m(torch.randint(0, TINY.vocab_size, (2, 16)), torch.randint(0, TINY.vocab_size, (2, 16)))
+    assert torch.isfinite(out.out)

@@ -35,7 +35,7 @@ def build(cfg, device: torch.device):
     m = cfg.model
     model = Transformer(m, cfg.recipe.recipe, cfg.recipe.scale_fmt,
                         build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0,
-                        cfg.train.seed).to(device)
+                        cfg.train.seed, fp8_dense=cfg.recipe.fp8_dense).to(device)
     return model, AdamW(model.named_parameters(), cfg.optim)
 
 
