@@ -89,13 +89,13 @@ def describe_config_error(e: BaseException, overrides: list[str]) -> str:
 
 def _auto_model_overrides(overrides: list[str], device: str) -> list[str]:
     """train.device=auto on a GPU machine with no model= (nor experiment=) on the command line:
-    model=small (the tiny default is for CPUs)."""
+    experiment=small_gpu (the small model with its tuned lr and batch; the tiny default is for CPUs)."""
     if device != "auto" or not torch.cuda.is_available():
         return overrides
     if any(ov.lstrip("+~").split("=")[0] in ("model", "experiment") for ov in overrides):
         return overrides
-    print("train: a GPU and train.device=auto: using model=small (pass model=tiny to override)")
-    return overrides + ["model=small"]
+    print("train: a GPU and train.device=auto: using experiment=small_gpu (pass model=tiny to override)")
+    return overrides + ["experiment=small_gpu"]
 
 
 def register_schema() -> None:
@@ -108,7 +108,7 @@ def load_config(overrides: list[str] = (), auto_model: bool = False) -> Config:
     """The validated Config that `python -m moefp8.train *overrides` runs (Hydra's compose API on
     configs/ and the schema). Any failure, from an override Hydra cannot parse to a value
     `validate` rejects, raises ConfigError with one line naming the key (the CLI prints it as
-    `config error: ...`). auto_model: the entry point's model=small on a GPU machine."""
+    `config error: ...`). auto_model: the entry point's experiment=small_gpu on a GPU machine."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException

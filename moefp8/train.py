@@ -1,7 +1,7 @@
 """MoE pretraining entry point: `python -m moefp8.train [hydra overrides]` (README "Training").
 
     python -m moefp8.train                                  # tiny model on CPU (small on a GPU)
-    python -m moefp8.train model=small recipe=bf16 train.steps=1000
+    python -m moefp8.train model=small recipe=bf16 train.steps=1000 optim.lr=3e-4
     python -m moefp8.train train.out_dir=outputs/runs/a train.resume=none
 
 Hydra composes `configs/config.yaml` onto the `moefp8.config.Config` schema; the result is

@@ -147,3 +147,20 @@ def test_command_line_errors_are_one_line(data_dir, tmp_path):
         _, err = p.communicate(timeout=120)
         lines = err.strip().splitlines()
         assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith(error), (args, err[-2000:])
+
+
+def test_gpu_machine_defaults_to_the_small_gpu_experiment(monkeypatch):
+    """train.device=auto on a GPU machine: the small model with its tuned settings, unless the
+    command line names a model or an experiment (or another device)."""
+    import torch
+
+    from moefp8.hydra_config import _auto_model_overrides, compose_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ovs = _auto_model_overrides(["train.steps=500"], "auto")
+    assert ovs == ["train.steps=500", "experiment=small_gpu"]
+    cfg = compose_config(ovs)
+    assert (cfg.model.name, cfg.optim.lr, cfg.train.steps) == ("small", 3e-4, 500)
+    for keep in (["model=tiny"], ["experiment=tiny_bf16"]):
+        assert _auto_model_overrides(keep, "auto") == keep
+    assert _auto_model_overrides([], "cpu") == []
