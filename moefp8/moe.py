@@ -97,10 +97,9 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
 
 
 def fwd_layout(layer, d) -> PermuteLayout:
-    """(comm) the permutation of the received rows (`layer.layout`: one host sync for the routed
-    experts, none for the shared ones)."""
+    """(comm) the permutation of the received rows among the local experts; one host sync (the counts)."""
     with record_function("layout"):
-        return layer.layout(d.topk_idx)
+        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
 
 
 def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool) -> tuple[Tensor, Saved]:
@@ -292,10 +291,6 @@ class MoELayer(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
         self.shared = SharedExperts(hidden, n_shared * inter, recipe, scale_fmt) if n_shared else None
         self.cache = WeightCache()
-
-    def layout(self, topk_idx_TK: Tensor) -> PermuteLayout:
-        """Where the received (token, slot) pairs go among the local experts (one host sync: the counts)."""
-        return build_layout(topk_idx_TK, self.dispatcher.num_local_experts)
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
