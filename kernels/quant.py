@@ -174,8 +174,7 @@ def _quant_cols4_store(x0, x1, x2, x3, offs_i, offs_k, m_left, k_left, q_ptr, s_
     layout conversion moves 32-bit words; Triton moves a transposed FP8 tile through shared
     memory one byte per instruction, which made the col-wise kernels instruction-bound
     (bench/notes/quant.md). Without PACK each x_j is stored transposed on its own, byte-wise."""
-    amax = tl.max(tl.maximum(tl.maximum(_abs_nan0(x0), _abs_nan0(x1)), tl.maximum(_abs_nan0(x2), _abs_nan0(x3))),
-                  axis=0)
+    amax = tl.max(_absmax4(x0, x1, x2, x3), axis=0)
     scale, inv = _scale_from_amax(amax, POW2)
     q0 = _to_fp8(x0, scale[None, :], inv[None, :], POW2)
     q1 = _to_fp8(x1, scale[None, :], inv[None, :], POW2)
