@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
 from moefp8.kernels import use_triton
+from moefp8.kernels.quant import _scales
 
 ALIGN = 128  # expert segments start at multiples of the grouped GEMMs' row block
 
@@ -99,8 +100,8 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
 
 
 @triton.jit
-def _permute_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x, stride_xs, stride_o, stride_os,
-                    G, G_PAD: tl.constexpr, HAS_S: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+def _permute_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x, stride_xs, stride_xsg, stride_o,
+                    stride_os, stride_osg, G, G_PAD: tl.constexpr, HAS_S: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
     m = tl.program_id(0)  # one output row per program, all of H
     src = tl.load(src_ptr + m)
     ok = src >= 0
@@ -112,10 +113,10 @@ def _permute_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x
     if HAS_S:  # FP8 rows carry their 1x128 scales
         offs_g = tl.arange(0, G_PAD)
         g_ok = (offs_g * 0 + src >= 0) & (offs_g < G)  # the interpreter wants tensor masks
-        s = tl.load(xs_ptr + t * stride_xs + offs_g, mask=g_ok, other=1.0)
+        s = tl.load(xs_ptr + t * stride_xs + offs_g * stride_xsg, mask=g_ok, other=1.0)
         if HAS_W:
             s = s * tl.load(w_ptr + tl.where(ok, src, 0) + offs_g * 0, mask=g_ok, other=1.0)
-        tl.store(os_ptr + m.to(tl.int64) * stride_os + offs_g, s, mask=offs_g < G)
+        tl.store(os_ptr + m.to(tl.int64) * stride_os + offs_g * stride_osg, s, mask=offs_g < G)
 
 
 @triton.jit
@@ -162,8 +163,9 @@ def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride
 
 
 def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None,
-                impl: str | None = None) -> Fp8Tensor:
-    """x8 "1x128" [T, H] -> "1x128" [M, H] in the layout; padding rows: data 0, scale 1.
+                impl: str | None = None, *, colmajor_scale: bool = False) -> Fp8Tensor:
+    """x8 "1x128" [T, H] -> "1x128" [M, H] in the layout; padding rows: data 0, scale 1. The
+    output's scales are stored column-major with colmajor_scale (for the grouped GEMMs).
 
     scale_by_TK (fp32 [T, K], optional) multiplies row (t, k)'s scales: y = w * x stays FP8 and
     exact up to the fp32 product of the scales (which are then no longer powers of two)."""
@@ -173,17 +175,17 @@ def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None
     if layout.row_TK.shape[0] != T:
         raise ValueError(f"permute_fp8: x8 has {T} tokens but the layout was built for {layout.row_TK.shape[0]}")
     if not use_triton(x8.data, impl):
-        return permute_fp8_ref(x8, layout, scale_by_TK)
+        return permute_fp8_ref(x8, layout, scale_by_TK, colmajor_scale=colmajor_scale)
     G = H // TILE
     out = torch.empty(layout.M, H, dtype=FP8_DTYPE, device=x8.data.device)
-    out_s = torch.empty(layout.M, G, dtype=torch.float32, device=x8.data.device)
+    out_s = _scales(layout.M, G, x8.data.device, colmajor_scale)
     if layout.M:
         w = scale_by_TK.float().contiguous() if scale_by_TK is not None else out_s
-        xs = x8.scale.contiguous()
+        xs = x8.scale
         _permute_kernel[(layout.M,)](x8.data, xs, w, layout.src_M, out, out_s, H, layout.row_TK.shape[1],
-                                     x8.data.stride(0), xs.stride(0), out.stride(0), out_s.stride(0),
-                                     G, G_PAD=triton.next_power_of_2(G), HAS_S=True, HAS_W=scale_by_TK is not None,
-                                     BLOCK_H=min(2048, triton.next_power_of_2(H)), num_warps=4)
+                                     x8.data.stride(0), xs.stride(0), xs.stride(1), out.stride(0), out_s.stride(0),
+                                     out_s.stride(1), G, G_PAD=triton.next_power_of_2(G), HAS_S=True,
+                                     HAS_W=scale_by_TK is not None, BLOCK_H=min(2048, triton.next_power_of_2(H)), num_warps=4)
     return Fp8Tensor(out, out_s, "1x128")
 
 
@@ -197,8 +199,8 @@ def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -
     out = torch.empty(layout.M, H, dtype=x_TH.dtype, device=x_TH.device)
     if layout.M:
         x = x_TH if x_TH.stride(-1) == 1 else x_TH.contiguous()
-        _permute_kernel[(layout.M,)](x, x, x, layout.src_M, out, out, H, layout.row_TK.shape[1], x.stride(0), 0,
-                                     out.stride(0), 0, 1, G_PAD=1, HAS_S=False, HAS_W=False,
+        _permute_kernel[(layout.M,)](x, x, x, layout.src_M, out, out, H, layout.row_TK.shape[1], x.stride(0), 0, 0,
+                                     out.stride(0), 0, 0, 1, G_PAD=1, HAS_S=False, HAS_W=False,
                                      BLOCK_H=min(2048, triton.next_power_of_2(H)), num_warps=4)
     return out
 
@@ -245,7 +247,8 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
 # References
 
 
-def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None) -> Fp8Tensor:
+def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None, *,
+                    colmajor_scale: bool = False) -> Fp8Tensor:
     T, H = x8.data.shape
     K = layout.row_TK.shape[1]
     src = layout.src_M.long()
@@ -255,7 +258,8 @@ def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | 
     s = x8.scale.float()[t]
     if scale_by_TK is not None:
         s = s * scale_by_TK.float().reshape(-1)[torch.where(ok, src, 0)][:, None]
-    return Fp8Tensor(data, torch.where(ok[:, None], s, 1.0), "1x128")
+    s = torch.where(ok[:, None], s, 1.0)
+    return Fp8Tensor(data, col_major(s) if colmajor_scale else s, "1x128")
 
 
 def permute_rows_ref(x_TH: Tensor, layout: PermuteLayout) -> Tensor:

@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from torch import Tensor
 
-from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, FP8_MAX, TILE, Fp8Tensor, check_scale_fmt
+from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, FP8_MAX, TILE, Fp8Tensor, check_scale_fmt, col_major
 from moefp8.kernels import use_triton
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -211,7 +211,7 @@ def _swiglu(g, u):
 
 
 @triton.jit
-def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm,
+def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_sm, stride_sg,
                           POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_g = tl.program_id(0)  # 128-wide column group: fastest, neighbours read neighbouring bytes
     m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
@@ -221,7 +221,7 @@ def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, stride_xm, stride_qm, stride_s
     x = tl.load(x_ptr + m0 * stride_xm + pid_g * 128 + offs_m[:, None] * stride_xm + offs_k[None, :],
                 mask=(offs_m < m_left)[:, None], other=0.0)
     _quant_rows_store(x.to(tl.float32), offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + pid_g * 128,
-                      s_ptr + m0 * stride_sm + pid_g, stride_qm, stride_sm, POW2)
+                      s_ptr + m0 * stride_sm + pid_g * stride_sg, stride_qm, stride_sm, POW2)
 
 
 @triton.jit
@@ -241,7 +241,7 @@ def _dequant_rows(q_ptr, s_ptr, rows, offs_k, m_left, stride_qm, stride_sm):
 
 
 @triton.jit
-def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, stride_sk,
+def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, stride_sk, stride_sg,
                           POW2: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K
     pid_m = tl.program_id(1)
@@ -255,7 +255,7 @@ def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, strid
                        _load_rows(x, r + 2, offs_k, m_left, k_left, stride_xm),
                        _load_rows(x, r + 3, offs_k, m_left, k_left, stride_xm),
                        tl.arange(0, 32), offs_k, m_left, k_left, q_ptr + k0.to(tl.int64) * stride_qk + m0,
-                       s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2, PACK)
+                       s_ptr + k0 * stride_sk + pid_m * stride_sg, stride_qk, stride_sk, POW2, PACK)
 
 
 @triton.jit
@@ -276,9 +276,9 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
     tl.store(s_ptr + pid_e * stride_se + pid_n * stride_sn + pid_k, scale)
 
 
-@triton.jit(do_not_specialize=["M16", "q_row16", "stride_sm", "o_row16", "stride_osk"])
-def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, stride_sm, o_row16, stride_osk,
-                                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+@triton.jit(do_not_specialize=["M16", "q_row16", "o_row16"])
+def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, stride_sm, stride_sg, o_row16,
+                                  stride_osk, stride_osm, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """pow2 scales, M % 16 == 0. q_ptr: the "1x128" data as int32 words [M, K/4]; o_ptr: the
     output as int32 words [K, M/4]. A program requantizes one 128-row group of BLOCK_K columns.
 
@@ -301,7 +301,7 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
     m_left = M16 * 16 - pid_m * 128  # rows of this group (< 128: the last, partial group)
     n_left = M16 * 4 - pid_m * 32  # its output words per column (m_left / 4, kept visibly a multiple of 4)
     p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
-    ps = s_ptr + m0 * stride_sm + k0 // 128 + rows * stride_sm
+    ps = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
     if EVEN:
         w0, w1, w2, w3 = tl.load(p), tl.load(p + stride_qw), tl.load(p + 2 * stride_qw), tl.load(p + 3 * stride_qw)
         s0, s1, s2, s3 = tl.load(ps), tl.load(ps + stride_sm), tl.load(ps + 2 * stride_sm), tl.load(ps + 3 * stride_sm)
@@ -333,15 +333,15 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
             tl.store(po + c * stride_ow, words[c])
         else:
             tl.store(po + c * stride_ow, words[c], mask=(offs_i < n_left)[:, None])
-    pso = os_ptr + k0 * stride_osk + pid_m + 4 * offs_w * stride_osk
+    pso = os_ptr + k0 * stride_osk + pid_m * stride_osm + 4 * offs_w * stride_osk
     scales = (sc0, sc1, sc2, sc3)
     for c in tl.static_range(4):
         tl.store(pso + c * stride_osk, scales[c])
 
 
 @triton.jit
-def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride_sm, stride_ok, stride_osk,
-                            POW2: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
+def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride_sm, stride_sg, stride_ok,
+                            stride_osk, stride_osm, POW2: tl.constexpr, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
     """Generic requant (fp32 scales, or M % 16 != 0); pow2 with M % 16 == 0 takes the words kernel."""
     k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns: one row-wise scale per row
     pid_m = tl.program_id(1)
@@ -350,17 +350,17 @@ def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride
     offs_k = tl.arange(0, BLOCK_K)
     m_left = M - m0
     q = q_ptr + m0 * stride_qm + k0
-    s = s_ptr + m0 * stride_sm + k0 // 128
+    s = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg
     _quant_cols4_store(_dequant_rows(q, s, r, offs_k, m_left, stride_qm, stride_sm),
                        _dequant_rows(q, s, r + 1, offs_k, m_left, stride_qm, stride_sm),
                        _dequant_rows(q, s, r + 2, offs_k, m_left, stride_qm, stride_sm),
                        _dequant_rows(q, s, r + 3, offs_k, m_left, stride_qm, stride_sm),
                        tl.arange(0, 32), offs_k, m_left, K - k0, o_ptr + k0.to(tl.int64) * stride_ok + m0,
-                       os_ptr + k0 * stride_osk + pid_m, stride_ok, stride_osk, POW2, PACK)
+                       os_ptr + k0 * stride_osk + pid_m * stride_osm, stride_ok, stride_osk, POW2, PACK)
 
 
 @triton.jit
-def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride_sm,
+def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride_sm, stride_sg,
                          POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_g = tl.program_id(0)
     m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
@@ -372,22 +372,22 @@ def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride
     g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(ptrs + I, mask=mask, other=0.0).to(tl.float32)
     _quant_rows_store(_swiglu(g, u), offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + pid_g * 128,
-                      s_ptr + m0 * stride_sm + pid_g, stride_qm, stride_sm, POW2)
+                      s_ptr + m0 * stride_sm + pid_g * stride_sg, stride_qm, stride_sm, POW2)
 
 
 @triton.jit
-def _dequant_swiglu_rows(h_ptr, hs_ptr, rows, offs_k, m_left, I, stride_hm, stride_hsm):
+def _dequant_swiglu_rows(h_ptr, hs_ptr, rows, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg):
     """silu(gate) * up for rows of a "1x128" FP8 h [M, 2I] (BLOCK_K <= 128 columns of a; h_ptr
     and hs_ptr at the tile's gate columns). Masked rows load as 0 and give silu(0) * 0 = 0: they
     leave the amax alone."""
     g = _dequant_rows(h_ptr, hs_ptr, rows, offs_k, m_left, stride_hm, stride_hsm)
-    u = _dequant_rows(h_ptr + I, hs_ptr + I // 128, rows, offs_k, m_left, stride_hm, stride_hsm)
+    u = _dequant_rows(h_ptr + I, hs_ptr + (I // 128) * stride_hsg, rows, offs_k, m_left, stride_hm, stride_hsm)
     return _swiglu(g, u)
 
 
 @triton.jit
-def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_hsm,
-                                         stride_qk, stride_sk, POW2: tl.constexpr, PACK: tl.constexpr,
+def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_hsm, stride_hsg,
+                                         stride_qk, stride_sk, stride_sg, POW2: tl.constexpr, PACK: tl.constexpr,
                                          BLOCK_K: tl.constexpr):
     k0 = tl.program_id(0) * BLOCK_K  # BLOCK_K <= 128 columns of a: one row-wise scale per row for gate and up
     pid_m = tl.program_id(1)
@@ -396,13 +396,13 @@ def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stri
     offs_k = tl.arange(0, BLOCK_K)
     m_left = M - m0
     h = h_ptr + m0 * stride_hm + k0
-    hs = hs_ptr + m0 * stride_hsm + k0 // 128
-    _quant_cols4_store(_dequant_swiglu_rows(h, hs, r, offs_k, m_left, I, stride_hm, stride_hsm),
-                       _dequant_swiglu_rows(h, hs, r + 1, offs_k, m_left, I, stride_hm, stride_hsm),
-                       _dequant_swiglu_rows(h, hs, r + 2, offs_k, m_left, I, stride_hm, stride_hsm),
-                       _dequant_swiglu_rows(h, hs, r + 3, offs_k, m_left, I, stride_hm, stride_hsm),
+    hs = hs_ptr + m0 * stride_hsm + (k0 // 128) * stride_hsg
+    _quant_cols4_store(_dequant_swiglu_rows(h, hs, r, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg),
+                       _dequant_swiglu_rows(h, hs, r + 1, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg),
+                       _dequant_swiglu_rows(h, hs, r + 2, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg),
+                       _dequant_swiglu_rows(h, hs, r + 3, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg),
                        tl.arange(0, 32), offs_k, m_left, I - k0, q_ptr + k0.to(tl.int64) * stride_qk + m0,
-                       s_ptr + k0 * stride_sk + pid_m, stride_qk, stride_sk, POW2, PACK)
+                       s_ptr + k0 * stride_sk + pid_m * stride_sg, stride_qk, stride_sk, POW2, PACK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,6 +420,13 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128
 }
 
+
+
+def _scales(rows: int, groups: int, device, colmajor: bool) -> Tensor:
+    """An fp32 scale grid [rows, groups], stored column-major (memory [groups, rows]) if asked."""
+    if colmajor:
+        return torch.empty(groups, rows, dtype=torch.float32, device=device).t()
+    return torch.empty(rows, groups, dtype=torch.float32, device=device)
 
 
 def _packs(M: int) -> bool:
@@ -447,29 +454,33 @@ def _check_fp8(name: str, q: Fp8Tensor, layout: str) -> None:
         raise ValueError(f"{name}: expected data [M, K] with K % {TILE} == 0, got {tuple(q.data.shape)}")
 
 
-def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
-    """x [..., K] bf16|fp16|fp32, K % 128 == 0 -> "1x128": q [..., K] e4m3, s [..., K/128] fp32."""
+def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                  colmajor_scale: bool = False) -> Fp8Tensor:
+    """x [..., K] bf16|fp16|fp32, K % 128 == 0 -> "1x128": q [..., K] e4m3, s [..., K/128] fp32
+    (stored column-major with colmajor_scale: what the GEMMs read, no transposing copy)."""
     _check_input("quant_rowwise", x)
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(x, impl):
-        return quant_rowwise_ref(x, scale_fmt)
+        return quant_rowwise_ref(x, scale_fmt, colmajor_scale=colmajor_scale)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(M, K // TILE, dtype=torch.float32, device=x.device)
+    s = _scales(M, K // TILE, x.device, colmajor_scale)
     if M:
         cfg = LAUNCH["rowwise"]
         grid = (K // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
-        _quant_rowwise_kernel[grid](x2, q, s, M, x2.stride(0), q.stride(0), s.stride(0), POW2=pow2, **cfg)
+        _quant_rowwise_kernel[grid](x2, q, s, M, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
+                                    **cfg)
     return Fp8Tensor(q.view(x.shape), s.view(*x.shape[:-1], K // TILE), "1x128")
 
 
 def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
     """x [M, K] -> "128x1" (128 tokens per tile along M): q = [K, M] e4m3 (transposed, M
-    contiguous, the K-major operand of the wgrad GEMM), s [K, ceil(M/128)] fp32. Any M."""
+    contiguous, the K-major operand of the wgrad GEMM), s [K, ceil(M/128)] fp32 (column-major,
+    as every "128x1" scale grid). Any M."""
     _check_input("quant_colwise", x, k_multiple_of_128=False)  # tiles run along M; K is free
     if x.dim() != 2:
         raise ValueError(f"quant_colwise: expected x [M, K], got shape {tuple(x.shape)}")
@@ -482,11 +493,11 @@ def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
         x = x.contiguous()
     M, K = x.shape
     q = torch.empty(K, M, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=x.device)
+    s = _scales(K, triton.cdiv(M, TILE), x.device, True)
     if M:
         cfg = LAUNCH["colwise"]
         grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, TILE))
-        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), POW2=pow2,
+        _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
                                     PACK=_packs(M), **cfg)
     return Fp8Tensor(q, s, "128x1")
 
@@ -526,7 +537,7 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     data, sc = q.data, q.scale
     M, K = data.shape
     out = torch.empty(K, M, dtype=FP8_DTYPE, device=data.device)
-    out_s = torch.empty(K, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
+    out_s = _scales(K, triton.cdiv(M, TILE), data.device, True)
     if not M:
         return Fp8Tensor(out, out_s, "128x1")
     # The words kernel multiplies by the inverse scale (pow2 only) and needs 16-byte aligned rows.
@@ -534,33 +545,37 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
         cfg = LAUNCH["requant_colwise"]
         grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _requant_colwise_words_kernel[grid](data.view(torch.int32), sc, out.view(torch.int32), out_s, M // 16,
-                                            data.stride(0) // 16, sc.stride(0), M // 16, out_s.stride(0),
-                                            EVEN=M % TILE == 0, **cfg)
+                                            data.stride(0) // 16, sc.stride(0), sc.stride(1), M // 16,
+                                            out_s.stride(0), out_s.stride(1), EVEN=M % TILE == 0, **cfg)
     else:
         cfg = LAUNCH["requant_colwise_generic"]
         grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
-        _requant_colwise_kernel[grid](data, sc, out, out_s, M, K, data.stride(0), sc.stride(0),
-                                      out.stride(0), out_s.stride(0), POW2=pow2, PACK=_packs(M), **cfg)
+        _requant_colwise_kernel[grid](data, sc, out, out_s, M, K, data.stride(0), sc.stride(0), sc.stride(1),
+                                      out.stride(0), out_s.stride(0), out_s.stride(1), POW2=pow2, PACK=_packs(M),
+                                      **cfg)
     return Fp8Tensor(out, out_s, "128x1")
 
 
-def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
-    """h [M, 2I] = [gate | up], I % 128 == 0 -> a = silu(gate) * up as "1x128" FP8 [M, I]."""
+def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                 colmajor_scale: bool = False) -> Fp8Tensor:
+    """h [M, 2I] = [gate | up], I % 128 == 0 -> a = silu(gate) * up as "1x128" FP8 [M, I]
+    (scales column-major with colmajor_scale: fc2's GEMM operand)."""
     _check_input("swiglu_quant", h)
     if h.dim() != 2 or h.shape[1] % (2 * TILE):
         raise ValueError(f"swiglu_quant: expected h [M, 2I] with I % {TILE} == 0, got shape {tuple(h.shape)}")
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(h, impl):
-        return swiglu_quant_ref(h, scale_fmt)
+        return swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale)
     if h.stride(-1) != 1:
         h = h.contiguous()
     M, I = h.shape[0], h.shape[1] // 2
     q = torch.empty(M, I, dtype=FP8_DTYPE, device=h.device)
-    s = torch.empty(M, I // TILE, dtype=torch.float32, device=h.device)
+    s = _scales(M, I // TILE, h.device, colmajor_scale)
     if M:
         cfg = LAUNCH["swiglu_quant"]
         grid = (I // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
-        _swiglu_quant_kernel[grid](h, q, s, M, I, h.stride(0), q.stride(0), s.stride(0), POW2=pow2, **cfg)
+        _swiglu_quant_kernel[grid](h, q, s, M, I, h.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
+                                   **cfg)
     return Fp8Tensor(q, s, "1x128")
 
 
@@ -576,12 +591,13 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
     data, sc = h8.data, h8.scale
     M, I = data.shape[0], data.shape[1] // 2
     q = torch.empty(I, M, dtype=FP8_DTYPE, device=data.device)
-    s = torch.empty(I, triton.cdiv(M, TILE), dtype=torch.float32, device=data.device)
+    s = _scales(I, triton.cdiv(M, TILE), data.device, True)
     if M:
         cfg = LAUNCH["dequant_swiglu_quant_colwise"]
         grid = (I // cfg["BLOCK_K"], triton.cdiv(M, TILE))
-        _dequant_swiglu_quant_colwise_kernel[grid](data, sc, q, s, M, I, data.stride(0), sc.stride(0),
-                                                   q.stride(0), s.stride(0), POW2=pow2, PACK=_packs(M), **cfg)
+        _dequant_swiglu_quant_colwise_kernel[grid](data, sc, q, s, M, I, data.stride(0), sc.stride(0), sc.stride(1),
+                                                   q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
+                                                   PACK=_packs(M), **cfg)
     return Fp8Tensor(q, s, "128x1")
 
 
@@ -622,14 +638,21 @@ def _quant_lastdim_ref(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     return q.reshape(*x.shape[:-1], G * TILE)[..., :L], scale
 
 
-def quant_rowwise_ref(x: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
+def _store_scales(s: Tensor, colmajor: bool) -> Tensor:
+    """s [..., G] -> the same values laid out as the kernels store them (rows of all leading dims
+    flattened; column-major if asked)."""
+    return col_major(s.reshape(-1, s.shape[-1])).view(s.shape) if colmajor else s.contiguous()
+
+
+def quant_rowwise_ref(x: Tensor, scale_fmt: str = "pow2", *, colmajor_scale: bool = False) -> Fp8Tensor:
     _check_input("quant_rowwise", x)
-    return Fp8Tensor(*_quant_lastdim_ref(x, check_scale_fmt(scale_fmt)), "1x128")
+    q, s = _quant_lastdim_ref(x, check_scale_fmt(scale_fmt))
+    return Fp8Tensor(q, _store_scales(s, colmajor_scale), "1x128")
 
 
 def quant_colwise_ref(x: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
     q, s = _quant_lastdim_ref(x.t(), check_scale_fmt(scale_fmt))
-    return Fp8Tensor(q.contiguous(), s.contiguous(), "128x1")
+    return Fp8Tensor(q.contiguous(), col_major(s), "128x1")
 
 
 def quant_weight_ref(w: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
@@ -654,8 +677,9 @@ def swiglu_ref(h: Tensor) -> Tensor:
     return g / (1.0 + torch.exp(-g)) * u
 
 
-def swiglu_quant_ref(h: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
-    return Fp8Tensor(*_quant_lastdim_ref(swiglu_ref(h), check_scale_fmt(scale_fmt)), "1x128")
+def swiglu_quant_ref(h: Tensor, scale_fmt: str = "pow2", *, colmajor_scale: bool = False) -> Fp8Tensor:
+    q, s = _quant_lastdim_ref(swiglu_ref(h), check_scale_fmt(scale_fmt))
+    return Fp8Tensor(q, _store_scales(s, colmajor_scale), "1x128")
 
 
 def dequant_swiglu_quant_colwise_ref(h8: Fp8Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import use_triton
-from moefp8.kernels.quant import (_INTERPRET, _quant_cols_store, _quant_rows_store, _swiglu, quant_colwise_ref,
-                                  quant_rowwise_ref, swiglu_ref)
+from moefp8.kernels.quant import (_INTERPRET, _quant_cols_store, _quant_rows_store, _scales, _swiglu,
+                                  quant_colwise_ref, quant_rowwise_ref, swiglu_ref)
 from triton.language.extra import libdevice
 
 
@@ -45,8 +45,8 @@ def _swiglu_grad(g, u, da, GATE: tl.constexpr):
 
 @triton.jit
 def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                             stride_dam, stride_qm, stride_qsm, stride_ck, stride_csk,
-                             GATE: tl.constexpr, POW2: tl.constexpr):
+                             stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
+                             stride_csm, GATE: tl.constexpr, POW2: tl.constexpr):
     pid_k = tl.program_id(0)  # 128 columns of this half
     pid_m = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * 128
@@ -57,18 +57,18 @@ def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr
     G = I // 128
     h_tile = h_ptr + m0 * stride_hm + pid_k * 128 + offs_m[:, None] * stride_hm + offs_k[None, :]
     s_rows = hs_ptr + m0 * stride_hsm + offs_m * stride_hsm
-    g = tl.load(h_tile, mask=row_ok, other=0.0).to(tl.float32) * tl.load(s_rows + pid_k, mask=offs_m < m_left,
-                                                                           other=0.0)[:, None]
-    u = tl.load(h_tile + I, mask=row_ok, other=0.0).to(tl.float32) * tl.load(s_rows + G + pid_k,
-                                                                             mask=offs_m < m_left, other=0.0)[:, None]
+    g_s = tl.load(s_rows + pid_k * stride_hsg, mask=offs_m < m_left, other=0.0)
+    u_s = tl.load(s_rows + (G + pid_k) * stride_hsg, mask=offs_m < m_left, other=0.0)
+    g = tl.load(h_tile, mask=row_ok, other=0.0).to(tl.float32) * g_s[:, None]
+    u = tl.load(h_tile + I, mask=row_ok, other=0.0).to(tl.float32) * u_s[:, None]
     da = tl.load(da_ptr + m0 * stride_dam + pid_k * 128 + offs_m[:, None] * stride_dam + offs_k[None, :],
                  mask=row_ok, other=0.0).to(tl.float32)
     d = _swiglu_grad(g, u, da, GATE)  # masked rows: da = 0 -> d = 0, out of both amaxes
     col = pid_k + (0 if GATE else G)  # this block's 128-column group in dh [M, 2I]
-    _quant_rows_store(d, offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + col * 128, qs_ptr + m0 * stride_qsm + col,
+    _quant_rows_store(d, offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + col * 128, qs_ptr + m0 * stride_qsm + col * stride_qsg,
                       stride_qm, stride_qsm, POW2)
     _quant_cols_store(d, offs_m, offs_k, m_left, 128, c_ptr + (col * 128).to(tl.int64) * stride_ck + m0,
-                      cs_ptr + col * 128 * stride_csk + pid_m, stride_ck, stride_csk, POW2)
+                      cs_ptr + col * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2)
 
 
 @triton.jit
@@ -102,9 +102,10 @@ def _check_h(name: str, h_cols: int) -> None:
         raise ValueError(f"{name}: h has {h_cols} columns, expected 2I with I % {TILE} == 0")
 
 
-def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2",
-                          impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
-    """h8 "1x128" [M, 2I], da [M, I] -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M])."""
+def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                          colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """h8 "1x128" [M, 2I], da [M, I] -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M]); the
+    "1x128" scales column-major with colmajor_scale (fc1's dgrad operand)."""
     if not isinstance(h8, Fp8Tensor) or h8.layout != "1x128" or h8.data.dim() != 2:
         raise ValueError("swiglu_backward_quant: expected h8 as an Fp8Tensor [M, 2I] with layout '1x128'")
     M, I2 = h8.data.shape
@@ -113,18 +114,19 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2",
         raise ValueError(f"swiglu_backward_quant: da has shape {tuple(da.shape)}, expected ({M}, {I2 // 2})")
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(h8.data, impl):
-        return swiglu_backward_quant_ref(h8, da, scale_fmt)
+        return swiglu_backward_quant_ref(h8, da, scale_fmt, colmajor_scale=colmajor_scale)
     dev = h8.data.device
     q = torch.empty(M, I2, dtype=FP8_DTYPE, device=dev)
-    qs = torch.empty(M, I2 // TILE, dtype=torch.float32, device=dev)
+    qs = _scales(M, I2 // TILE, dev, colmajor_scale)
     c = torch.empty(I2, M, dtype=FP8_DTYPE, device=dev)
-    cs = torch.empty(I2, triton.cdiv(M, TILE), dtype=torch.float32, device=dev)
+    cs = _scales(I2, triton.cdiv(M, TILE), dev, True)
     if M:
         da = da if da.stride(-1) == 1 else da.contiguous()
         for gate in (True, False):
             _swiglu_bwd_quant_kernel[(I2 // 2 // TILE, triton.cdiv(M, TILE))](
-                h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0), da.stride(0),
-                q.stride(0), qs.stride(0), c.stride(0), cs.stride(0), GATE=gate, POW2=pow2, num_warps=8,
+                h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
+                h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
+                cs.stride(1), GATE=gate, POW2=pow2, num_warps=8,
                 enable_fp_fusion=False)
     return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
 
@@ -172,6 +174,7 @@ def swiglu_backward_ref(h: Tensor, da: Tensor) -> Tensor:
     return torch.cat([dg, du], dim=-1)
 
 
-def swiglu_backward_quant_ref(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2") -> tuple[Fp8Tensor, Fp8Tensor]:
+def swiglu_backward_quant_ref(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", *,
+                              colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
     dh = swiglu_backward_ref(h8.dequantize(torch.float32), da)
-    return quant_rowwise_ref(dh, scale_fmt), quant_colwise_ref(dh, scale_fmt)
+    return quant_rowwise_ref(dh, scale_fmt, colmajor_scale=colmajor_scale), quant_colwise_ref(dh, scale_fmt)

@@ -80,7 +80,7 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
         h = _mm(x8, w1_8, off, off_host)
     with record_function("swiglu"):
         h8 = quant_rowwise(h, scale_fmt)
-        a8 = swiglu_quant(h, scale_fmt)
+        a8 = swiglu_quant(h, scale_fmt, colmajor_scale=True)
     with record_function("fc2"):
         return _mm(a8, w2_8, off, off_host), h8, a8
 
@@ -92,7 +92,7 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
         da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host)
         dw2 = _wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host)
     with record_function("bwd_swiglu"):
-        dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt)
+        dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
     with record_function("bwd_fc1"):
         dw1 = _wgrad(dh_col, requant_colwise(x8, scale_fmt), off, off_host)
         dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host) if want_dx else None

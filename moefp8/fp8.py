@@ -16,6 +16,13 @@ layout     logical x              data (stored)                       scale (fp3
 A "128x1" tensor is the "1x128" quantization of xᵀ; the last tile along M may be partial (the
 tiles are padded with zeros for the amax, nothing is stored past M).
 
+Scale storage: a scale grid is a 2-D (or 3-D) tensor of the shape above with any strides.
+"128x1" scales are always stored column-major (memory [ceil(M/128), K], the tensor its
+transposed view, `col_major`): the layout cuBLAS's blockwise `_scaled_mm` and the grouped
+GEMMs read, so the wgrad GEMMs need no transposing copy. "1x128" scales are row-major unless the
+producer was asked for ``colmajor_scale=True`` (memory [K/128, M]), which the kernels do for
+GEMM operands; every kernel that reads scales takes both strides.
+
 Scale formats (one switch for the whole recipe): ``"pow2"`` (default) stores
 ``s = 2**ceil(log2(amax/448))`` so ``x/s`` is exact and only the FP8 cast rounds; ``"fp32"``
 stores ``s = amax/448``. amax is clamped to >= 1e-4. Where bytes matter (dispatch payloads,
@@ -66,6 +73,11 @@ class Fp8Tensor(NamedTuple):
         else:
             raise ValueError(f"unknown FP8 layout {self.layout!r}, expected one of {LAYOUTS}")
         return x.to(dtype)
+
+
+def col_major(s: Tensor) -> Tensor:
+    """The same 2-D grid stored column-major (a copy unless it already is): strides (1, rows)."""
+    return s.t().contiguous().t()
 
 
 def _expand_last(s: Tensor, n: int) -> Tensor:

@@ -42,7 +42,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if x.shape[-1] != K:
             raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
         x2 = x.reshape(-1, K)
-        x8 = quant_rowwise(x2, scale_fmt)
+        x8 = quant_rowwise(x2, scale_fmt, colmajor_scale=True)
         w8 = quant_weight(weight, scale_fmt)
         y = fp8_gemm(x8, w8)
         if weight.requires_grad:
@@ -62,7 +62,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)
         if dy2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             dy2 = dy2.float()
-        dy8 = quant_rowwise(dy2, ctx.scale_fmt)
+        dy8 = quant_rowwise(dy2, ctx.scale_fmt, colmajor_scale=True)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm_dgrad(dy8, Fp8Tensor(w_data, w_scale, "128x128")).reshape(ctx.x_shape)
@@ -115,7 +115,7 @@ def fp8_grouped_linear(x: Tensor, weight: Tensor, group_offsets, scale_fmt: str 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, off: Tensor, scale_fmt: str) -> Tensor:
-        x8 = quant_rowwise(x, scale_fmt)
+        x8 = quant_rowwise(x, scale_fmt, colmajor_scale=True)
         w8 = quant_weight(weight, scale_fmt)
         y = fp8_grouped_gemm(x8, w8, off, validate=False)
         if weight.requires_grad:
@@ -130,7 +130,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         xc_data, xc_scale, w_data, w_scale, off = ctx.saved_tensors
-        dy8 = quant_rowwise(dy.contiguous(), ctx.scale_fmt)
+        dy8 = quant_rowwise(dy.contiguous(), ctx.scale_fmt, colmajor_scale=True)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_grouped_gemm(dy8, Fp8Tensor(w_data, w_scale, "128x128"), off, transpose_b=True,

@@ -106,7 +106,7 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
     """permute -> expert MLP -> z[t] = sum_k w[t,k] y[row] (bf16, [T_recv, H]), and what backward needs."""
     fp8, fmt = layer.recipe == "fp8", layer.scale_fmt
     with record_function("permute"):
-        xp = permute_fp8(d.x, L) if fp8 else permute_rows(d.x, L)
+        xp = permute_fp8(d.x, L, colmajor_scale=True) if fp8 else permute_rows(d.x, L)
     if fp8:
         y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
                                    L.offsets_host)
@@ -145,8 +145,8 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
                 dw = combine_backward(dzf, y, L, w_TK, want_dy=False)[1]
                 del y, dzf  # [M, H] and [T_recv, H] bf16: not alive during the expert backward
         with record_function("bwd_permute"):
-            dy8 = permute_fp8(dz, L, scale_by_TK=w_TK)  # dy = w * dout, still FP8
-            x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L)
+            dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
+            x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)
         dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
                                          want_dx=want_dx, off_host=L.offsets_host)
     else:
@@ -202,7 +202,7 @@ def shared_forward(shared, x_TH: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor
     -> (y [T, H] bf16, what backward needs: FP8 (x8 data, scale, h8 data, scale); BF16 (x, None, h, None))."""
     fmt = shared.scale_fmt
     if shared.recipe == "fp8":
-        x8 = quant_rowwise(x_TH, fmt)
+        x8 = quant_rowwise(x_TH, fmt, colmajor_scale=True)
         y, h8, _ = fp8_mlp_forward(x8, None, shared.cache.get(w1, fmt), shared.cache.get(w2, fmt), fmt)
         return y, (x8.data, x8.scale, h8.data, h8.scale)
     x = x_TH.to(torch.bfloat16)
@@ -214,8 +214,9 @@ def shared_backward(shared, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, wa
     """-> (dx [T, H] like dy or None, dW1 [2I, H] fp32, dW2 [H, I] fp32)."""
     fmt, (x, xs, h, hs) = shared.scale_fmt, saved
     if shared.recipe == "fp8":
-        dx, dw1, dw2 = fp8_mlp_backward(quant_rowwise(dy, fmt), Fp8Tensor(x, xs, "1x128"), Fp8Tensor(h, hs, "1x128"),
-                                        None, w1, w2, shared.cache, fmt, want_dx=want_dx)
+        dy8 = quant_rowwise(dy, fmt, colmajor_scale=True)
+        dx, dw1, dw2 = fp8_mlp_backward(dy8, Fp8Tensor(x, xs, "1x128"), Fp8Tensor(h, hs, "1x128"), None, w1, w2,
+                                        shared.cache, fmt, want_dx=want_dx)
     else:
         dx, dw1, dw2 = bf16_mlp_backward(dy.to(torch.bfloat16), x, h, None, shared.cache.get(w1, "bf16"),
                                          shared.cache.get(w2, "bf16"), want_dx=want_dx)

@@ -142,6 +142,11 @@ def _fmt(v) -> str:
     return f"{v:.3g}" if isinstance(v, float) and abs(v) < 10 else (f"{v:.1f}" if isinstance(v, float) else str(v))
 
 
+def scale_storage(s: torch.Tensor) -> tuple:
+    """The memory order of a scale grid: its strides along the dimensions longer than 1."""
+    return tuple(st for n, st in zip(s.shape, s.stride()) if n > 1)
+
+
 def assert_fp8_equal(got, ref, exact: bool, scale_rtol: float = 0.0) -> None:
     """Fp8Tensors equal: layouts, shapes, scales (bit for bit, or within scale_rtol) and FP8 bytes.
     exact=False (Triton's interpreter) allows the interpreter's two known cast bugs and nothing
@@ -149,6 +154,8 @@ def assert_fp8_equal(got, ref, exact: bool, scale_rtol: float = 0.0) -> None:
     dropping to the binade below (half the reference value)."""
     assert got.layout == ref.layout and got.data.dtype == torch.float8_e4m3fn
     assert got.data.shape == ref.data.shape and got.scale.shape == ref.scale.shape
+    assert scale_storage(got.scale) == scale_storage(ref.scale), (
+        f"scale storage differs: strides {got.scale.stride()} vs {ref.scale.stride()} for shape {tuple(ref.scale.shape)}")
     gs, rs = got.scale.cpu(), ref.scale.cpu()
     if scale_rtol:
         assert torch.allclose(gs, rs, rtol=scale_rtol, atol=0, equal_nan=True)

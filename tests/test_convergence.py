@@ -9,17 +9,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-from convergence import ema  # noqa: E402
+from convergence import ema, run_overrides  # noqa: E402
 
 
 def test_ema():
     assert ema([1.0, 0.0, 0.0]) == [1.0, 0.9, pytest.approx(0.81)]
 
 
+def test_noise_floor_runs():
+    base = ["model=tiny", "train.seed=3"]
+    assert run_overrides("fp8", base) == [*base, "recipe=fp8"]
+    assert run_overrides("bf16_again", base) == [*base, "recipe=bf16"]  # same seed and data: GPU nondeterminism only
+    assert run_overrides("bf16_seed+1", base) == [*base, "recipe=bf16", "train.seed=4"]
+
+
 @pytest.mark.slow
 def test_convergence_tool_cpu(tmp_path):
-    cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--noise-floor", "model=tiny", "train.steps=6",
-           "optim.warmup_steps=2", "data.max_bytes=2000000",
+    cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--noise-floor", "--noise-kind", "seed",
+           "model=tiny", "train.steps=6", "optim.warmup_steps=2", "data.max_bytes=2000000",
            "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled", f"data.path={tmp_path / 'data'}"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -29,5 +36,5 @@ def test_convergence_tool_cpu(tmp_path):
     rows = {row["impl"]: row for row in doc["rows"]}
     gap = rows["fp8 vs bf16: max |EMA rel. loss diff|, last half"]
     assert isinstance(gap["pass"], bool) and gap["value"] >= 0 and gap["baseline_value"] == 0.25
-    assert gap["noise_floor_pct"] > 0  # BF16 with the next seed differs from BF16
+    assert gap["noise_floor"] == "bf16_seed+1" and gap["noise_floor_pct"] > 0  # another seed differs from BF16
     assert rows["fp8 tokens/s"]["value"] > 0 and len(doc["curves"]["rel_diff"]) == 6

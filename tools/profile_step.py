@@ -86,7 +86,7 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
         us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
         if us > 0 and not annotation and (dev == "cpu" or e.device_type == torch.autograd.DeviceType.CUDA):
-            rows.append({"kernel": e.key[:90], "ms_per_step": us / 1e3 / args.profile_steps,
+            rows.append({"kernel": e.key[:160], "ms_per_step": us / 1e3 / args.profile_steps,
                          "calls_per_step": e.count / args.profile_steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
     step_s = statistics.median(times)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from moefp8.fp8 import Fp8Tensor
+from moefp8.fp8 import Fp8Tensor, col_major
 from moefp8.kernels import permute as P
 from moefp8.kernels.quant import quant_rowwise_ref
+from moefp8.testing import scale_storage
 
 
 def routing(T: int, K: int, E: int, kind: str = "random", seed: int = 0, device="cpu") -> torch.Tensor:
@@ -134,9 +135,13 @@ def _compare_all(T, K, E, kind, H, device, exact: bool):
     L = P.build_layout(idx, E)
     x8 = quant_rowwise_ref(torch.randn(T, H, device=device) * 5)
     w = torch.rand(T, K, device=device)
-    for sb in (None, w):
-        a, b = P.permute_fp8(x8, L, sb, impl="triton"), P.permute_fp8_ref(x8, L, sb)
+    x8c = x8._replace(scale=col_major(x8.scale))  # scales read in either order,
+    for sb, col in ((None, False), (w, False), (None, True), (w, True)):  # written in either order on request
+        a, b = P.permute_fp8(x8c if col else x8, L, sb, impl="triton", colmajor_scale=col), P.permute_fp8_ref(x8, L, sb)
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+        assert scale_storage(a.scale) == scale_storage(P.permute_fp8_ref(x8, L, sb, colmajor_scale=col).scale)
+        if L.M > 1:
+            assert a.scale.stride() == ((1, L.M) if col else (H // 128, 1))
     xb = torch.randn(T, H, device=device).bfloat16()
     assert torch.equal(P.permute_rows(xb, L, impl="triton"), P.permute_rows_ref(xb, L))
     y = torch.randn(L.M, H, device=device).bfloat16()

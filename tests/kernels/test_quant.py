@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
+from moefp8.fp8 import FP8_DTYPE, Fp8Tensor, col_major
 from moefp8.kernels import quant as Q
 from moefp8.testing import assert_fp8_equal
 
@@ -329,6 +329,40 @@ def test_triton_interpreter_requant_colwise_paths(monkeypatch, M, fmt, kernel):
                        Q.requant_colwise_ref(y8, fmt).data.view(torch.uint8))
 
 
+# Scale storage (moefp8.fp8): "1x128" producers write column-major scales on request (GEMM
+# operands), "128x1" scales are always column-major, and every kernel that reads "1x128" scales
+# gives the same result from either order. M = 144 takes requant's words kernel, 200 the generic one.
+
+
+def check_scale_layouts(device: str, exact: bool) -> None:
+    for M in (144, 200):
+        x = make_x(M, 512, torch.bfloat16, seed=M, device=device).clamp(-60, 60)
+        for fn, ref in ((Q.quant_rowwise, Q.quant_rowwise_ref), (Q.swiglu_quant, Q.swiglu_quant_ref)):
+            row, col = fn(x, impl="triton"), fn(x, impl="triton", colmajor_scale=True)
+            assert row.scale.is_contiguous() and col.scale.stride(0) == 1 and col.scale.t().is_contiguous()
+            assert torch.equal(row.scale, col.scale) and torch.equal(row.data.view(torch.uint8),
+                                                                    col.data.view(torch.uint8))
+            assert_fp8_equal(col, ref(x, colmajor_scale=True), exact=exact)  # the reference stores the same order
+        x8 = Q.quant_rowwise_ref(x)
+        x8c = Fp8Tensor(x8.data, col_major(x8.scale), "1x128")
+        for fn in (Q.requant_colwise, Q.dequant_swiglu_quant_colwise):
+            for fmt in FMTS:
+                got, want = fn(x8c, fmt, impl="triton"), fn(x8, fmt, impl="triton")
+                assert got.scale.stride(0) == 1 and got.scale.t().is_contiguous()  # "128x1": column-major
+                assert_fp8_equal(got, want, exact=True)  # same kernel, same values: the read order is free
+        assert Q.quant_colwise(x, impl="triton").scale.stride(0) == 1
+
+
+@pytest.mark.interp
+def test_triton_interpreter_scale_layouts():
+    check_scale_layouts("cpu", exact=False)
+
+
+@pytest.mark.gpu
+def test_triton_gpu_scale_layouts():
+    check_scale_layouts("cuda", exact=True)
+
+
 @pytest.mark.interp
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy: Inf * 0
 @pytest.mark.parametrize("M", [144, 200])
@@ -346,7 +380,7 @@ def test_triton_interpreter_requant_nonfinite_scales(M):
 
 def test_dispatcher_picks_reference_on_cpu(monkeypatch):
     called = []
-    monkeypatch.setattr(Q, "quant_rowwise_ref", lambda x, f="pow2": called.append(1) or "ref")
+    monkeypatch.setattr(Q, "quant_rowwise_ref", lambda x, f="pow2", **kw: called.append(1) or "ref")
     assert Q.quant_rowwise(torch.zeros(1, 128)) == "ref" and called
 
 

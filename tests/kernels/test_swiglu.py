@@ -5,7 +5,8 @@ import torch
 
 from moefp8.kernels import swiglu as S
 from moefp8.kernels.quant import quant_rowwise_ref, swiglu_ref
-from moefp8.testing import assert_fp8_equal
+from moefp8.fp8 import col_major
+from moefp8.testing import assert_fp8_equal, scale_storage
 
 
 def inputs(M, I, seed=0, device="cpu"):
@@ -14,6 +15,18 @@ def inputs(M, I, seed=0, device="cpu"):
     h[0] = 0  # a zero row
     da = torch.randn(M, I, generator=g).bfloat16()
     return h.to(device), da.to(device)
+
+
+def check_scale_layouts(h8, da, device):
+    """h8's scales read in either order; dh's "1x128" scales column-major on request (the fc1 dgrad
+    operand), its "128x1" scales always: the same values either way (same kernel)."""
+    row, col = S.swiglu_backward_quant(h8, da, impl="triton")
+    h8c = h8._replace(scale=col_major(h8.scale))
+    row_c, col_c = S.swiglu_backward_quant(h8c, da, impl="triton", colmajor_scale=True)
+    assert row_c.scale.stride(0) == 1 and col.scale.stride(0) == 1 and col_c.scale.stride(0) == 1
+    assert torch.equal(row.scale, row_c.scale) and torch.equal(row.data.view(torch.uint8), row_c.data.view(torch.uint8))
+    assert torch.equal(col.scale, col_c.scale) and torch.equal(col.data.view(torch.uint8), col_c.data.view(torch.uint8))
+    assert scale_storage(row_c.scale) == scale_storage(S.swiglu_backward_quant_ref(h8, da, colmajor_scale=True)[0].scale)
 
 
 def test_backward_ref_matches_float64_autograd():
@@ -46,6 +59,7 @@ def test_interpreter_vs_ref(M, I):
     h8 = quant_rowwise_ref(h)
     for got, want in zip(S.swiglu_backward_quant(h8, da, impl="triton"), S.swiglu_backward_quant_ref(h8, da)):
         assert_fp8_equal(got, want, exact=False, scale_rtol=1e-6)  # numpy exp vs torch exp: last-bit amaxes
+    check_scale_layouts(h8, da, "cpu")
     for got, want in ((S.swiglu_bf16(h, impl="triton"), S.swiglu_bf16(h, impl="ref")),
                       (S.swiglu_backward_bf16(h, da, impl="triton"), S.swiglu_backward_bf16(h, da, impl="ref"))):
         # the interpreter truncates fp32 -> bf16: one bf16 ulp
@@ -70,5 +84,6 @@ def test_gpu_bit_exact(M, I, fmt):
     h8 = quant_rowwise_ref(h, fmt)
     for got, want in zip(S.swiglu_backward_quant(h8, da, fmt), S.swiglu_backward_quant_ref(h8, da, fmt)):
         assert_fp8_equal(got, want, exact=True)
+    check_scale_layouts(h8, da, "cuda")
     assert torch.equal(S.swiglu_bf16(h), S.swiglu_bf16(h, impl="ref"))
     assert torch.equal(S.swiglu_backward_bf16(h, da), S.swiglu_backward_bf16(h, da, impl="ref"))
