@@ -1,0 +1,76 @@
+"""Fused RoPE: the reference against a float64 complex rotation, the Triton kernel (interpreter on
+CPU, compiled on GPU) against the reference, forward and backward, on strided q/k views."""
+
+import pytest
+import torch
+
+from moefp8.kernels import rope as R
+
+
+def qkv(B, S, nh, hd, dtype, seed=0, device="cpu"):
+    """The attention projection's output [B, S, 3, nh, hd]: q, k are strided slices of it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, 3, nh, hd, generator=g) * 3
+    x[0, 0] = 0  # a zero position
+    return x.to(dtype).to(device)
+
+
+def rotate_f64(x_BSnd, S, hd, theta=10000.0):
+    """Independent: pairs as complex numbers times exp(i * s * theta^(-2i/hd)), float64."""
+    inv = theta ** -(torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.arange(S, dtype=torch.float64)[:, None] * inv[None, :]
+    z = torch.view_as_complex(x_BSnd.double().unflatten(-1, (-1, 2)).contiguous())  # [B, S, nh, hd/2]
+    z = z * torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+    return torch.view_as_real(z).flatten(-2).transpose(1, 2)  # [B, nh, S, hd]
+
+
+def test_ref_matches_float64_rotation():
+    B, S, nh, hd = 2, 50, 3, 64
+    x = qkv(B, S, nh, hd, torch.float32)[:, :, 0]
+    cos, sin = R.rope_tables(S, hd, 10000.0)
+    got = R.rope_ref(x, cos, sin)
+    assert got.shape == (B, nh, S, hd) and got.is_contiguous()
+    # fp32 angles (s * inv in fp32, then cos/sin) and two fp32 products: ~S * 2**-24 relative error in the angle
+    assert torch.allclose(got.double(), rotate_f64(x, S, hd), rtol=0, atol=1e-5 * float(x.abs().max()))
+
+
+def check_vs_ref(device, dtype, exact):
+    B, S, nh, hd = 2, 70, 3, 64  # S not a multiple of the kernel's 32-position block
+    x_all = qkv(B, S, nh, hd, dtype, seed=S, device=device)
+    cos, sin = R.rope_tables(S, hd, 10000.0, device)
+    for which in (0, 1):  # q and k: strided slices of the qkv output
+        x1 = x_all[:, :, which].detach().requires_grad_()
+        x2 = x_all[:, :, which].detach().requires_grad_()
+        y1, y2 = R.rope(x1, cos, sin, impl="triton"), R.rope_ref(x2, cos, sin)
+        assert y1.shape == (B, nh, S, hd) and y1.is_contiguous() and y1.dtype == dtype
+        dy = torch.randn(y2.shape, generator=torch.Generator().manual_seed(which)).to(dtype).to(device)
+        y1.backward(dy)
+        y2.backward(dy)
+        assert not torch.isnan(y1).any() and not torch.isnan(x1.grad).any()
+        if exact:  # the same fp32 products and sums, no FMA contraction: bit for bit
+            assert torch.equal(y1, y2)
+        # a bf16 store may round where the interpreter truncates: one ulp of the result (2**-7 relative
+        # for bf16; fp32: the last bit); backward sums the two products in autograd's order: the same bound
+        tol = 2**-7 if dtype == torch.bfloat16 else 2**-22
+        for got, want in ((y1, y2), (x1.grad, x2.grad)):
+            assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * tol + 1e-30)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_interpreter_vs_ref(dtype):
+    check_vs_ref("cpu", dtype, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gpu_vs_ref(dtype):
+    check_vs_ref("cuda", dtype, exact=True)
+
+
+def test_errors():
+    cos, sin = R.rope_tables(8, 64, 10000.0)
+    with pytest.raises(ValueError, match=r"cos/sin must be \[S, head_dim/2\] = \[8, 32\], got \[8, 16\]"):
+        R.rope(torch.zeros(1, 8, 2, 64), cos[:, :16], sin[:, :16])
+    with pytest.raises(ValueError, match="even head_dim"):
+        R.rope(torch.zeros(1, 8, 2, 63), cos, sin)
