@@ -330,6 +330,8 @@ def test_cublas_loop_only_where_it_pays():
 
     small = [2048 * e for e in range(33)]  # the small preset: 32 experts x 2048 rows, N = K = 1024
     assert not loop_pays(small, 1024, 1024)
+    assert not loop_pays([4096 * e for e in range(9)], 2048, 2048)  # the small preset's fc1: Triton (measured)
+    assert loop_pays([1024 * e for e in range(33)], 4096, 7168)  # DeepSeek-V3 at 1024 rows per expert: the loop
     dsv3 = [4096 * e for e in range(33)]  # DeepSeek-V3 fc1: 4096 rows x 4096 x 7168
     assert loop_pays(dsv3, 4096, 7168) and loop_pays(dsv3, 4096, 7168, min_rows=2048)
     assert not loop_pays([1024 * e for e in range(33)], 4096, 7168, min_rows=2048)  # wgrad below 2048 rows
