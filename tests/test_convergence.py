@@ -37,4 +37,5 @@ def test_convergence_tool_cpu(tmp_path):
     gap = rows["fp8 vs bf16: max |EMA rel. loss diff|, last half"]
     assert isinstance(gap["pass"], bool) and gap["value"] >= 0 and gap["baseline_value"] == 0.25
     assert gap["noise_floor"] == "bf16_seed+1" and gap["noise_floor_pct"] > 0  # another seed differs from BF16
+    assert 0 <= gap["share_of_last_half_within_threshold"] <= 1 and 0 <= gap["noise_floor_share_within_threshold"] <= 1
     assert rows["fp8 tokens/s"]["value"] > 0 and len(doc["curves"]["rel_diff"]) == 6

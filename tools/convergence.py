@@ -91,7 +91,8 @@ def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
         raise SystemExit(f"convergence: the {', '.join(failed)} run(s) failed (commands above)")
 
 
-def plot(path: Path, curves: dict, rel: list[float], steps: list[int], threshold: float) -> None:
+def plot(path: Path, curves: dict, rel: list[float], steps: list[int], threshold: float,
+         noise: tuple[str, list[int], list[float]] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,11 +104,14 @@ def plot(path: Path, curves: dict, rel: list[float], steps: list[int], threshold
         a.plot(c["steps"], c["loss"], color=line.get_color(), alpha=0.25)
     a.set_ylabel("training loss")
     a.legend()
-    b.plot(steps, [100 * r for r in rel], color="k")
+    if noise:  # the noise-floor run against BF16, behind the FP8 curve
+        b.plot(noise[1], [100 * r for r in noise[2]], color="gray", alpha=0.6, label=f"{noise[0]} vs bf16")
+    b.plot(steps, [100 * r for r in rel], color="k", label="fp8 vs bf16")
+    b.legend(loc="lower right")
     for y in (100 * threshold, -100 * threshold):
         b.axhline(y, color="r", linestyle="--", linewidth=1)
     b.axvline(steps[len(steps) // 2], color="gray", linestyle=":", linewidth=1)
-    b.set_ylabel("(fp8 - bf16) / bf16, EMA, %")
+    b.set_ylabel("(run - bf16) / bf16, EMA, %")
     b.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -156,11 +160,16 @@ def main() -> None:
     rel = [(e8[s] - e16[s]) / e16[s] for s in steps]
     last = rel[len(rel) // 2:]
     worst = max(abs(r) for r in last)
-    noise = noise_mean = None
+    noise = noise_mean = noise_curve = None
+
+    def within(rs: list[float]) -> float:  # share of the last half's steps inside the threshold
+        return round(sum(abs(r) < args.threshold for r in rs) / len(rs), 4)
+
     if noise_name:  # the same statistic between the two BF16 runs
         en = dict(zip(curves[noise_name]["steps"], curves[noise_name]["ema"]))
         both = [s for s in steps if s in en]
-        noise_last = [(en[s] - e16[s]) / e16[s] for s in both[len(both) // 2:]]
+        noise_curve = (noise_name, both, [(en[s] - e16[s]) / e16[s] for s in both])
+        noise_last = noise_curve[2][len(both) // 2:]
         noise, noise_mean = max(abs(r) for r in noise_last), sum(noise_last) / len(noise_last)
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
     case = f"{' '.join(overrides) or 'defaults'}, {steps[-1]} steps"
@@ -169,17 +178,19 @@ def main() -> None:
          "unit": "%", "baseline": "DeepSeek-V3 acceptance", "baseline_value": 100 * args.threshold,
          "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
          "mean_rel_diff_last_half_pct": round(100 * sum(last) / len(last), 4),
+         "share_of_last_half_within_threshold": within(last),
          "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()},
          "final_expert_load": {r: c["load"] for r, c in curves.items()},
          "noise_floor": noise_name, "noise_floor_pct": round(100 * noise, 4) if noise is not None else None,
-         "noise_floor_mean_pct": round(100 * noise_mean, 4) if noise is not None else None},
+         "noise_floor_mean_pct": round(100 * noise_mean, 4) if noise is not None else None,
+         "noise_floor_share_within_threshold": within(noise_last) if noise is not None else None},
         {"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
          "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
          "ratio": round(tps["fp8"] / tps["bf16"], 3)},
     ]
     png = json_path.with_suffix(".png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(png, curves, rel, steps, args.threshold)
+    plot(png, curves, rel, steps, args.threshold, noise_curve)
     save_results("convergence", rows, {"what": "acceptance threshold on the smoothed relative loss difference",
                                        "value": 100 * args.threshold, "unit": "%"}, path=json_path,
                  plot=png.name, curves={"steps": steps, "rel_diff": rel,
