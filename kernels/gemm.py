@@ -22,7 +22,7 @@ K-major, so dgrad multiplies by `transpose_weight(W)`, an FP8 copy of Wᵀ (cuBL
 import torch
 from torch import Tensor
 
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
 from moefp8.kernels.grouped_gemm import check_fp8, launch_kgrouped, launch_mgrouped, transpose_weight
 
 _IMPLS = (None, "cublas", "triton", "ref")
@@ -50,13 +50,9 @@ def _cublas_weight_scale(s: Tensor) -> Tensor:
     return s.contiguous().t()
 
 
-def _col_major(s: Tensor) -> Tensor:
-    return s.t().contiguous().t()
-
-
 def _cublas_nt(a: Fp8Tensor, b: Fp8Tensor) -> Tensor:
     """A [M, K] "1x128" · B [N, K] "128x128"ᵀ through blockwise torch._scaled_mm -> BF16."""
-    return torch._scaled_mm(a.data, b.data.t(), _col_major(a.scale), _cublas_weight_scale(b.scale),
+    return torch._scaled_mm(a.data, b.data.t(), col_major(a.scale), _cublas_weight_scale(b.scale),
                             out_dtype=torch.bfloat16)
 
 
@@ -129,7 +125,7 @@ def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None
     if which == "ref":
         return fp8_gemm_wgrad_ref(dy, x, out)
     if which == "cublas":
-        res = torch._scaled_mm(dy.data, x.data.t(), _col_major(dy.scale), x.scale.t().contiguous(),
+        res = torch._scaled_mm(dy.data, x.data.t(), col_major(dy.scale), x.scale.t().contiguous(),
                                out_dtype=torch.float32)
         return res if out is None else out.add_(res)
     accumulate = out is not None

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
 from moefp8.kernels import use_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -604,7 +604,7 @@ def _mgrouped_cublas_loop(a: Fp8Tensor, b: Fp8Tensor, h: list, out: Tensor) -> T
     for e in range(len(h) - 1):
         s, t = h[e], h[e + 1]
         if t > s:
-            torch._scaled_mm(a.data[s:t], b.data[e].t(), a.scale[s:t].t().contiguous().t(),
+            torch._scaled_mm(a.data[s:t], b.data[e].t(), col_major(a.scale[s:t]),
                              b.scale[e].contiguous().t(), out_dtype=torch.bfloat16, out=out[s:t])
     out[h[-1]:].zero_()
     return out
@@ -617,8 +617,8 @@ def _wgrad_cublas_loop(dy: Fp8Tensor, x: Fp8Tensor, h: list, out: Tensor | None)
     K = x.data.shape[0]
     E = len(h) - 1
     res = out if out is not None else torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
-    # One transposed copy of each scale grid per call; an expert's rows of it are contiguous: the
-    # column-major [N, T/128] scale_a and the [T/128, K] scale_b cuBLAS reads, without a copy per expert
+    # The scale grids transposed ("128x1" scales are stored column-major, so no copy): an expert's rows
+    # of them are contiguous, the column-major [N, T/128] scale_a and the [T/128, K] scale_b cuBLAS reads
     dy_sT, x_sT = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [M/128, N], [M/128, K]
     for e in range(E):
         s, t = h[e], h[e + 1]

@@ -181,7 +181,7 @@ def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None
     out_s = _scales(layout.M, G, x8.data.device, colmajor_scale)
     if layout.M:
         w = scale_by_TK.float().contiguous() if scale_by_TK is not None else out_s
-        xs = x8.scale
+        xs = x8.scale  # any strides
         _permute_kernel[(layout.M,)](x8.data, xs, w, layout.src_M, out, out_s, H, layout.row_TK.shape[1],
                                      x8.data.stride(0), xs.stride(0), xs.stride(1), out.stride(0), out_s.stride(0),
                                      out_s.stride(1), G, G_PAD=triton.next_power_of_2(G), HAS_S=True,
