@@ -5,7 +5,8 @@ this rank), M permuted rows (every routed (token, slot) pair once, each expert's
 to a multiple of 128 rows, the grouped GEMMs' block).
 
 * `build_layout(topk_idx_TK, E)` -> `PermuteLayout`: where each (token, slot) goes. Within an
-  expert, rows are in ascending (token, slot) order, so the layout is deterministic.
+  expert, rows are in ascending (token, slot) order, so the layout is deterministic. On the GPU:
+  two Triton passes over blocks of pairs around one read-back of the counts (the only host sync).
 * `permute_fp8(x8_TH, layout)`: gathers FP8 rows and their scales into the layout; padding
   rows are zeros with scale 1 (`permute_rows`: the same for rows of any dtype, no scales). Optionally multiplies each row's scales by a per-(token, slot)
   factor (the routing weight in the backward pass: the gradient stays FP8).
@@ -59,44 +60,60 @@ class PermuteLayout:
         return out
 
 
-def build_layout(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
-    """topk_idx_TK int [T, K], values in [0, E) or -1 (not routed here) -> PermuteLayout.
-
-    One host sync (the per-expert counts size the output); everything else stays on the device.
-    """
-    if topk_idx_TK.dim() != 2 or topk_idx_TK.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"build_layout: expected integer topk_idx [T, K], got {topk_idx_TK.dtype} "
-                         f"{tuple(topk_idx_TK.shape)}")
-    dev = topk_idx_TK.device
-    T, K = topk_idx_TK.shape
-    flat = topk_idx_TK.reshape(-1).long()
-    valid = flat >= 0
-    counts_dev = torch.bincount(flat[valid], minlength=num_experts)
-    counts = counts_dev.tolist()  # the host sync
-    if len(counts) > num_experts:
-        bad = int(flat.max())
-        raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {num_experts} experts")
-    padded = [-(-c // ALIGN) * ALIGN for c in counts]
-    offsets_host = [0]
-    for p in padded:
-        offsets_host.append(offsets_host[-1] + p)
-    M = offsets_host[-1]
-    offsets = torch.tensor(offsets_host, dtype=torch.int32, device=dev)
-    n = sum(counts)
-    key = torch.where(valid, flat, num_experts)  # unrouted slots sort last
-    order = torch.sort(key, stable=True).indices[:n]  # pair ids, by expert then (token, slot)
-    e_sorted = key[order]
-    start = torch.cumsum(counts_dev, 0) - counts_dev  # unpadded segment starts
-    dest = offsets.long()[e_sorted] + torch.arange(n, device=dev) - start[e_sorted]
-    row_TK = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
-    row_TK[order] = dest.int()
-    src_M = torch.full((M,), -1, dtype=torch.int32, device=dev)
-    src_M[dest] = order.int()
-    return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels
+
+
+@triton.jit
+def _layout_count_kernel(idx_ptr, cnt_ptr, N, E, BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
+    """Per block of BLOCK pairs: cnt[b, e] = its pairs on expert e, cnt[b, E] = its ids >= E."""
+    b = tl.program_id(0)
+    p = b * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(idx_ptr + p, mask=p < N, other=-1)  # int32 or int64: compared before any cast
+    e = tl.where((ids >= 0) & (ids < E), ids, -1).to(tl.int32)
+    row = cnt_ptr + b * (E + 1)
+    for e0 in range(0, E, E_CHUNK):  # one-hot [BLOCK, E_CHUNK] summed over the block
+        e_c = e0 + tl.arange(0, E_CHUNK)
+        n_c = tl.sum((e[:, None] == e_c[None, :]).to(tl.int32), axis=0)
+        tl.store(row + e_c, n_c, mask=e_c < E)
+    n_bad = tl.sum((ids >= E).to(tl.int32), axis=0)
+    one = tl.arange(0, 1)  # the interpreter wants tensor masks
+    tl.store(row + E + one, n_bad + one * 0)
+
+
+@triton.jit
+def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, N, E, NB, BLOCK: tl.constexpr,
+                         E_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+    """Per block: each pair's row = offsets[e] + (pairs of e in earlier blocks) + (pairs of e
+    earlier in this block). csum = the inclusive cumsum of cnt over blocks, its last row the
+    counts. Every program rebuilds offsets from the counts; program 0 stores them, and chunk c
+    of experts writes its padding rows (-1) in program c % NB."""
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    p = b * BLOCK + j
+    ids = tl.load(idx_ptr + p, mask=p < N, other=-1)
+    ok = ids >= 0  # ids < E: checked by the host
+    e = tl.where(ok, ids, 0).to(tl.int32)
+    rank = tl.sum(((e[:, None] == e[None, :]) & ok[None, :] & (j[None, :] < j[:, None])).to(tl.int32), axis=1)
+    before = tl.load(csum_ptr + b * (E + 1) + e) - tl.load(cnt_ptr + b * (E + 1) + e)
+    seg = tl.zeros((BLOCK,), tl.int32)  # offsets[e]
+    run = tl.zeros((1,), tl.int32)
+    for e0 in range(0, E, E_CHUNK):  # offsets: exclusive cumsum of the padded counts, chunk by chunk
+        e_c = e0 + tl.arange(0, E_CHUNK)
+        c = tl.load(csum_ptr + (NB - 1) * (E + 1) + e_c, mask=e_c < E, other=0)
+        padded = (c + ALIGN - 1) // ALIGN * ALIGN
+        start_c = run + tl.cumsum(padded, axis=0) - padded
+        tl.store(off_ptr + e_c, start_c, mask=(e_c < E) & (e_c * 0 + b == 0))  # tensor masks for the interpreter
+        seg += tl.sum(tl.where(e[:, None] == e_c[None, :], start_c[None, :], 0), axis=1)
+        run += tl.sum(padded, axis=0)
+        if (e0 // E_CHUNK) % NB == b:
+            pad = (start_c + c)[:, None] + tl.arange(0, ALIGN)[None, :]
+            tl.store(src_ptr + pad, -1, mask=pad < (start_c + padded)[:, None])
+    one = tl.arange(0, 1)
+    tl.store(off_ptr + E + one, run, mask=one * 0 + b == 0)
+    dest = seg + before + rank
+    tl.store(row_ptr + p, tl.where(ok, dest, -1), mask=p < N)
+    tl.store(src_ptr + dest, p, mask=ok)
 
 
 @triton.jit
@@ -160,6 +177,44 @@ def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 
+
+def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None) -> PermuteLayout:
+    """topk_idx_TK int [T, K], values in [0, E) or negative (not routed here) -> PermuteLayout.
+
+    One host sync: the per-expert counts (and the number of ids >= E) in one read-back, which
+    sizes src_M. Triton: 4 launches (count per block, cumsum over blocks, the read-back, place);
+    ids >= E raise after the read-back (the message's max id costs a second sync, only then)."""
+    _check_topk_idx(topk_idx_TK)
+    if not use_triton(topk_idx_TK, impl):
+        return build_layout_ref(topk_idx_TK, num_experts)
+    T, K = topk_idx_TK.shape
+    E, N, dev = num_experts, T * K, topk_idx_TK.device
+    if N == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return PermuteLayout(empty.view(0, K), empty, torch.zeros(E + 1, dtype=torch.int32, device=dev), [0] * E, 0)
+    flat = topk_idx_TK.contiguous().view(-1)
+    BLOCK, E_CHUNK = 128, min(64, triton.next_power_of_2(max(E, 1)))
+    NB = triton.cdiv(N, BLOCK)
+    cnt_BE = torch.empty(NB, E + 1, dtype=torch.int32, device=dev)  # column E: ids >= E
+    _layout_count_kernel[(NB,)](flat, cnt_BE, N, E, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
+    csum_BE = torch.cumsum(cnt_BE, 0, dtype=torch.int32)
+    *counts, n_bad = csum_BE[-1].tolist()  # the host sync
+    if n_bad:
+        bad = int(flat.max())
+        raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
+    M = sum(-(-c // ALIGN) * ALIGN for c in counts)
+    row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
+    src_M = torch.empty(M, dtype=torch.int32, device=dev)  # every row written: pairs and padding
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    _layout_place_kernel[(NB,)](flat, cnt_BE, csum_BE, row_TK, src_M, offsets, N, E, NB, BLOCK=BLOCK,
+                                E_CHUNK=E_CHUNK, ALIGN=ALIGN, num_warps=4)
+    return PermuteLayout(row_TK, src_M, offsets, counts, M)
+
+
+def _check_topk_idx(topk_idx_TK: Tensor) -> None:
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"build_layout: expected integer topk_idx [T, K], got {topk_idx_TK.dtype} "
+                         f"{tuple(topk_idx_TK.shape)}")
 
 
 def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None,
@@ -245,6 +300,37 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
 
 # ----------------------------------------------------------------------------------------------
 # References
+
+
+def build_layout_ref(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
+    """bincount, a stable sort, scatters: ~60 small ops and 3-4 host syncs on a GPU."""
+    _check_topk_idx(topk_idx_TK)
+    dev = topk_idx_TK.device
+    T, K = topk_idx_TK.shape
+    flat = topk_idx_TK.reshape(-1).long()
+    valid = flat >= 0
+    counts_dev = torch.bincount(flat[valid], minlength=num_experts)
+    counts = counts_dev.tolist()  # the host sync
+    if len(counts) > num_experts:
+        bad = int(flat.max())
+        raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {num_experts} experts")
+    padded = [-(-c // ALIGN) * ALIGN for c in counts]
+    offsets_host = [0]
+    for p in padded:
+        offsets_host.append(offsets_host[-1] + p)
+    M = offsets_host[-1]
+    offsets = torch.tensor(offsets_host, dtype=torch.int32, device=dev)
+    n = sum(counts)
+    key = torch.where(valid, flat, num_experts)  # unrouted slots sort last
+    order = torch.sort(key, stable=True).indices[:n]  # pair ids, by expert then (token, slot)
+    e_sorted = key[order]
+    start = torch.cumsum(counts_dev, 0) - counts_dev  # unpadded segment starts
+    dest = offsets.long()[e_sorted] + torch.arange(n, device=dev) - start[e_sorted]
+    row_TK = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
+    row_TK[order] = dest.int()
+    src_M = torch.full((M,), -1, dtype=torch.int32, device=dev)
+    src_M[dest] = order.int()
+    return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M)
 
 
 def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None, *,

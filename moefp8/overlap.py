@@ -4,28 +4,33 @@ The layer's tokens are split in two micro-batches A (first half) and B. Their st
 dispatch, layout, experts, combine; the shared experts of each half) run in an explicit order on
 two streams, so that one micro-batch's communication runs while something else computes:
 
-  forward   comm:     dispatch A  | dispatch B     | combine A      | combine B
+  forward   comm:     dispatch A, dispatch B       | combine A      | combine B
             compute:  shared A    | experts A      | experts B      | shared B
   backward  comm:     dispatch dA, dB              | combine A      | combine B
             compute:  shared A bwd | experts A bwd | experts B bwd  | shared B bwd
 
 B's dispatch hides behind A's experts, A's combine behind B's experts, A's dispatch and B's
-combine behind the shared experts of A and B (they need no communication). The host enqueues in
-an order that never blocks it (the layout's count read-back) while the compute stream is idle.
-The backward is one autograd node with this order written out (autograd would run the two
-micro-batches' nodes one after the other on one stream).
+combine behind the shared experts of A and B (they need no communication). Each micro-batch's
+layout (the permutation of its received rows, whose per-expert counts the host reads) runs on
+a third stream as soon as its rows have arrived, so that neither the host's wait for the counts
+nor the layout's kernels queue behind the other micro-batch's exchange or expert compute. The
+host enqueues both dispatches before it first blocks, and a micro-batch's compute before the
+communication that waits for it (every stage is host-paced: a stage the host enqueues late
+starts late). The backward is one autograd node with this order written out (autograd would
+run the two micro-batches' nodes one after the other on one stream).
 
-On CUDA the communication stages run on a side stream (one per device), ordered against the
-compute stream by events; tensors crossing streams are handed over with `record_stream`. On the
+On CUDA the communication stages run on a side stream and the layouts on another (one each per
+device), ordered against the compute stream by events; tensors crossing streams are handed over with `record_stream`. On the
 CPU (gloo) there are no streams: the same order runs serially. Either way the arithmetic is that
 of running the two micro-batches one after the other (`serialized`, the reference): outputs and
 gradients are bit-exact against it. Against the unsplit layer the weight gradients differ: their
 col-wise FP8 tiles (128 tokens of one expert) group other tokens once split, and dW_A + dW_B adds
 in another fp32 order (measured on 4x H200: 2.4e-3 relative on dW1).
 
-Host syncs: the layout stage reads the per-expert counts on the host (one sync per micro-batch),
-and the exact-mode all_to_all dispatch reads its counts; both are issued from the communication
-stream, so the host waits for that stream only while the compute stream keeps working.
+Host syncs: the layout stage reads the per-expert counts on the host (one sync per micro-batch,
+on the layout stream: it waits for that micro-batch's dispatch only), and the exact-mode
+all_to_all dispatch reads its counts (on the communication stream); the host waits for those
+streams while the compute stream keeps working.
 """
 
 from contextlib import nullcontext
@@ -37,28 +42,33 @@ from moefp8.fp8 import Fp8Tensor
 from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
                         restore, save, shared_backward, shared_forward)
 
-_COMM_STREAMS: dict = {}
+_SIDE_STREAMS: dict = {}
 
 
-def comm_stream(device: torch.device):
-    """The side stream that communication stages use on `device` (None on CPU)."""
+def side_stream(device: torch.device, role: str = "comm"):
+    """The side stream that `role` ("comm": communication stages, "layout": the layouts) uses on
+    `device` (None on CPU)."""
     if device.type != "cuda":
         return None
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _COMM_STREAMS:
-        _COMM_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _COMM_STREAMS[key]
+    key = (device.index if device.index is not None else torch.cuda.current_device(), role)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE_STREAMS[key]
 
 
 class _Streams:
-    """compute (the current stream) and comm; on CPU both are None and every call is a no-op."""
+    """compute (the current stream), comm and layout; on CPU all are None and every call is a no-op."""
 
     def __init__(self, device: torch.device):
-        self.comm = comm_stream(device)
+        self.comm = side_stream(device, "comm")
+        self.layout = side_stream(device, "layout")
         self.compute = torch.cuda.current_stream(device) if self.comm is not None else None
 
     def on_comm(self):
-        return torch.cuda.stream(self.comm) if self.comm is not None else nullcontext()
+        return self.on(self.comm)
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def mark(self, stream):
         """An event at this point of `stream` (None on CPU)."""
@@ -105,22 +115,25 @@ class OverlappedMoE(torch.autograd.Function):
         parts = _halves(x_TH.shape[0])
         ev_in = st.mark(st.compute)
         d, L, z, saves, out, s_out, s_saved = ([None] * 2 for _ in range(7))
-        ev_d, ev_z, ev_c = [None] * 2, [None] * 2, [None] * 2
+        ev_s, ev_d, ev_z, ev_c = [None] * 2, [None] * 2, [None] * 2, [None] * 2
 
         def send(i):  # no host sync in capacity mode; exact mode reads its counts
             with st.on_comm():
                 st.wait(st.comm, ev_in)
                 p = parts[i]
                 d[i] = fwd_dispatch(layer, x_TH[p], topk_idx_TK[p], topk_w_TK[p])
+                ev_s[i] = st.mark(st.comm)
+            st.hand_to(st.layout, d[i].topk_idx)
 
-        def layout(i):  # the host waits for this micro-batch's rows (the comm stream only)
-            with st.on_comm():
+        def layout(i):  # the host waits for this micro-batch's rows (the layout stream only)
+            with st.on(st.layout):
+                st.wait(st.layout, ev_s[i])
                 L[i] = fwd_layout(layer, d[i])
-                ev_d[i] = st.mark(st.comm)
+                ev_d[i] = st.mark(st.layout)
             st.hand_to(st.compute, d[i].x, d[i].topk_idx, d[i].topk_w, L[i].row_TK, L[i].src_M, L[i].offsets)
 
         def experts(i):
-            st.wait(st.compute, ev_d[i])
+            st.wait(st.compute, ev_s[i], ev_d[i])
             z[i], saves[i] = fwd_experts(layer, d[i], L[i], w1, w2, want_dw)
             ev_z[i] = st.mark(st.compute)
             st.hand_to(st.comm, z[i])
@@ -136,13 +149,14 @@ class OverlappedMoE(torch.autograd.Function):
             if shared is not None:
                 s_out[i], s_saved[i] = shared_forward(shared, x_TH[parts[i]], sw1, sw2)
 
-        # The host enqueues so that it never blocks (layout) while the compute stream is idle.
+        # Host-paced: enqueue both dispatches before the first block (a layout's count read-back),
+        # and each expert stage before the communication that waits for it.
         send(0)
         shared_part(0)  # overlaps A's dispatch
+        send(1)  # right behind A's on the comm stream: overlaps A's experts
         layout(0)
         experts(0)
-        send(1)  # overlaps A's experts
-        layout(1)
+        layout(1)  # the host waits for B's rows while A's experts run
         combine(0)
         experts(1)  # overlaps A's combine
         combine(1)
@@ -193,8 +207,8 @@ class OverlappedMoE(torch.autograd.Function):
                                         want_dx)
 
         send(0)
-        send(1)
         shared_part(0)  # overlaps A's gradient dispatch
+        send(1)
         experts(0)  # overlaps B's
         combine(0)
         experts(1)  # overlaps A's combine

@@ -189,9 +189,15 @@ def main():
     p.add_argument("--modes", default="exact,capacity", help="all_to_all dispatch modes to measure (comma list)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--gemm", choices=("auto", "triton"), default="auto",
+                   help="grouped GEMMs: auto (the per-expert cuBLAS loop where it pays, moefp8.kernels."
+                        "grouped_gemm.LOOP_MIN_MACS) or triton (the single-launch kernels everywhere: fewer launches)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.gemm == "triton":
+        from moefp8.kernels import grouped_gemm
+        grouped_gemm.LOOP_MIN_MACS = float("inf")
     if a.smoke:
         a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
 
@@ -219,7 +225,8 @@ def main():
                       for c in (a.tokens, (a.tokens + 1) // 2))
         layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=full).to(dev)
         r = layer_times(layer, x, dout, a.warmup, a.iters, dev, full, half)
-        tag = f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
+        tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
+               + (", Triton grouped GEMMs" if a.gemm == "triton" else ""))
         case = f"MoE layer fwd+bwd {shape}{tag}"
         add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
             baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3))
@@ -265,7 +272,8 @@ def main():
         print(f"EP={n} on {dev.type}; {peak['what']}: {busbw:.1f} GB/s")
         print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
         path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
-                            hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, trace=trace.name)
+                            hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
+                            trace=trace.name)
         print(f"wrote {path} and {trace}")
     dist.barrier()
     dist.destroy_process_group()
