@@ -65,28 +65,28 @@ class PermuteLayout:
 
 
 @triton.jit
-def _layout_count_kernel(idx_ptr, cnt_ptr, N, E, BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
-    """Per block of BLOCK pairs: cnt[b, e] = its pairs on expert e, cnt[b, E] = its ids >= E."""
+def _layout_count_kernel(idx_ptr, cnt_ptr, N, E, NB, BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
+    """Per block b of BLOCK pairs: cnt[e, b] = its pairs on expert e, cnt[E, b] = its ids >= E
+    (expert-major, so that the scan over blocks runs along the contiguous dimension)."""
     b = tl.program_id(0)
     p = b * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(idx_ptr + p, mask=p < N, other=-1)  # int32 or int64: compared before any cast
     e = tl.where((ids >= 0) & (ids < E), ids, -1).to(tl.int32)
-    row = cnt_ptr + b * (E + 1)
     for e0 in range(0, E, E_CHUNK):  # one-hot [BLOCK, E_CHUNK] summed over the block
         e_c = e0 + tl.arange(0, E_CHUNK)
         n_c = tl.sum((e[:, None] == e_c[None, :]).to(tl.int32), axis=0)
-        tl.store(row + e_c, n_c, mask=e_c < E)
+        tl.store(cnt_ptr + e_c * NB + b, n_c, mask=e_c < E)
     n_bad = tl.sum((ids >= E).to(tl.int32), axis=0)
     one = tl.arange(0, 1)  # the interpreter wants tensor masks
-    tl.store(row + E + one, n_bad + one * 0)
+    tl.store(cnt_ptr + E * NB + b + one, n_bad + one * 0)
 
 
 @triton.jit
 def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, N, E, NB, BLOCK: tl.constexpr,
                          E_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
     """Per block: each pair's row = offsets[e] + (pairs of e in earlier blocks) + (pairs of e
-    earlier in this block). csum = the inclusive cumsum of cnt over blocks, its last row the
-    counts. Every program rebuilds offsets from the counts; program 0 stores them, and chunk c
+    earlier in this block). csum = the inclusive cumsum of cnt [E + 1, NB] over blocks, its last
+    column the counts. Every program rebuilds offsets from the counts; program 0 stores them, and chunk c
     of experts writes its padding rows (-1) in program c % NB."""
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK)
@@ -95,12 +95,12 @@ def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, 
     ok = ids >= 0  # ids < E: checked by the host
     e = tl.where(ok, ids, 0).to(tl.int32)
     rank = tl.sum(((e[:, None] == e[None, :]) & ok[None, :] & (j[None, :] < j[:, None])).to(tl.int32), axis=1)
-    before = tl.load(csum_ptr + b * (E + 1) + e) - tl.load(cnt_ptr + b * (E + 1) + e)
+    before = tl.load(csum_ptr + e * NB + b) - tl.load(cnt_ptr + e * NB + b)
     seg = tl.zeros((BLOCK,), tl.int32)  # offsets[e]
     run = tl.zeros((1,), tl.int32)
     for e0 in range(0, E, E_CHUNK):  # offsets: exclusive cumsum of the padded counts, chunk by chunk
         e_c = e0 + tl.arange(0, E_CHUNK)
-        c = tl.load(csum_ptr + (NB - 1) * (E + 1) + e_c, mask=e_c < E, other=0)
+        c = tl.load(csum_ptr + e_c * NB + NB - 1, mask=e_c < E, other=0)
         padded = (c + ALIGN - 1) // ALIGN * ALIGN
         start_c = run + tl.cumsum(padded, axis=0) - padded
         tl.store(off_ptr + e_c, start_c, mask=(e_c < E) & (e_c * 0 + b == 0))  # tensor masks for the interpreter
@@ -195,10 +195,10 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None)
     flat = topk_idx_TK.contiguous().view(-1)
     BLOCK, E_CHUNK = 128, min(64, triton.next_power_of_2(max(E, 1)))
     NB = triton.cdiv(N, BLOCK)
-    cnt_BE = torch.empty(NB, E + 1, dtype=torch.int32, device=dev)  # column E: ids >= E
-    _layout_count_kernel[(NB,)](flat, cnt_BE, N, E, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
-    csum_BE = torch.cumsum(cnt_BE, 0, dtype=torch.int32)
-    *counts, n_bad = csum_BE[-1].tolist()  # the host sync
+    cnt_EB = torch.empty(E + 1, NB, dtype=torch.int32, device=dev)  # row E: ids >= E
+    _layout_count_kernel[(NB,)](flat, cnt_EB, N, E, NB, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
+    csum_EB = torch.cumsum(cnt_EB, 1, dtype=torch.int32)  # along the contiguous dim (the outer-dim scan took 0.44 ms)
+    *counts, n_bad = csum_EB[:, -1].tolist()  # the host sync
     if n_bad:
         bad = int(flat.max())
         raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
@@ -206,7 +206,7 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None)
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     src_M = torch.empty(M, dtype=torch.int32, device=dev)  # every row written: pairs and padding
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    _layout_place_kernel[(NB,)](flat, cnt_BE, csum_BE, row_TK, src_M, offsets, N, E, NB, BLOCK=BLOCK,
+    _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, N, E, NB, BLOCK=BLOCK,
                                 E_CHUNK=E_CHUNK, ALIGN=ALIGN, num_warps=4)
     return PermuteLayout(row_TK, src_M, offsets, counts, M)
 

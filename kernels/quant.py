@@ -164,35 +164,6 @@ def _pack_e4m3x4(y0, y1, y2, y3):
 
 
 @triton.jit
-def _requant_word(w0, w1, w2, w3, s0, s1, s2, s3, inv, c: tl.constexpr):
-    """Output word of column c (byte c of the four rows' words w0..w3, dequantized with their row
-    scales s0..s3, times the column's inverse scale): the same multiplies and cast as
-    `_unpack_e4m3x4` then `_pack_e4m3x4`, in one asm block that reads only the FP8 words, so the
-    compiler recomputes the unpacking here instead of keeping the pass-1 fp32 values alive (4x the
-    words' registers: what limited the kernel's occupancy). prmt gathers byte c of two words."""
-    if _INTERPRET:
-        a0, a1, a2, a3 = _unpack_e4m3x4(w0, s0)
-        b0, b1, b2, b3 = _unpack_e4m3x4(w1, s1)
-        c0, c1, c2, c3 = _unpack_e4m3x4(w2, s2)
-        d0, d1, d2, d3 = _unpack_e4m3x4(w3, s3)
-        x = ((a0, b0, c0, d0), (a1, b1, c1, d1), (a2, b2, c2, d2), (a3, b3, c3, d3))[c]
-        return _pack_e4m3x4(x[0] * inv, x[1] * inv, x[2] * inv, x[3] * inv)
-    sel = w0 * 0 + (c | ((4 + c) << 4))  # prmt selector: byte 0 <- byte c of a, byte 1 <- byte c of b
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b16 lo, hi, e<4>;\n.reg .b32 p, q;\n.reg .f32 f<4>;\n"
-        "prmt.b32 p, $1, $2, $10;\nprmt.b32 q, $3, $4, $10;\n"
-        "mov.b32 {lo, hi}, p;\ncvt.rn.f16x2.e4m3x2 p, lo;\n"
-        "mov.b32 {lo, hi}, q;\ncvt.rn.f16x2.e4m3x2 q, lo;\n"
-        "mov.b32 {e0, e1}, p;\nmov.b32 {e2, e3}, q;\n"
-        "cvt.f32.f16 f0, e0;\ncvt.f32.f16 f1, e1;\ncvt.f32.f16 f2, e2;\ncvt.f32.f16 f3, e3;\n"
-        "mul.rn.f32 f0, f0, $5;\nmul.rn.f32 f1, f1, $6;\nmul.rn.f32 f2, f2, $7;\nmul.rn.f32 f3, f3, $8;\n"
-        "mul.rn.f32 f0, f0, $9;\nmul.rn.f32 f1, f1, $9;\nmul.rn.f32 f2, f2, $9;\nmul.rn.f32 f3, f3, $9;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, f1, f0;\ncvt.rn.satfinite.e4m3x2.f32 hi, f3, f2;\n"
-        "mov.b32 $0, {lo, hi};\n}",
-        "=r,r,r,r,r,f,f,f,f,f,r", [w0, w1, w2, w3, s0, s1, s2, s3, inv, sel], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _quant_cols4_store(x0, x1, x2, x3, offs_i, offs_k, m_left, k_left, q_ptr, s_ptr, stride_qk, stride_sk,
                        POW2: tl.constexpr, PACK: tl.constexpr):
     """One 128-row group as four [32, BLOCK_K] fp32 tiles, x_j holding rows 4i + j (masked rows
@@ -307,8 +278,7 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
 
 @triton.jit(do_not_specialize=["M16", "q_row16", "o_row16"])
 def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, stride_sm, stride_sg, o_row16,
-                                  stride_osk, stride_osm, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                                  RECOMPUTE: tl.constexpr = False):
+                                  stride_osk, stride_osm, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     """pow2 scales, M % 16 == 0. q_ptr: the "1x128" data as int32 words [M, K/4]; o_ptr: the
     output as int32 words [K, M/4]. A program requantizes one 128-row group of BLOCK_K columns.
 
@@ -356,15 +326,8 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
     i0, i1, i2, i3 = i0[None, :], i1[None, :], i2[None, :], i3[None, :]
     # output word (column 4w + c, rows 4i..4i+3) at o[(k0 + 4w + c) * stride_ow + m0/4 + i]
     po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4 + (4 * offs_w)[None, :] * stride_ow + offs_i[:, None]
-    if RECOMPUTE:  # pass 2 from the words again: only the words stay alive across the amax
-        s0, s1, s2, s3 = s0[:, None], s1[:, None], s2[:, None], s3[:, None]
-        words = (_requant_word(w0, w1, w2, w3, s0, s1, s2, s3, i0, 0), _requant_word(w0, w1, w2, w3, s0, s1, s2, s3, i1, 1),
-                 _requant_word(w0, w1, w2, w3, s0, s1, s2, s3, i2, 2), _requant_word(w0, w1, w2, w3, s0, s1, s2, s3, i3, 3))
-    else:
-        words = (_pack_e4m3x4(x00 * i0, x10 * i0, x20 * i0, x30 * i0),
-                 _pack_e4m3x4(x01 * i1, x11 * i1, x21 * i1, x31 * i1),
-                 _pack_e4m3x4(x02 * i2, x12 * i2, x22 * i2, x32 * i2),
-                 _pack_e4m3x4(x03 * i3, x13 * i3, x23 * i3, x33 * i3))
+    words = (_pack_e4m3x4(x00 * i0, x10 * i0, x20 * i0, x30 * i0), _pack_e4m3x4(x01 * i1, x11 * i1, x21 * i1, x31 * i1),
+             _pack_e4m3x4(x02 * i2, x12 * i2, x22 * i2, x32 * i2), _pack_e4m3x4(x03 * i3, x13 * i3, x23 * i3, x33 * i3))
     for c in tl.static_range(4):
         if EVEN:
             tl.store(po + c * stride_ow, words[c])
