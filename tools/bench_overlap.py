@@ -258,6 +258,9 @@ def main():
                      dispatcher=build_dispatcher("all_to_all", E, None, capacity=(a.tokens + 1) // 2,
                                                  mode=modes[-1])).to(dev)
     for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
+        dist.barrier()  # every rank starts the traced step together (the profiler's start-up differs per rank)
+        if cuda:
+            torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             layer.zero_grad(set_to_none=True)
             layer(x.detach().requires_grad_()).out.backward(dout)
