@@ -111,10 +111,17 @@ def test_bench_overlap_smoke(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "overlap.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "tools/bench_overlap.py", "--smoke", "--out", str(out)], cwd=repo, capture_output=True,
+                        "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--out", str(out)], cwd=repo,
+                       capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     impls = {row["impl"] for row in doc["rows"]}
-    assert {"overlap on", "communication alone", "overlap on, compute only (exchanges replayed)"} <= impls
+    assert {"overlap on", "communication alone", "overlap on, compute only (exchanges replayed)",
+            "overlap on, compute only + the exchanges' rank synchronization (diagnostic)"} <= impls
+    on = [row for row in doc["rows"] if row["impl"] == "overlap on"]
+    assert all("hidden_transfer_share_diagnostic" in row for row in on)
+    replay = [row for row in doc["rows"] if row["impl"] == "overlap on, compute only (exchanges replayed)"]
+    assert all(len(row["per_rank_ms"]) == 2 for row in replay)
     assert (tmp_path / doc["trace"]).is_file()
+    assert (tmp_path / doc["trace"].replace(".trace.json.gz", ".trace.rank1.json.gz")).is_file()

@@ -52,8 +52,9 @@ def init_torchrun() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), dev
 
 
-def timed(fn, warmup: int, iters: int, dev) -> float:
-    """Median seconds of fn() on this rank, max over the ranks."""
+def timed(fn, warmup: int, iters: int, dev, per_rank: list | None = None) -> float:
+    """Median seconds of fn() on this rank, max over the ranks (every rank's median appended to
+    `per_rank` if given)."""
     for _ in range(warmup):
         fn()
     dist.barrier()
@@ -73,6 +74,10 @@ def timed(fn, warmup: int, iters: int, dev) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)
+    if per_rank is not None:
+        every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, t)
+        per_rank.extend(float(v) for v in every)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

@@ -14,6 +14,9 @@ Per MoE layer (fwd + bwd, FP8 recipe, all_to_all dispatch over NCCL), same input
               same rows and routes, no communication);
   exposed     (t_on - t_compute) / t_comm; hidden = 1 - exposed (the JSON also keeps the earlier
               estimate with t_compute = t_serial - t_comm).
+  diagnostic  t_compute_sync: the replay with each exchange's rank synchronization kept (a
+              1-element all-reduce in its place): hidden_transfer = 1 - (t_on - t_compute_sync) /
+              t_comm separates the transfer time from waiting for slower ranks.
 Whole step: the small training model (moefp8.model.Transformer) fwd + bwd with overlap off / on.
 NCCL CTA limit (ncclConfig max_ctas through ProcessGroupNCCL.Options): t_on with the
 communication group capped at --ctas CTAs, and what a running all-to-all costs an FP8 GEMM
@@ -56,10 +59,14 @@ class Replay:
     """A dispatcher that records what the real one returns during one step, then replays those
     results without communicating: the same step's compute alone (same rows, same routes, same
     kernels), i.e. t_compute_only of the exposed-communication share. Inputs never change between
-    the benchmark's steps, so the recorded results are the ones the real exchange would give."""
+    the benchmark's steps, so the recorded results are the ones the real exchange would give.
+    sync=True keeps each exchange's synchronization point: a 1-element all-reduce in its place
+    (on the stream the exchange would use), so the ranks still wait for each other there but
+    move no payload: compute + rank skew, without the transfers."""
 
-    def __init__(self, real):
-        self.real, self.log, self.i, self.recording = real, [], 0, True
+    def __init__(self, real, sync: bool = False):
+        self.real, self.log, self.i, self.recording, self.sync = real, [], 0, True, sync
+        self.tiny = None
         self.num_local_experts, self.communicates = real.num_local_experts, real.communicates
         self.num_experts, self.scale_fmt = getattr(real, "num_experts", None), getattr(real, "scale_fmt", "pow2")
 
@@ -69,6 +76,10 @@ class Replay:
             return self.log[-1]
         out = self.log[self.i]
         self.i = (self.i + 1) % len(self.log)
+        if self.sync:
+            if self.tiny is None:
+                self.tiny = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+            dist.all_reduce(self.tiny, group=getattr(self.real, "group", None))
         return out
 
     def dispatch(self, *a, **k):
@@ -78,13 +89,13 @@ class Replay:
         return self._call("combine", *a, **k)
 
 
-def compute_only(layer, run, disp, warmup, iters, dev) -> float:
-    """run() timed with `disp` replaced by its replay (no communication)."""
-    rp = Replay(disp)
+def compute_only(layer, run, disp, warmup, iters, dev, sync: bool = False, per_rank: list | None = None) -> float:
+    """run() timed with `disp` replaced by its replay (no communication; see Replay for sync)."""
+    rp = Replay(disp, sync)
     layer.dispatcher = rp
     run()  # records one step
     rp.recording = False
-    t = timed(run, warmup, iters, dev)
+    t = timed(run, warmup, iters, dev, per_rank)
     layer.dispatcher = disp
     return t
 
@@ -129,9 +140,15 @@ def layer_times(layer, x, dout, warmup, iters, dev, disp_full, disp_half) -> dic
     out["t_comm"] = timed(comm, warmup, iters, dev)
     # the overlapped step's compute alone: its exchanges replayed from a recording
     layer.overlap = True
-    out["t_compute_on"] = compute_only(layer, step(lambda xi: layer(xi).out), disp, warmup, iters, dev)
+    out["compute_per_rank"] = []
+    out["t_compute_on"] = compute_only(layer, step(lambda xi: layer(xi).out), disp, warmup, iters, dev,
+                                       per_rank=out["compute_per_rank"])
     out["exposed"] = (out["t_on"] - out["t_compute_on"]) / out["t_comm"]
     out["hidden"] = 1 - out["exposed"]
+    # diagnostic: the same replay keeping each exchange's rank synchronization (no payload): what
+    # of t_on - t_compute is transfer time and what is waiting for the slowest rank
+    out["t_compute_sync"] = compute_only(layer, step(lambda xi: layer(xi).out), disp, warmup, iters, dev, sync=True)
+    out["hidden_transfer"] = 1 - (out["t_on"] - out["t_compute_sync"]) / out["t_comm"]
     # the earlier estimate, kept for comparison: compute = serialized - comm
     out["hidden_est_serial_minus_comm"] = 1 - (out["t_on"] - (out["t_serial"] - out["t_comm"])) / out["t_comm"]
     return out
@@ -192,6 +209,7 @@ def main():
     p.add_argument("--gemm", choices=("auto", "triton"), default="auto",
                    help="grouped GEMMs: auto (the per-expert cuBLAS loop where it pays, moefp8.kernels."
                         "grouped_gemm.LOOP_MIN_MACS) or triton (the single-launch kernels everywhere: fewer launches)")
+    p.add_argument("--trace-all-ranks", action="store_true", help="every rank writes its trace (default: rank 0)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -234,8 +252,12 @@ def main():
             ratio=round(r["t_off"] / r["t_on"], 3), speedup_vs_serialized=round(r["t_serial"] / r["t_on"], 3),
             t_comm_ms=round(r["t_comm"] * 1e3, 3), t_compute_only_ms=round(r["t_compute_on"] * 1e3, 3),
             exposed_comm_share=round(r["exposed"], 3), hidden_comm_share=round(r["hidden"], 3),
-            hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3))
-        add(case, "overlap on, compute only (exchanges replayed)", r["t_compute_on"])
+            hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3),
+            t_compute_sync_ms=round(r["t_compute_sync"] * 1e3, 3),
+            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3))
+        add(case, "overlap on, compute only (exchanges replayed)", r["t_compute_on"],
+            per_rank_ms=[round(v * 1e3, 3) for v in r["compute_per_rank"]])
+        add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"])
         add(case, "communication alone", r["t_comm"])
         if cuda and mode == modes[0]:
             alone, under = gemm_under_comm(group, dev, a.warmup, a.iters)
@@ -268,9 +290,10 @@ def main():
                 torch.cuda.synchronize()
     out_path = Path(a.out) if a.out else results_path("overlap", ep=n)
     trace = out_path.with_suffix(".trace.json.gz")  # torch writes it gzipped (Perfetto and chrome://tracing read it)
-    if rank == 0:
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace))
+    if rank == 0 or a.trace_all_ranks:
+        mine = trace if rank == 0 else out_path.with_suffix(f".trace.rank{rank}.json.gz")
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(mine))
     if rank == 0:
         print(f"EP={n} on {dev.type}; {peak['what']}: {busbw:.1f} GB/s")
         print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
