@@ -23,16 +23,19 @@ from moefp8.kernels import use_triton
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, S, stride_xb, stride_xs, stride_xh, stride_ob, stride_os,
                  stride_oh, HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Grid (cdiv(S, BLOCK_S), nh, B): BLOCK_S positions of one head. cos/sin [S, HALF] fp32."""
+    """Grid (cdiv(S, BLOCK_S), nh, B): BLOCK_S positions of one head. cos/sin [S, HALF] fp32.
+    Each head row is read and written whole (contiguous, vectorized) and split into its (even, odd)
+    pairs in registers: loading the evens and the odds as two stride-2 streams and storing them the
+    same way ran ~8x below the memory bandwidth (0.53 ms per call on the small model)."""
     s0 = tl.program_id(0) * BLOCK_S
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     offs_s = s0 + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, 2 * HALF)
     offs_p = tl.arange(0, HALF)
     mask = (offs_s < S)[:, None]
-    x = x_ptr + b * stride_xb + h * stride_xh + offs_s[:, None].to(tl.int64) * stride_xs + 2 * offs_p[None, :]
-    a = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(x + 1, mask=mask, other=0.0).to(tl.float32)
+    x = x_ptr + b * stride_xb + h * stride_xh + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :]
+    a, c = tl.split(tl.reshape(tl.load(x, mask=mask, other=0.0).to(tl.float32), (BLOCK_S, HALF, 2)))
     t = offs_s[:, None] * HALF + offs_p[None, :]
     cos = tl.load(cos_ptr + t, mask=mask, other=0.0)
     sin = tl.load(sin_ptr + t, mask=mask, other=0.0)
@@ -42,9 +45,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, S, stride_xb, stride_xs, stride
     else:
         y0 = a * cos - c * sin
         y1 = a * sin + c * cos
-    o = o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None].to(tl.int64) * stride_os + 2 * offs_p[None, :]
-    tl.store(o, y0.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o + 1, y1.to(o_ptr.dtype.element_ty), mask=mask)
+    y = tl.reshape(tl.join(y0, y1), (BLOCK_S, 2 * HALF))
+    o = o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None].to(tl.int64) * stride_os + offs_d[None, :]
+    tl.store(o, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x_BSnd: Tensor, cos: Tensor, sin: Tensor, out_BSnd: Tensor, inverse: bool) -> None:
