@@ -19,3 +19,4 @@ def test_profile_step_smoke(tmp_path):
     doc = json.loads(out.read_text())
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
+    assert all(0 < row["host_ms"] <= row["step_ms"] * 1.5 and row["gpu_ops_per_step"] == 0 for row in doc["rows"])

@@ -9,9 +9,11 @@ kernels that took the most device time per step, grouped by name.
 
 Every argument that is not an option is a Hydra override for both recipes. The step time is the
 median over --steps steps after --warmup (Triton compiles and tunes in the warm-up); the table
-comes from a torch.profiler trace of --profile-steps further steps. Speed-of-light beside it:
-the model's training FLOPs per token x tokens/s against the device's dense BF16 / FP8 peak
-(moefp8.train.peak_flops). Writes a JSON (rows per recipe, the top kernels) with --json.
+comes from a torch.profiler trace of --profile-steps further steps. Host-boundness: the host's
+enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
+memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
+Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
+dense BF16 / FP8 peak (moefp8.train.peak_flops). Writes a JSON (rows per recipe, the top kernels) with --json.
 """
 
 import argparse
@@ -68,10 +70,11 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
     for _ in range(args.warmup):
         step()
     sync(device)
-    times = []
+    times, host = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
+        host.append(time.perf_counter() - t0)  # the host's enqueue time (it blocks only at syncs inside the step)
         sync(device)
         times.append(time.perf_counter() - t0)
     acts = [torch.profiler.ProfilerActivity.CPU] + (
@@ -81,8 +84,10 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
             step()
         sync(device)
     dev = "cuda" if device.type == "cuda" else "cpu"
-    rows = []
+    rows, launches = [], 0
     for e in prof.key_averages():
+        if dev == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            launches += e.count
         us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
         if us > 0 and not annotation and (dev == "cpu" or e.device_type == torch.autograd.DeviceType.CUDA):
@@ -96,7 +101,8 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"recipe": recipe, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "tflops": tflops,
+    return {"recipe": recipe, "step_ms": step_s * 1e3, "host_ms": statistics.median(host) * 1e3,
+            "gpu_ops_per_step": launches / args.profile_steps, "tokens_per_s": tokens / step_s, "tflops": tflops,
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "top": rows[:args.top], "device": str(device), "params": param_counts(cfg.model)}
 
@@ -117,7 +123,8 @@ def main() -> None:
     for r in res:
         sol = f" of {r['peak_tflops']:.0f} peak ({r['tflops'] / r['peak_tflops']:.1%})" if r["peak_tflops"] else ""
         print(f"\n{r['recipe']}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
-              f"{r['tflops']:.1f} TFLOP/s{sol}; kernels {r['kernels_ms_per_step']:.1f} ms/step")
+              f"{r['tflops']:.1f} TFLOP/s{sol}; kernels {r['kernels_ms_per_step']:.1f} ms/step, "
+              f"host enqueue {r['host_ms']:.1f} ms/step, {r['gpu_ops_per_step']:.0f} GPU ops/step")
         print(f"  {'ms/step':>8} {'calls':>6}  kernel")
         for k in r["top"]:
             print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
