@@ -2,7 +2,8 @@
 
 The layer's tokens are split in two micro-batches A (first half) and B. Their stages (moefp8.moe:
 dispatch, layout, experts, combine; the shared experts of each half) run in an explicit order on
-two streams, so that one micro-batch's communication runs while something else computes:
+three streams (compute, communication, layouts), so that one micro-batch's communication runs
+while something else computes:
 
   forward   comm:     dispatch A, dispatch B       | combine A      | combine B
             compute:  shared A    | experts A      | experts B      | shared B
@@ -20,12 +21,13 @@ starts late). The backward is one autograd node with this order written out (aut
 run the two micro-batches' nodes one after the other on one stream).
 
 On CUDA the communication stages run on a side stream and the layouts on another (one each per
-device), ordered against the compute stream by events; tensors crossing streams are handed over with `record_stream`. On the
-CPU (gloo) there are no streams: the same order runs serially. Either way the arithmetic is that
-of running the two micro-batches one after the other (`serialized`, the reference): outputs and
-gradients are bit-exact against it. Against the unsplit layer the weight gradients differ: their
-col-wise FP8 tiles (128 tokens of one expert) group other tokens once split, and dW_A + dW_B adds
-in another fp32 order (measured on 4x H200: 2.4e-3 relative on dW1).
+device), ordered against the compute stream by events; tensors crossing streams are handed over
+with `record_stream`. On the CPU (gloo) there are no streams: the same order runs serially.
+Either way the arithmetic is that of running the two micro-batches one after the other
+(`serialized`, the reference): outputs and gradients are bit-exact against it. Against the
+unsplit layer the weight gradients differ: their col-wise FP8 tiles (128 tokens of one expert)
+group other tokens once split, and dW_A + dW_B adds in another fp32 order (measured on 4x H200:
+2.4e-3 relative on dW1).
 
 Host syncs: the layout stage reads the per-expert counts on the host (one sync per micro-batch,
 on the layout stream: it waits for that micro-batch's dispatch only), and the exact-mode

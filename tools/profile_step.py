@@ -86,7 +86,8 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
     dev = "cuda" if device.type == "cuda" else "cpu"
     rows, launches = [], 0
     for e in prof.key_averages():
-        if dev == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+        on_gpu = dev == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA
+        if on_gpu and not getattr(e, "is_user_annotation", False):
             launches += e.count
         us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels

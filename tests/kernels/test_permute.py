@@ -123,7 +123,8 @@ def test_combine_and_backward_ref_vs_float64():
     # the terms cancel), then bf16 rounding (half an ulp: 2**-8 relative) of the fp32 result
     mag = (w64[:, :, None] * ok[:, :, None] * y64[r.clamp(min=0)]).abs().sum(1).detach()
     fp32_err = mag * (K + 1) * 2**-24
-    assert torch.all((out.double() - out64.detach()).abs() <= (out64.detach().abs() + fp32_err) * 2**-8 + fp32_err + 1e-30)
+    bound = (out64.detach().abs() + fp32_err) * 2**-8 + fp32_err
+    assert torch.all((out.double() - out64.detach()).abs() <= bound + 1e-30)
     dy, dw = P.combine_backward_ref(dz, y, L, w)
     # dw: fp32 dot products of H terms: relative error ~H * 2**-24 of the magnitude sum
     bound = (y[r.clamp(min=0)].double().abs() * dz.double().abs()[:, None]).sum(-1) * H * 2**-24
