@@ -13,7 +13,8 @@ comes from a torch.profiler trace of --profile-steps further steps. Host-boundne
 enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
 memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
-dense BF16 / FP8 peak (moefp8.train.peak_flops). Writes a JSON (rows per recipe, the top kernels) with --json.
+dense BF16 / FP8 peak (moefp8.train.peak_flops). Writes a JSON (rows per recipe, the top
+kernels) with --json.
 """
 
 import argparse
@@ -86,12 +87,12 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
     dev = "cuda" if device.type == "cuda" else "cpu"
     rows, launches = [], 0
     for e in prof.key_averages():
-        on_gpu = dev == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA
-        if on_gpu and not getattr(e, "is_user_annotation", False):
+        on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
+        annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
+        if dev == "cuda" and on_gpu and not annotation:
             launches += e.count
         us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
-        annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
-        if us > 0 and not annotation and (dev == "cpu" or e.device_type == torch.autograd.DeviceType.CUDA):
+        if us > 0 and not annotation and (dev == "cpu" or on_gpu):
             rows.append({"kernel": e.key[:160], "ms_per_step": us / 1e3 / args.profile_steps,
                          "calls_per_step": e.count / args.profile_steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
