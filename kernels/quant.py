@@ -91,19 +91,6 @@ def _quant_rows_store(x, offs_m, offs_k, m_left, q_ptr, s_ptr, stride_qm, stride
 
 
 @triton.jit
-def _quant_cols_store(x, offs_m, offs_k, m_left, k_left, q_ptr, s_ptr, stride_qk, stride_sk, POW2: tl.constexpr):
-    """x [128, BLOCK_K] fp32 tile of one 128-row group (masked rows must be 0) -> one scale per
-    column, FP8 stored transposed (q[k, m]). q_ptr and s_ptr point at the tile's origin."""
-    amax = tl.max(_abs_nan0(x), axis=0)
-    scale, inv = _scale_from_amax(amax, POW2)
-    q = tl.trans(_to_fp8(x, scale[None, :], inv[None, :], POW2))  # [BLOCK_K, 128]
-    col_ok = offs_k < k_left
-    mask = col_ok[:, None] & (offs_m < m_left)[None, :]
-    tl.store(q_ptr + offs_k[:, None] * stride_qk + offs_m[None, :], q, mask=mask)
-    tl.store(s_ptr + offs_k * stride_sk, scale, mask=col_ok)
-
-
-@triton.jit
 def _pack4(q0, q1, q2, q3):
     """Four FP8 tiles -> one uint32 tile, q0's byte lowest: four consecutive rows' codes in the
     order they sit in memory once stored transposed (little-endian)."""
@@ -360,8 +347,54 @@ def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride
 
 
 @triton.jit
-def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride_sm, stride_sg,
-                         POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+def _quant_rows_dequant(x, rows, offs_k, m_left, q_ptr, s_ptr, stride_qm, stride_sm, POW2: tl.constexpr):
+    """`_quant_rows_store` for the tile's rows `rows`, returning the stored codes dequantized in fp32
+    (what requant_colwise reads back; rows at or past m_left come back as 0)."""
+    amax = tl.max(_abs_nan0(x), axis=1)
+    scale, inv = _scale_from_amax(amax, POW2)
+    q = _to_fp8(x, scale[:, None], inv[:, None], POW2)
+    row_ok = rows < m_left
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=row_ok[:, None])
+    tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
+    return q.to(tl.float32) * scale[:, None]
+
+
+@triton.jit
+def _quant_rowwise_colwise_kernel(x_ptr, q_ptr, s_ptr, c_ptr, cs_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                                  stride_sg, stride_ck, stride_csk, stride_csg, POW2: tl.constexpr,
+                                  PACK: tl.constexpr):
+    """One 128x128 tile: its 128 row groups quantized "1x128" (stored), dequantized in registers,
+    and its 128 column groups requantized "128x1" (stored transposed): quant_rowwise followed by
+    requant_colwise, x read once. Rows as four interleaved quarters (rows 4i + j), as the col-wise
+    kernels."""
+    pid_g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m0 = pid_m.to(tl.int64) * 128
+    k0 = pid_g * 128
+    r = 4 * tl.arange(0, 32)
+    offs_k = tl.arange(0, 128)
+    m_left = M - m0
+    x = x_ptr + m0 * stride_xm + k0
+    q = q_ptr + m0 * stride_qm + k0
+    s = s_ptr + m0 * stride_sm + pid_g * stride_sg
+    d0 = _quant_rows_dequant(_load_rows(x, r, offs_k, m_left, 128, stride_xm), r, offs_k, m_left, q, s,
+                             stride_qm, stride_sm, POW2)
+    d1 = _quant_rows_dequant(_load_rows(x, r + 1, offs_k, m_left, 128, stride_xm), r + 1, offs_k, m_left, q, s,
+                             stride_qm, stride_sm, POW2)
+    d2 = _quant_rows_dequant(_load_rows(x, r + 2, offs_k, m_left, 128, stride_xm), r + 2, offs_k, m_left, q, s,
+                             stride_qm, stride_sm, POW2)
+    d3 = _quant_rows_dequant(_load_rows(x, r + 3, offs_k, m_left, 128, stride_xm), r + 3, offs_k, m_left, q, s,
+                             stride_qm, stride_sm, POW2)
+    _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, K - k0,
+                       c_ptr + k0.to(tl.int64) * stride_ck + m0, cs_ptr + k0 * stride_csk + pid_m * stride_csg,
+                       stride_ck, stride_csk, POW2, PACK)
+
+
+@triton.jit
+def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, M, I, stride_hm, stride_qm, stride_sm, stride_sg,
+                         stride_hqm, stride_hsm, POW2: tl.constexpr, BLOCK_M: tl.constexpr, STORE_H: tl.constexpr):
+    """a = silu(gate) * up quantized "1x128"; STORE_H: h itself too ("1x128", row-major scales:
+    quant_rowwise(h) from the same loads)."""
     pid_g = tl.program_id(0)
     m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -371,6 +404,11 @@ def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, M, I, stride_hm, stride_qm, stride
     mask = (offs_m < m_left)[:, None]
     g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    if STORE_H:
+        hq = hq_ptr + m0 * stride_hqm + pid_g * 128
+        hs = hs_ptr + m0 * stride_hsm + pid_g
+        _quant_rows_store(g, offs_m, offs_k, m_left, hq, hs, stride_hqm, stride_hsm, POW2)
+        _quant_rows_store(u, offs_m, offs_k, m_left, hq + I, hs + I // 128, stride_hqm, stride_hsm, POW2)
     _quant_rows_store(_swiglu(g, u), offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + pid_g * 128,
                       s_ptr + m0 * stride_sm + pid_g * stride_sg, stride_qm, stride_sm, POW2)
 
@@ -416,6 +454,7 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "weight": dict(num_warps=8),
     "requant_colwise": dict(BLOCK_K=64, num_warps=2),  # words kernel (dev_requant_variants.py sweep); BLOCK_K <= 128
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
+    "rowwise_colwise": dict(num_warps=8),  # 128x128 tiles
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
     "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128
 }
@@ -556,6 +595,36 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     return Fp8Tensor(out, out_s, "128x1")
 
 
+def quant_rowwise_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """x [M, K] -> ("1x128" [M, K] with column-major scales, "128x1" [K, M] data) in one pass, equal
+    to ``r = quant_rowwise(x, colmajor_scale=True)`` and ``requant_colwise(r)``: the col-wise copy is
+    made from the row-wise FP8 values (the recipe's backward requantization), x is read once and
+    the row-wise codes are not read back. For a linear layer's input (fprop + wgrad operands) and
+    its output gradient (dgrad + wgrad)."""
+    _check_input("quant_rowwise_colwise", x)
+    if x.dim() != 2:
+        raise ValueError(f"quant_rowwise_colwise: expected x [M, K], got shape {tuple(x.shape)}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not use_triton(x, impl):
+        return quant_rowwise_colwise_ref(x, scale_fmt)
+    M, K = x.shape
+    if M == 1:  # the transposed output's row stride would be 1 (see quant_colwise): two kernels
+        r = quant_rowwise(x, scale_fmt, impl, colmajor_scale=True)
+        return r, requant_colwise(r, scale_fmt, impl)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = _scales(M, K // TILE, x.device, True)
+    c = torch.empty(K, M, dtype=FP8_DTYPE, device=x.device)
+    cs = _scales(K, triton.cdiv(M, TILE), x.device, True)
+    if M:
+        grid = (K // TILE, triton.cdiv(M, TILE))
+        _quant_rowwise_colwise_kernel[grid](x, q, s, c, cs, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                            c.stride(0), cs.stride(0), cs.stride(1), POW2=pow2, PACK=_packs(M),
+                                            **LAUNCH["rowwise_colwise"])
+    return Fp8Tensor(q, s, "1x128"), Fp8Tensor(c, cs, "128x1")
+
+
 def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
                  colmajor_scale: bool = False) -> Fp8Tensor:
     """h [M, 2I] = [gate | up], I % 128 == 0 -> a = silu(gate) * up as "1x128" FP8 [M, I]
@@ -566,17 +635,36 @@ def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(h, impl):
         return swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale)
+    return _swiglu_quant(h, pow2, colmajor_scale, store_h=False)[1]
+
+
+def swiglu_quant_cache(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                       colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """The expert MLP's forward in one pass over h [M, 2I]: (h8 = quant_rowwise(h), the cache
+    backward recomputes SwiGLU from; a8 = swiglu_quant(h, colmajor_scale=...), fc2's input)."""
+    _check_input("swiglu_quant_cache", h)
+    if h.dim() != 2 or h.shape[1] % (2 * TILE):
+        raise ValueError(f"swiglu_quant_cache: expected h [M, 2I] with I % {TILE} == 0, got shape {tuple(h.shape)}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not use_triton(h, impl):
+        return quant_rowwise_ref(h, scale_fmt), swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale)
+    return _swiglu_quant(h, pow2, colmajor_scale, store_h=True)
+
+
+def _swiglu_quant(h: Tensor, pow2: bool, colmajor_scale: bool, store_h: bool) -> tuple[Fp8Tensor | None, Fp8Tensor]:
     if h.stride(-1) != 1:
         h = h.contiguous()
     M, I = h.shape[0], h.shape[1] // 2
     q = torch.empty(M, I, dtype=FP8_DTYPE, device=h.device)
     s = _scales(M, I // TILE, h.device, colmajor_scale)
+    hq = torch.empty(M, 2 * I, dtype=FP8_DTYPE, device=h.device) if store_h else q
+    hs = torch.empty(M, 2 * I // TILE, dtype=torch.float32, device=h.device) if store_h else s
     if M:
         cfg = LAUNCH["swiglu_quant"]
         grid = (I // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
-        _swiglu_quant_kernel[grid](h, q, s, M, I, h.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
-                                   **cfg)
-    return Fp8Tensor(q, s, "1x128")
+        _swiglu_quant_kernel[grid](h, q, s, hq, hs, M, I, h.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                   hq.stride(0), hs.stride(0), POW2=pow2, STORE_H=store_h, **cfg)
+    return (Fp8Tensor(hq, hs, "1x128") if store_h else None), Fp8Tensor(q, s, "1x128")
 
 
 def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
@@ -669,6 +757,11 @@ def quant_weight_ref(w: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
 
 def requant_colwise_ref(q: Fp8Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
     return quant_colwise_ref(q.dequantize(torch.float32), scale_fmt)
+
+
+def quant_rowwise_colwise_ref(x: Tensor, scale_fmt: str = "pow2") -> tuple[Fp8Tensor, Fp8Tensor]:
+    r = quant_rowwise_ref(x, scale_fmt, colmajor_scale=True)
+    return r, requant_colwise_ref(r, scale_fmt)
 
 
 def swiglu_ref(h: Tensor) -> Tensor:

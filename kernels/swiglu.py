@@ -8,7 +8,7 @@ h [M, 2I] = [gate | up]; a = silu(g) * u. With sig = 1 / (1 + exp(-g)):
 * `swiglu_bf16(h)`, `swiglu_backward_bf16(h, da)`: the BF16 recipe's fused kernels (its
   like-for-like baseline would otherwise pay for several unfused elementwise passes).
 
-Each program covers 128 rows x 128 columns of one half (gate or up: a constexpr, two launches),
+Each program covers 128 rows x 128 columns of one half (gate or up; one launch for both),
 which is one 1x128 group per row and one 128x1 group per column, so both quantizations finish in
 registers. Math in fp32 with precise exp / IEEE division and no FMA contraction, in the order the
 `_ref` twins use, so GPU results equal the references bit for bit.
@@ -21,8 +21,9 @@ from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import use_triton
-from moefp8.kernels.quant import (_INTERPRET, _quant_cols_store, _quant_rows_store, _scales, _swiglu,
-                                  quant_colwise_ref, quant_rowwise_ref, swiglu_ref)
+from moefp8.kernels.quant import (_INTERPRET, _dequant_rows, _load_rows, _packs, _quant_cols4_store,
+                                  _quant_rows_store, _scales, _swiglu, quant_colwise_ref, quant_rowwise_ref,
+                                  swiglu_ref)
 from triton.language.extra import libdevice
 
 
@@ -44,31 +45,55 @@ def _swiglu_grad(g, u, da, GATE: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_grad_rows(h_ptr, hs_ptr, da_ptr, rows, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg,
+                      stride_dam, q_ptr, qs_ptr, stride_qm, stride_qsm, POW2: tl.constexpr):
+    """dh for rows `rows` of one 128-column tile (fp32 [len(rows), 128]; pointers at the tile's
+    origin: h's gate columns and their scale group, da, dh's "1x128" codes and scales); stores its
+    row-wise quantization. Masked rows load 0 and give dh = 0, out of both amaxes."""
+    g = _dequant_rows(h_ptr, hs_ptr, rows, offs_k, m_left, stride_hm, stride_hsm)
+    u = _dequant_rows(h_ptr + I, hs_ptr + (I // 128) * stride_hsg, rows, offs_k, m_left, stride_hm, stride_hsm)
+    da = _load_rows(da_ptr, rows, offs_k, m_left, 128, stride_dam)
+    if gate:
+        d = _swiglu_grad(g, u, da, True)
+    else:
+        d = _swiglu_grad(g, u, da, False)
+    _quant_rows_store(d, rows, offs_k, m_left, q_ptr, qs_ptr, stride_qm, stride_qsm, POW2)
+    return d
+
+
+@triton.jit
 def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
                              stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                             stride_csm, GATE: tl.constexpr, POW2: tl.constexpr):
-    pid_k = tl.program_id(0)  # 128 columns of this half
+                             stride_csm, POW2: tl.constexpr, PACK: tl.constexpr):
+    """One launch for both halves of dh [M, 2I]: programs 0..I/128-1 the gate's gradient, the next
+    I/128 the up's. A program covers one 128x128 tile as four interleaved quarters (rows 4i + j,
+    as the col-wise quant kernels): rows quantized as they are computed, columns at the end
+    (PACK: the transposed store moves 32-bit words, see _quant_cols4_store)."""
+    col = tl.program_id(0)  # this tile's 128-column group in dh [M, 2I]
     pid_m = tl.program_id(1)
+    G = I // 128
+    gate = col < G
+    pid_k = col - tl.where(gate, 0, G)  # the 128 columns of h's gate (and up) halves this tile reads
     m0 = pid_m.to(tl.int64) * 128
-    offs_m = tl.arange(0, 128)
+    r = 4 * tl.arange(0, 32)
     offs_k = tl.arange(0, 128)
     m_left = M - m0
-    row_ok = (offs_m < m_left)[:, None]
-    G = I // 128
-    h_tile = h_ptr + m0 * stride_hm + pid_k * 128 + offs_m[:, None] * stride_hm + offs_k[None, :]
-    s_rows = hs_ptr + m0 * stride_hsm + offs_m * stride_hsm
-    g_s = tl.load(s_rows + pid_k * stride_hsg, mask=offs_m < m_left, other=0.0)
-    u_s = tl.load(s_rows + (G + pid_k) * stride_hsg, mask=offs_m < m_left, other=0.0)
-    g = tl.load(h_tile, mask=row_ok, other=0.0).to(tl.float32) * g_s[:, None]
-    u = tl.load(h_tile + I, mask=row_ok, other=0.0).to(tl.float32) * u_s[:, None]
-    da = tl.load(da_ptr + m0 * stride_dam + pid_k * 128 + offs_m[:, None] * stride_dam + offs_k[None, :],
-                 mask=row_ok, other=0.0).to(tl.float32)
-    d = _swiglu_grad(g, u, da, GATE)  # masked rows: da = 0 -> d = 0, out of both amaxes
-    col = pid_k + (0 if GATE else G)  # this block's 128-column group in dh [M, 2I]
-    _quant_rows_store(d, offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + col * 128, qs_ptr + m0 * stride_qsm + col * stride_qsg,
-                      stride_qm, stride_qsm, POW2)
-    _quant_cols_store(d, offs_m, offs_k, m_left, 128, c_ptr + (col * 128).to(tl.int64) * stride_ck + m0,
-                      cs_ptr + col * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2)
+    h = h_ptr + m0 * stride_hm + pid_k * 128
+    hs = hs_ptr + m0 * stride_hsm + pid_k * stride_hsg
+    da = da_ptr + m0 * stride_dam + pid_k * 128
+    q = q_ptr + m0 * stride_qm + col * 128
+    qs = qs_ptr + m0 * stride_qsm + col * stride_qsg
+    d0 = _swiglu_grad_rows(h, hs, da, r, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
+                           q, qs, stride_qm, stride_qsm, POW2)
+    d1 = _swiglu_grad_rows(h, hs, da, r + 1, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
+                           q, qs, stride_qm, stride_qsm, POW2)
+    d2 = _swiglu_grad_rows(h, hs, da, r + 2, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
+                           q, qs, stride_qm, stride_qsm, POW2)
+    d3 = _swiglu_grad_rows(h, hs, da, r + 3, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
+                           q, qs, stride_qm, stride_qsm, POW2)
+    _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, 128,
+                       c_ptr + (col * 128).to(tl.int64) * stride_ck + m0, cs_ptr + col * 128 * stride_csk + pid_m * stride_csm,
+                       stride_ck, stride_csk, POW2, PACK)
 
 
 @triton.jit
@@ -122,12 +147,10 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
     cs = _scales(I2, triton.cdiv(M, TILE), dev, True)
     if M:
         da = da if da.stride(-1) == 1 else da.contiguous()
-        for gate in (True, False):
-            _swiglu_bwd_quant_kernel[(I2 // 2 // TILE, triton.cdiv(M, TILE))](
-                h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
-                h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
-                cs.stride(1), GATE=gate, POW2=pow2, num_warps=8,
-                enable_fp_fusion=False)
+        _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
+            h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
+            h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
+            cs.stride(1), POW2=pow2, PACK=_packs(M), num_warps=8, enable_fp_fusion=False)
     return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
 
 

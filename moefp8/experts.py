@@ -28,8 +28,7 @@ from torch.profiler import record_function
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
-from moefp8.kernels.quant import (dequant_swiglu_quant_colwise, quant_rowwise, quant_weight, requant_colwise,
-                                  swiglu_quant)
+from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, requant_colwise, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 
 
@@ -79,22 +78,26 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
     with record_function("fc1"):
         h = _mm(x8, w1_8, off, off_host)
     with record_function("swiglu"):
-        h8 = quant_rowwise(h, scale_fmt)
-        a8 = swiglu_quant(h, scale_fmt, colmajor_scale=True)
+        h8, a8 = swiglu_quant_cache(h, scale_fmt, colmajor_scale=True)
     with record_function("fc2"):
         return _mm(a8, w2_8, off, off_host), h8, a8
 
 
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None, w1: Tensor, w2: Tensor,
-                     cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None):
-    """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I])."""
+                     cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None,
+                     dy_col: Fp8Tensor | None = None):
+    """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
+    x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1"; dy_col: dy8's "128x1"
+    copy if the caller made it (`quant_rowwise_colwise`), else requantized here."""
     with record_function("bwd_fc2"):
         da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host)
-        dw2 = _wgrad(requant_colwise(dy8, scale_fmt), dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host)
+        dy_col = dy_col if dy_col is not None else requant_colwise(dy8, scale_fmt)
+        dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host)
+        del dy_col
     with record_function("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
     with record_function("bwd_fc1"):
-        dw1 = _wgrad(dh_col, requant_colwise(x8, scale_fmt), off, off_host)
+        dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host)
         dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host) if want_dx else None
     return dx, dw1, dw2
 

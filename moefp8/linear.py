@@ -4,10 +4,11 @@
 y = x · Wᵀ with the DeepSeek-V3 recipe:
 
 * forward: x [.., K] bf16 -> "1x128" FP8; W (fp32 master or bf16) -> "128x128" FP8; fprop GEMM
-  -> BF16. Saved for backward: x col-wise ("128x1", requantized from the row-wise FP8 in one
-  pass: 1 byte per element instead of the bf16 input) and the FP8 weight (for dgrad).
-* backward: dY -> "1x128" FP8 -> dgrad GEMM (BF16 dX); dY -> "128x1" -> wgrad GEMM with the
-  saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor (Megatron style), the
+  -> BF16. Saved for backward: x col-wise ("128x1", requantized from the row-wise FP8 values by
+  the same kernel, `quant_rowwise_colwise`: 1 byte per element instead of the bf16 input) and
+  the FP8 weight (for dgrad).
+* backward: dY -> "1x128" FP8 -> dgrad GEMM (BF16 dX) and, in the same pass, -> "128x1" ->
+  wgrad GEMM with the saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor (Megatron style), the
   wgrad accumulates into it inside the GEMM and the weight gets no ``.grad``.
 
 K and N must be multiples of 128 (the quantization tiles); x may have any number of rows.
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from moefp8.fp8 import TILE, Fp8Tensor
 from moefp8.kernels.gemm import fp8_gemm, fp8_gemm_dgrad
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, prepare_offsets
-from moefp8.kernels.quant import quant_rowwise, quant_weight, requant_colwise
+from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight
 
 
 def _check_dims(name: str, N: int, K: int) -> None:
@@ -32,6 +33,14 @@ def _wgrad_target(weight: Tensor) -> Tensor | None:
     return mg if isinstance(mg, Tensor) and mg.dtype == torch.float32 else None
 
 
+def _quant_input(x2: Tensor, scale_fmt: str, colwise: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """A GEMM operand [M, K] -> ("1x128" with the GEMMs' column-major scales, its "128x1" copy for
+    the wgrad GEMM when `colwise`, else None)."""
+    if colwise:
+        return quant_rowwise_colwise(x2, scale_fmt)
+    return quant_rowwise(x2, scale_fmt, colmajor_scale=True), None
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x · wᵀ in FP8. x [..., K] (bf16), w [N, K] (fp32 or bf16) -> y [..., N] bf16."""
 
@@ -42,11 +51,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         if x.shape[-1] != K:
             raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
         x2 = x.reshape(-1, K)
-        x8 = quant_rowwise(x2, scale_fmt, colmajor_scale=True)
+        x8, xc = _quant_input(x2, scale_fmt, colwise=weight.requires_grad)
         w8 = quant_weight(weight, scale_fmt)
         y = fp8_gemm(x8, w8)
         if weight.requires_grad:
-            xc = requant_colwise(x8, scale_fmt)
             ctx.save_for_backward(xc.data, xc.scale, w8.data, w8.scale)
         else:
             ctx.save_for_backward(None, None, w8.data, w8.scale)
@@ -62,12 +70,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)
         if dy2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             dy2 = dy2.float()
-        dy8 = quant_rowwise(dy2, ctx.scale_fmt, colmajor_scale=True)
+        dy8, dy_col = _quant_input(dy2, ctx.scale_fmt, colwise=ctx.needs_input_grad[1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm_dgrad(dy8, Fp8Tensor(w_data, w_scale, "128x128")).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dy_col = requant_colwise(dy8, ctx.scale_fmt)
             x_col = Fp8Tensor(xc_data, xc_scale, "128x1")
             if ctx.main_grad is not None:
                 fp8_gemm(dy_col, x_col, out=ctx.main_grad)
@@ -115,11 +122,10 @@ def fp8_grouped_linear(x: Tensor, weight: Tensor, group_offsets, scale_fmt: str 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, off: Tensor, scale_fmt: str) -> Tensor:
-        x8 = quant_rowwise(x, scale_fmt, colmajor_scale=True)
+        x8, xc = _quant_input(x, scale_fmt, colwise=weight.requires_grad)
         w8 = quant_weight(weight, scale_fmt)
         y = fp8_grouped_gemm(x8, w8, off, validate=False)
         if weight.requires_grad:
-            xc = requant_colwise(x8, scale_fmt)
             ctx.save_for_backward(xc.data, xc.scale, w8.data, w8.scale, off)
         else:
             ctx.save_for_backward(None, None, w8.data, w8.scale, off)
@@ -130,13 +136,12 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         xc_data, xc_scale, w_data, w_scale, off = ctx.saved_tensors
-        dy8 = quant_rowwise(dy.contiguous(), ctx.scale_fmt, colmajor_scale=True)
+        dy8, dy_col = _quant_input(dy.contiguous(), ctx.scale_fmt, colwise=ctx.needs_input_grad[1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_grouped_gemm(dy8, Fp8Tensor(w_data, w_scale, "128x128"), off, transpose_b=True,
                                   validate=False)
         if ctx.needs_input_grad[1]:
-            dy_col = requant_colwise(dy8, ctx.scale_fmt)
             x_col = Fp8Tensor(xc_data, xc_scale, "128x1")
             if ctx.main_grad is not None:
                 fp8_grouped_gemm_wgrad(dy_col, x_col, off, out=ctx.main_grad, validate=False)

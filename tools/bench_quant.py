@@ -3,7 +3,9 @@
 For each kernel on DeepSeek-V3 shapes: median time, GB/s counting the bytes each kernel must
 read and write once (data and scales), the device-to-device copy bandwidth measured in the same
 run (the speed-of-light for a memory-bound kernel) and their ratio; also the PyTorch reference's
-time on the same device, and whether the kernel's output equals the reference bit for bit.
+time on the same device, and whether the kernel's output equals the reference bit for bit. The
+fused pairs (quant_rowwise_colwise, swiglu_quant_cache) also report the two single kernels they
+replace, timed in the same run (`unfused_ms`).
 
     python tools/bench_quant.py                       # default shapes, saves bench/results/quant-<device>.json
     python tools/bench_quant.py --sweep               # also times alternative launch configs first
@@ -20,7 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from moefp8.fp8 import Fp8Tensor  # noqa: E402
 from moefp8.kernels import quant as Q  # noqa: E402
+from moefp8.kernels import swiglu as S  # noqa: E402
 from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path, save_results  # noqa: E402
 
 SWEEP = {
@@ -30,7 +34,9 @@ SWEEP = {
     "requant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
     "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
     "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
+    "rowwise_colwise": [dict(num_warps=w) for w in (4, 8, 16)],
 }
+LAUNCH_KEY = {"swiglu_quant_cache": "swiglu_quant"}  # kernels sharing another's launch config
 
 
 def nbytes(*ts) -> int:
@@ -50,6 +56,7 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
     out_col = K * M + K * -(-M // 128) * 4
     half_row = out_row // 2  # a = swiglu(h) has half of h's columns
     half_col = (K // 2) * M + (K // 2) * -(-M // 128) * 4
+    da = torch.randn(M, K // 2, device=dev, dtype=torch.bfloat16)
     return {
         "rowwise": (x, Q.quant_rowwise, Q.quant_rowwise_ref, nbytes(x) + out_row),
         "colwise": (x, Q.quant_colwise, Q.quant_colwise_ref, nbytes(x) + out_col),
@@ -58,10 +65,26 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
         "swiglu_quant": (x, Q.swiglu_quant, Q.swiglu_quant_ref, nbytes(x) + half_row),
         "dequant_swiglu_quant_colwise": (x8, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
                                          fp8_bytes(x8) + half_col),
+        "rowwise_colwise": (x, Q.quant_rowwise_colwise, Q.quant_rowwise_colwise_ref, nbytes(x) + out_row + out_col),
+        "swiglu_quant_cache": (x, lambda h, f: Q.swiglu_quant_cache(h, f, colmajor_scale=True),
+                               lambda h, f: Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
+                               nbytes(x) + out_row + half_row),
+        "swiglu_backward_quant": ((x8, da), lambda i, f: S.swiglu_backward_quant(*i, f),
+                                  lambda i, f: S.swiglu_backward_quant(*i, f, "ref"),
+                                  fp8_bytes(x8) + nbytes(da) + out_row + out_col),
     }
 
 
+# what a fused pair replaces: the single kernels, run back to back
+UNFUSED = {
+    "rowwise_colwise": lambda x, f: Q.requant_colwise(Q.quant_rowwise(x, f, colmajor_scale=True), f),
+    "swiglu_quant_cache": lambda h, f: (Q.quant_rowwise(h, f), Q.swiglu_quant(h, f, colmajor_scale=True)),
+}
+
+
 def same(a, b) -> bool:
+    if not isinstance(a, Fp8Tensor):  # a fused pair's outputs
+        return all(same(u, v) for u, v in zip(a, b))
     return torch.equal(a.scale, b.scale) and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
 
 
@@ -116,13 +139,15 @@ def main() -> None:
                     "ratio": round(gbs / copy_gbs, 3),
                     "ref_ms": round(ref_ms, 4), "speedup_vs_ref": round(ref_ms / ms, 2),
                     "bit_exact_vs_ref": same(fn(inp, fmt), ref(inp, fmt)),
-                    "config": dict(Q.LAUNCH[name]),
+                    "config": dict(Q.LAUNCH.get(LAUNCH_KEY.get(name, name), {})),
                 })
+                if name in UNFUSED:
+                    rows[-1]["unfused_ms"] = round(bench(lambda: UNFUSED[name](inp, fmt)), 4)
                 torch.cuda.empty_cache() if gpu else None
     path = Path(args.out) if args.out else results_path("quant")
     save_results("bench_quant", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
                                        "unit": "GB/s"}, path=path, launch=Q.LAUNCH, sweep=sweep_log)
-    print_table(rows, ["case", "ms", "value", "ratio", "ref_ms", "speedup_vs_ref", "bit_exact_vs_ref"])
+    print_table(rows, ["case", "ms", "value", "ratio", "unfused_ms", "ref_ms", "speedup_vs_ref", "bit_exact_vs_ref"])
     print(f"speed-of-light: copy {copy_gbs:.0f} GB/s; ratio = kernel GB/s / copy GB/s. saved {path}")
 
 

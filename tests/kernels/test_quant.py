@@ -329,6 +329,65 @@ def test_triton_interpreter_requant_colwise_paths(monkeypatch, M, fmt, kernel):
                        Q.requant_colwise_ref(y8, fmt).data.view(torch.uint8))
 
 
+# quant_rowwise_colwise = quant_rowwise(colmajor_scale) then requant_colwise, in one kernel. Under
+# the interpreter its bytes equal the two Triton kernels' exactly (same casts, same order), and the
+# reference within the interpreter's cast bugs; on a GPU, bit for bit.
+
+
+def check_rowwise_colwise(x: torch.Tensor, fmt: str, exact: bool) -> None:
+    r, c = Q.quant_rowwise_colwise(x, fmt, impl="triton")
+    assert_fp8_equal(r, Q.quant_rowwise_ref(x, fmt, colmajor_scale=True), exact=exact)
+    # col-wise from the kernel's own row-wise codes (under the interpreter they carry its cast bugs)
+    assert_fp8_equal(c, Q.requant_colwise_ref(r, fmt), exact=exact)
+    if exact:
+        assert_fp8_equal(c, Q.quant_rowwise_colwise_ref(x, fmt)[1], exact=True)
+    r2 = Q.quant_rowwise(x, fmt, impl="triton", colmajor_scale=True)
+    assert_fp8_equal(r, r2, exact=True)
+    assert_fp8_equal(c, Q.requant_colwise(r2, fmt, impl="triton"), exact=True)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K", [(1, 256), (200, 256), (144, 384), (256, 128)])
+def test_triton_interpreter_rowwise_colwise(fmt, M, K):
+    x = make_x(M, K, torch.bfloat16, seed=M + K)
+    x[: min(M, 3), :128] = 0  # all-zero 1x128 groups: the amax clamp
+    check_rowwise_colwise(x, fmt, exact=False)
+
+
+def check_swiglu_quant_cache(h: torch.Tensor, fmt: str, exact: bool) -> None:
+    """swiglu_quant_cache = (quant_rowwise(h), swiglu_quant(h, colmajor_scale=True)) in one kernel."""
+    h8, a8 = Q.swiglu_quant_cache(h, fmt, impl="triton", colmajor_scale=True)
+    assert_fp8_equal(h8, Q.quant_rowwise(h, fmt, impl="triton"), exact=True)
+    assert_fp8_equal(a8, Q.swiglu_quant(h, fmt, impl="triton", colmajor_scale=True), exact=True)
+    assert_fp8_equal(h8, Q.quant_rowwise_ref(h, fmt), exact=exact)
+    assert_fp8_equal(a8, Q.swiglu_quant_ref(h, fmt, colmajor_scale=True), exact=exact,
+                     scale_rtol=0.0 if exact or fmt == "pow2" else 1e-6)  # numpy's exp vs torch's
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,I", [(1, 128), (200, 256), (9, 128)])
+def test_triton_interpreter_swiglu_quant_cache(fmt, M, I):
+    check_swiglu_quant_cache(make_x(M, 2 * I, torch.bfloat16, seed=M + I).clamp(-60, 60), fmt, exact=False)
+
+
+def test_fused_pairs_ref_and_errors():
+    x = make_x(300, 256, torch.float32, seed=5)
+    r, c = Q.quant_rowwise_colwise(x)  # CPU: the reference
+    assert r.layout == "1x128" and c.layout == "128x1" and c.data.shape == (256, 300)
+    assert_fp8_equal(c, Q.requant_colwise_ref(Q.quant_rowwise_ref(x, colmajor_scale=True)), exact=True)
+    with pytest.raises(ValueError, match="200 is not divisible by 128"):
+        Q.quant_rowwise_colwise(torch.zeros(4, 200))
+    with pytest.raises(ValueError, match=r"expected x \[M, K\], got shape \(2, 4, 128\)"):
+        Q.quant_rowwise_colwise(torch.zeros(2, 4, 128))
+    h8, a8 = Q.swiglu_quant_cache(x)  # CPU: the references
+    assert_fp8_equal(h8, Q.quant_rowwise_ref(x), exact=True)
+    assert_fp8_equal(a8, Q.swiglu_quant_ref(x), exact=True)
+    with pytest.raises(ValueError, match=r"I % 128 == 0, got shape \(4, 384\)"):
+        Q.swiglu_quant_cache(torch.zeros(4, 384))
+
+
 # Scale storage (moefp8.fp8): "1x128" producers write column-major scales on request (GEMM
 # operands), "128x1" scales are always column-major, and every kernel that reads "1x128" scales
 # gives the same result from either order. M = 144 takes requant's words kernel, 200 the generic one.
@@ -426,6 +485,18 @@ def test_triton_gpu_bit_exact(name, fmt, M, K):
         want = ref(inp, fmt)
         torch.cuda.synchronize()
         assert_fp8_equal(got, want, exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("M,K", GPU_SHAPES)
+def test_triton_gpu_fused_pairs_bit_exact(fmt, M, K):
+    for seed in range(2):
+        check_rowwise_colwise(make_x(M, K, torch.bfloat16, seed=seed * 1000 + M + K, device="cuda"), fmt, exact=True)
+    z = requant_nonfinite_input(200, "cuda").dequantize()  # NaN and Inf inputs: as the two kernels
+    check_rowwise_colwise(z, fmt, exact=True)
+    if K % 256 == 0:
+        check_swiglu_quant_cache(make_x(M, K, torch.bfloat16, seed=M, device="cuda").clamp(-60, 60), fmt, exact=True)
 
 
 @pytest.mark.gpu

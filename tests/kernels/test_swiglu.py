@@ -53,7 +53,7 @@ def test_backward_quant_ref_is_the_quantized_gradient():
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("M,I", [(1, 128), (200, 256)])
+@pytest.mark.parametrize("M,I", [(1, 128), (200, 256), (144, 128), (256, 256)])  # M % 16 == 0: packed col-wise store
 def test_interpreter_vs_ref(M, I):
     h, da = inputs(M, I, seed=M)
     h8 = quant_rowwise_ref(h)
@@ -77,7 +77,7 @@ def test_bf16_any_width_and_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,I", [(1, 128), (127, 256), (4113, 2048), (16384, 1024)])
+@pytest.mark.parametrize("M,I", [(1, 128), (127, 256), (1040, 384), (4113, 2048), (16384, 1024)])
 @pytest.mark.parametrize("fmt", ["pow2", "fp32"])
 def test_gpu_bit_exact(M, I, fmt):
     h, da = inputs(M, I, seed=M + I, device="cuda")
