@@ -21,7 +21,7 @@ from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import use_triton
-from moefp8.kernels.quant import (_INTERPRET, _dequant_rows, _load_rows, _packs, _quant_cols4_store,
+from moefp8.kernels.quant import (LAUNCH, _INTERPRET, _dequant_rows, _load_rows, _packs, _quant_cols4_store,
                                   _quant_rows_store, _scales, _swiglu, quant_colwise_ref, quant_rowwise_ref,
                                   swiglu_ref)
 from triton.language.extra import libdevice
@@ -150,7 +150,7 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
         _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
             h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
             h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
-            cs.stride(1), POW2=pow2, PACK=_packs(M), num_warps=8, enable_fp_fusion=False)
+            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False, **LAUNCH["swiglu_backward_quant"])
     return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
 
 

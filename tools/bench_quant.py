@@ -35,6 +35,7 @@ SWEEP = {
     "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
     "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
     "rowwise_colwise": [dict(num_warps=w) for w in (4, 8, 16)],
+    "swiglu_backward_quant": [dict(num_warps=w) for w in (4, 8, 16)],
 }
 LAUNCH_KEY = {"swiglu_quant_cache": "swiglu_quant"}  # kernels sharing another's launch config
 
@@ -97,12 +98,14 @@ def main() -> None:
                    help="expert weight stacks ExNxK (fp32), paired with --shapes in order")
     p.add_argument("--fmts", default="pow2", help="scale formats to run: pow2,fp32")
     p.add_argument("--sweep", action="store_true", help="time alternative launch configs, keep the fastest")
+    p.add_argument("--only", default=None, help="comma-separated kernels to run (default: all)")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/quant-<device>.json)")
     args = p.parse_args()
     dev = "cuda" if gpu else "cpu"
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     w_shapes = [tuple(int(v) for v in s.split("x")) for s in args.weight_shapes.split(",")]
     fmts = args.fmts.split(",")
+    only = set(args.only.split(",")) if args.only else None
 
     copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (bytes read + written)")
@@ -110,6 +113,8 @@ def main() -> None:
     sweep_log = []
     if args.sweep and gpu:
         for name, configs in SWEEP.items():
+            if only and name not in only:
+                continue
             best = None
             for cfg in configs:
                 Q.LAUNCH[name] = cfg
@@ -128,6 +133,8 @@ def main() -> None:
     for fmt in fmts:
         for (M, K), ws in zip(shapes, w_shapes):
             for name, (inp, fn, ref, nb) in cases(M, K, ws, dev).items():
+                if only and name not in only:
+                    continue
                 ms = bench(lambda: fn(inp, fmt))
                 ref_ms = bench(lambda: ref(inp, fmt))
                 gbs = nb / ms / 1e6
