@@ -454,7 +454,7 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "weight": dict(num_warps=8),
     "requant_colwise": dict(BLOCK_K=64, num_warps=2),  # words kernel (dev_requant_variants.py sweep); BLOCK_K <= 128
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
-    "rowwise_colwise": dict(num_warps=8),  # 128x128 tiles
+    "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
     "swiglu_backward_quant": dict(num_warps=8),  # 128x128 tiles (kernels/swiglu.py)
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
     "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128

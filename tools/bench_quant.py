@@ -67,11 +67,11 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
         "dequant_swiglu_quant_colwise": (x8, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
                                          fp8_bytes(x8) + half_col),
         "rowwise_colwise": (x, Q.quant_rowwise_colwise, Q.quant_rowwise_colwise_ref, nbytes(x) + out_row + out_col),
-        "swiglu_quant_cache": (x, lambda h, f: Q.swiglu_quant_cache(h, f, colmajor_scale=True),
-                               lambda h, f: Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
+        "swiglu_quant_cache": (x, lambda h, f="pow2": Q.swiglu_quant_cache(h, f, colmajor_scale=True),
+                               lambda h, f="pow2": Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
                                nbytes(x) + out_row + half_row),
-        "swiglu_backward_quant": ((x8, da), lambda i, f: S.swiglu_backward_quant(*i, f),
-                                  lambda i, f: S.swiglu_backward_quant(*i, f, "ref"),
+        "swiglu_backward_quant": ((x8, da), lambda i, f="pow2": S.swiglu_backward_quant(*i, f),
+                                  lambda i, f="pow2": S.swiglu_backward_quant(*i, f, "ref"),
                                   fp8_bytes(x8) + nbytes(da) + out_row + out_col),
     }
 
