@@ -92,8 +92,8 @@ def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr
     d3 = _swiglu_grad_rows(h, hs, da, r + 3, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
                            q, qs, stride_qm, stride_qsm, POW2)
     _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, 128,
-                       c_ptr + (col * 128).to(tl.int64) * stride_ck + m0, cs_ptr + col * 128 * stride_csk + pid_m * stride_csm,
-                       stride_ck, stride_csk, POW2, PACK)
+                       c_ptr + (col * 128).to(tl.int64) * stride_ck + m0,
+                       cs_ptr + col * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2, PACK)
 
 
 @triton.jit

@@ -8,8 +8,8 @@ y = x · Wᵀ with the DeepSeek-V3 recipe:
   the same kernel, `quant_rowwise_colwise`: 1 byte per element instead of the bf16 input) and
   the FP8 weight (for dgrad).
 * backward: dY -> "1x128" FP8 -> dgrad GEMM (BF16 dX) and, in the same pass, -> "128x1" ->
-  wgrad GEMM with the saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor (Megatron style), the
-  wgrad accumulates into it inside the GEMM and the weight gets no ``.grad``.
+  wgrad GEMM with the saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor
+  (Megatron style), the wgrad accumulates into it inside the GEMM and the weight gets no ``.grad``.
 
 K and N must be multiples of 128 (the quantization tiles); x may have any number of rows.
 """
