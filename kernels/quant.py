@@ -80,14 +80,17 @@ def _to_fp8(x, scale, inv, POW2: tl.constexpr):
 
 @triton.jit
 def _quant_rows_store(x, offs_m, offs_k, m_left, q_ptr, s_ptr, stride_qm, stride_sm, POW2: tl.constexpr):
-    """x [BLOCK_M, 128] fp32 tile -> FP8 rows + one scale per row. q_ptr and s_ptr point at the
-    tile's origin; rows at or past m_left are masked."""
+    """x [BLOCK_M, 128] fp32 tile (rows offs_m) -> FP8 rows + one scale per row. q_ptr and s_ptr
+    point at the tile's origin; rows at or past m_left are masked. Returns the stored codes
+    dequantized in fp32 (what requant_colwise would read back; masked rows of x must be 0 and come
+    back as 0); callers that only store leave it unused, and the compiler drops it."""
     amax = tl.max(_abs_nan0(x), axis=1)
     scale, inv = _scale_from_amax(amax, POW2)
     q = _to_fp8(x, scale[:, None], inv[:, None], POW2)
     row_ok = offs_m < m_left
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=row_ok[:, None])
     tl.store(s_ptr + offs_m * stride_sm, scale, mask=row_ok)
+    return q.to(tl.float32) * scale[:, None]
 
 
 @triton.jit
@@ -347,19 +350,6 @@ def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride
 
 
 @triton.jit
-def _quant_rows_dequant(x, rows, offs_k, m_left, q_ptr, s_ptr, stride_qm, stride_sm, POW2: tl.constexpr):
-    """`_quant_rows_store` for the tile's rows `rows`, returning the stored codes dequantized in fp32
-    (what requant_colwise reads back; rows at or past m_left come back as 0)."""
-    amax = tl.max(_abs_nan0(x), axis=1)
-    scale, inv = _scale_from_amax(amax, POW2)
-    q = _to_fp8(x, scale[:, None], inv[:, None], POW2)
-    row_ok = rows < m_left
-    tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :], q, mask=row_ok[:, None])
-    tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
-    return q.to(tl.float32) * scale[:, None]
-
-
-@triton.jit
 def _quant_rowwise_colwise_kernel(x_ptr, q_ptr, s_ptr, c_ptr, cs_ptr, M, K, stride_xm, stride_qm, stride_sm,
                                   stride_sg, stride_ck, stride_csk, stride_csg, POW2: tl.constexpr,
                                   PACK: tl.constexpr):
@@ -377,13 +367,13 @@ def _quant_rowwise_colwise_kernel(x_ptr, q_ptr, s_ptr, c_ptr, cs_ptr, M, K, stri
     x = x_ptr + m0 * stride_xm + k0
     q = q_ptr + m0 * stride_qm + k0
     s = s_ptr + m0 * stride_sm + pid_g * stride_sg
-    d0 = _quant_rows_dequant(_load_rows(x, r, offs_k, m_left, 128, stride_xm), r, offs_k, m_left, q, s,
+    d0 = _quant_rows_store(_load_rows(x, r, offs_k, m_left, 128, stride_xm), r, offs_k, m_left, q, s,
                              stride_qm, stride_sm, POW2)
-    d1 = _quant_rows_dequant(_load_rows(x, r + 1, offs_k, m_left, 128, stride_xm), r + 1, offs_k, m_left, q, s,
+    d1 = _quant_rows_store(_load_rows(x, r + 1, offs_k, m_left, 128, stride_xm), r + 1, offs_k, m_left, q, s,
                              stride_qm, stride_sm, POW2)
-    d2 = _quant_rows_dequant(_load_rows(x, r + 2, offs_k, m_left, 128, stride_xm), r + 2, offs_k, m_left, q, s,
+    d2 = _quant_rows_store(_load_rows(x, r + 2, offs_k, m_left, 128, stride_xm), r + 2, offs_k, m_left, q, s,
                              stride_qm, stride_sm, POW2)
-    d3 = _quant_rows_dequant(_load_rows(x, r + 3, offs_k, m_left, 128, stride_xm), r + 3, offs_k, m_left, q, s,
+    d3 = _quant_rows_store(_load_rows(x, r + 3, offs_k, m_left, 128, stride_xm), r + 3, offs_k, m_left, q, s,
                              stride_qm, stride_sm, POW2)
     _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, K - k0,
                        c_ptr + k0.to(tl.int64) * stride_ck + m0, cs_ptr + k0 * stride_csk + pid_m * stride_csg,
