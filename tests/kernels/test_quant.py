@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moefp8.fp8 import FP8_DTYPE, Fp8Tensor, col_major
+from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, Fp8Tensor, col_major
 from moefp8.kernels import quant as Q
 from moefp8.testing import assert_fp8_equal
 
@@ -62,7 +62,7 @@ def round_e4m3_f64(y: torch.Tensor) -> torch.Tensor:
 
 
 def expected_scale_f64(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    amax = amax.double().clamp_min(float(torch.tensor(1e-4, dtype=torch.float32)))
+    amax = amax.double().clamp_min(float(torch.tensor(AMAX_MIN, dtype=torch.float32)))
     if fmt == "pow2":
         return torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     return (amax / 448.0).float().double()  # binary64 -> binary32 rounding of the exact quotient
@@ -152,12 +152,20 @@ def test_dequantize_layouts_round_trip():
         assert torch.all((d - x).abs() <= torch.maximum(x.abs() * 2**-4, s * 2**-10))
 
 
-def test_zero_and_tiny_tiles_use_the_amax_clamp():
-    x = torch.zeros(2, 256)
-    x[1, :128] = 1e-9
-    q = Q.quant_rowwise_ref(x)
-    assert torch.all(q.scale == 2.0**-22)  # 2**ceil(log2(1e-4/448)) = 2**-22
-    assert torch.all(q.data.float()[0] == 0)
+def test_zero_tiles_use_the_amax_clamp_and_gradient_sized_tiles_their_own_scale():
+    x = torch.zeros(3, 256)
+    x[1, :128] = 1e-9  # a gradient-sized tile (dY tiles of a 16k-token step: amax ~1e-7..1e-9)
+    x[2, :128] = 1e-35  # below the clamp
+    for quant in (Q.quant_rowwise_ref, Q.quant_rowwise):
+        q = quant(x)
+        floor = 2.0**-108  # 2**ceil(log2(AMAX_MIN/448)), AMAX_MIN = 1e-30
+        assert torch.all(q.scale[[0, 2]] == floor) and torch.all(q.scale[1, 1] == floor)
+        assert q.scale[1, 0] == 2.0**-38  # 2**ceil(log2(1e-9/448)): 1e-9 -> 275, a normal E4M3 value
+        assert torch.all(q.data.float()[0] == 0)
+        assert torch.all((q.dequantize()[2] - x[2]).abs() <= 2**-10 * floor)  # E4M3 subnormals of the floor
+        assert torch.all(q.data.float()[1, :128] == 288.0)  # 1e-9 * 2**38 = 274.9: E4M3 step 32 there
+        assert torch.all(q.dequantize()[1, :128] / 1e-9 - 1 < 2**-4)
+    assert AMAX_MIN == 1e-30
 
 
 def test_outliers_never_overflow():
