@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefp8.kernels import grouped_gemm as gg  # noqa: E402
-from moefp8.kernels.gemm import _cublas_weight_scale, _col_major, fp8_gemm, fp8_gemm_dgrad, transpose_weight  # noqa: E402
+from moefp8.fp8 import col_major as _col_major  # noqa: E402
+from moefp8.kernels.gemm import _cublas_weight_scale, fp8_gemm, fp8_gemm_dgrad, transpose_weight  # noqa: E402
 from moefp8.kernels.quant import quant_colwise, quant_rowwise, quant_weight  # noqa: E402
 from moefp8.testing import bench, print_table, rel_err, save_results  # noqa: E402
 
