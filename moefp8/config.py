@@ -109,6 +109,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     seq_len: int = 256
     log_every: int = 10
+    fp8_stats_every: int = 100  # FP8 recipe: tile-scale statistics (fp8/* metrics) of one step in N; 0: off
     ckpt_every: int = 50  # 0: only at the end
     out_dir: str = "outputs/runs/default"  # the run dir: checkpoints, metrics, wandb files
     resume: str = "auto"  # auto: the latest complete checkpoint in out_dir if any; none; or a step dir
@@ -175,6 +176,8 @@ def validate(cfg: Config) -> None:
                 raise ValueError(f"{name}.{f.name}={v}: must be finite")
     _positive("optim.lr", o.lr)
     _positive("train.dist_timeout_s", t.dist_timeout_s)
+    if t.fp8_stats_every < 0:
+        raise ValueError(f"train.fp8_stats_every={t.fp8_stats_every}: must be >= 0 (0: off)")
     _positive("dispatch.ep_size", d.ep_size)
     _one_of("dispatch.mode", d.mode, DISPATCH_MODES)
     for key, off in (("capacity", "train.micro_batch * train.seq_len"), ("max_nodes", "off"),

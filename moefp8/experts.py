@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from moefp8.fp8 import Fp8Tensor
+from moefp8.fp8 import SCALE_STATS, Fp8Tensor
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
 from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, requant_colwise, swiglu_quant_cache
@@ -79,6 +79,7 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
         h = _mm(x8, w1_8, off, off_host)
     with record_function("swiglu"):
         h8, a8 = swiglu_quant_cache(h, scale_fmt, colmajor_scale=True)
+        SCALE_STATS.record("act", a8)
     with record_function("fc2"):
         return _mm(a8, w2_8, off, off_host), h8, a8
 
@@ -96,6 +97,7 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
         del dy_col
     with record_function("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
+        SCALE_STATS.record("grad", dh8)
     with record_function("bwd_fc1"):
         dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host)
         dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host) if want_dx else None

@@ -26,9 +26,9 @@ GEMM operands; every kernel that reads scales takes both strides.
 Scale formats (one switch for the whole recipe): ``"pow2"`` (default) stores
 ``s = 2**ceil(log2(amax/448))`` so ``x/s`` is exact and only the FP8 cast rounds; ``"fp32"``
 stores ``s = amax/448``. amax is clamped to >= `AMAX_MIN` = 1e-30, only so that an all-zero
-tile gets a finite, normal scale (2**-108; 1/s = 2**108 and its UE8M0 byte stay in range). Where bytes matter (dispatch payloads,
-cached activations) pow2 scales travel as UE8M0 bytes (``exponent + 127``): see
-`pack_ue8m0` / `unpack_ue8m0`.
+tile gets a finite, normal scale (2**-108; 1/s = 2**108 and its UE8M0 byte stay in range).
+Where bytes matter (dispatch payloads, cached activations) pow2 scales travel as UE8M0 bytes
+(``exponent + 127``): see `pack_ue8m0` / `unpack_ue8m0`.
 
 Non-finite input (both formats): NaN elements are ignored by the tile's amax and stay NaN;
 an Inf makes its tile's scale Inf, so the whole tile dequantizes to NaN. Non-finite input
@@ -119,3 +119,48 @@ def pack_ue8m0(scale: Tensor, check: bool = True) -> Tensor:
 def unpack_ue8m0(e8: Tensor) -> Tensor:
     """uint8 biased exponents -> fp32 scales 2**(e8 - 127) (byte 0 maps to 0.0, never produced)."""
     return (e8.to(torch.int32) << 23).view(torch.float32)
+
+
+class ScaleStats:
+    """Statistics of the FP8 tile scales the recipe makes, recorded while `on` (the training loop turns
+    it on for one step every `train.fp8_stats_every`). Per kind, "act" (activations quantized for a
+    GEMM or the dispatch) and "grad" (output gradients quantized for dgrad/wgrad): the tiles, the
+    share at the amax-clamp floor (all-zero tiles, or, with a clamp that bites, tiles too small for
+    their own scale: what exposed the old 1e-4 clamp on gradients) and the mean and min log2 of the
+    other finite scales. Sums stay on the device; `report` reads them once and resets.
+    """
+
+    def __init__(self):
+        self.on = False
+        self._acc: dict[str, Tensor] = {}
+
+    def record(self, kind: str, q: Fp8Tensor) -> None:
+        if not self.on or q.scale.numel() == 0:
+            return
+        s = q.scale.detach().float()
+        at_floor = s < 2 * AMAX_MIN / FP8_MAX
+        fin = torch.isfinite(s) & ~at_floor  # the mean and min are over the other tiles
+        l2 = torch.where(fin, s, torch.ones_like(s)).log2()
+        row = torch.stack([torch.tensor(float(s.numel()), device=s.device), at_floor.sum().float(),
+                           l2.sum(), fin.sum().float(), torch.where(fin, l2, torch.full_like(l2, 1e9)).min()])
+        a = self._acc.get(kind)
+        if a is None:
+            self._acc[kind] = row
+        else:
+            self._acc[kind] = torch.cat([a[:4] + row[:4], torch.minimum(a[4:], row[4:])])
+
+    def report(self) -> dict[str, float]:
+        """{"fp8/<kind>_tiles", "fp8/<kind>_at_floor" (share), "fp8/<kind>_log2_scale_mean", "..._min"}."""
+        out = {}
+        for kind, a in sorted(self._acc.items()):
+            n, floor, l2sum, nfin, l2min = a.tolist()
+            out[f"fp8/{kind}_tiles"] = n
+            out[f"fp8/{kind}_at_floor"] = floor / n
+            if nfin:
+                out[f"fp8/{kind}_log2_scale_mean"] = l2sum / nfin
+                out[f"fp8/{kind}_log2_scale_min"] = l2min
+        self._acc.clear()
+        return out
+
+
+SCALE_STATS = ScaleStats()  # the one recorder the layers report to (see ScaleStats)

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm
-from moefp8.fp8 import TILE, Fp8Tensor, check_scale_fmt
+from moefp8.fp8 import SCALE_STATS, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
                                     unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise
@@ -92,6 +92,8 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
     fp8, disp = layer.recipe == "fp8", layer.dispatcher
     with record_function("quant"):
         xin = quant_rowwise(x_TH, layer.scale_fmt) if fp8 else x_TH.to(torch.bfloat16)
+        if fp8:
+            SCALE_STATS.record("act", xin)
     with record_function("dispatch"):
         return disp.dispatch(xin, topk_idx_TK, topk_w_TK)
 
@@ -127,6 +129,8 @@ def bwd_dispatch(layer, dout: Tensor, s: Saved):
     fp8, disp = layer.recipe == "fp8", layer.dispatcher
     with record_function("bwd_dispatch"):
         g = quant_rowwise(dout, layer.scale_fmt) if fp8 else dout.to(torch.bfloat16)
+        if fp8:
+            SCALE_STATS.record("grad", g)
         return disp.dispatch(g, handle=s.handle).x
 
 
@@ -204,6 +208,7 @@ def shared_forward(shared, x_TH: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor
     fmt = shared.scale_fmt
     if shared.recipe == "fp8":
         x8, x_col = quant_rowwise_colwise(x_TH, fmt)
+        SCALE_STATS.record("act", x8)
         y, h8, _ = fp8_mlp_forward(x8, None, shared.cache.get(w1, fmt), shared.cache.get(w2, fmt), fmt)
         return y, (x_col.data, x_col.scale, h8.data, h8.scale)
     x = x_TH.to(torch.bfloat16)
@@ -216,6 +221,7 @@ def shared_backward(shared, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, wa
     fmt, (x, xs, h, hs) = shared.scale_fmt, saved
     if shared.recipe == "fp8":
         dy8, dy_col = quant_rowwise_colwise(dy, fmt)
+        SCALE_STATS.record("grad", dy8)
         dx, dw1, dw2 = fp8_mlp_backward(dy8, Fp8Tensor(x, xs, "128x1"), Fp8Tensor(h, hs, "1x128"), None, w1, w2,
                                         shared.cache, fmt, want_dx=want_dx, dy_col=dy_col)
     else:

@@ -42,6 +42,7 @@ from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import Loader, prepare
 from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, build_ep_group, node_limited_groups
+from moefp8.fp8 import SCALE_STATS
 from moefp8.hydra_config import CONFIG_DIR, first_line, load_config, register_schema
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
@@ -396,6 +397,8 @@ def train(cfg: Config) -> dict:
             loss_sum = torch.zeros((), device=device)
             aux_sum = torch.zeros((), device=device)
             load_LE = nonfinite_S = None
+            SCALE_STATS.on = (cfg.recipe.recipe == "fp8" and t.fp8_stats_every > 0
+                              and ((step + 1) % t.fp8_stats_every == 0 or step == start))
             for _ in range(t.grad_accum):
                 x, y = loader.next()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -413,6 +416,7 @@ def train(cfg: Config) -> dict:
                 par.all_reduce_(loss_sum).div_(world)
                 par.all_reduce_(aux_sum).div_(world)
                 par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
+            SCALE_STATS.on = False
             gnorm = clip_grad_norm(replicated_params, o.grad_clip, sharded_params, par.ep_group)
             loss, aux, gn = (loss_sum / t.grad_accum).item(), (aux_sum / t.grad_accum).item(), gnorm.item()
             if not (math.isfinite(loss) and math.isfinite(gn)):  # the same values on every rank
@@ -422,6 +426,7 @@ def train(cfg: Config) -> dict:
                 if t.nan_policy == "stop":
                     raise Diverged(msg + ". Stopped (train.nan_policy=stop).")
                 console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip)")
+                SCALE_STATS.report()  # dropped with the step
                 opt.zero_grad()
                 watchdog.beat()
                 continue
@@ -435,7 +440,8 @@ def train(cfg: Config) -> dict:
             m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                  "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
-                 "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(device)}
+                 "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(device),
+                 **SCALE_STATS.report()}  # this rank's FP8 tile scales, on stats steps (train.fp8_stats_every)
             if peak:
                 m["mfu"] = fpt * m["tokens_per_s"] / (peak * world)
             mf.write(json.dumps(m) + "\n")
@@ -449,7 +455,7 @@ def train(cfg: Config) -> dict:
                 mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
                 console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f} aux {aux:.2e} lr {lr:.2e} "
                               f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
-                              f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}")
+                              f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
             if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps:
                 watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
                 last_saved = checkpoint.save(run_dir, step + 1, state(step + 1),
@@ -462,6 +468,15 @@ def train(cfg: Config) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return m
+
+
+def fp8_line(m: dict) -> str:
+    """The console's summary of a stats step's FP8 scales: typical log2 scale of activation and
+    gradient tiles, and the share of gradient tiles at the amax-clamp floor."""
+    if "fp8/grad_tiles" not in m or "fp8/act_log2_scale_mean" not in m:
+        return ""
+    return (f" | fp8 log2 scale act {m['fp8/act_log2_scale_mean']:.1f} grad {m.get('fp8/grad_log2_scale_mean', 0):.1f},"
+            f" grad tiles at floor {m['fp8/grad_at_floor']:.1%}")
 
 
 def _comm_failure(e: BaseException) -> bool:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moefp8.fp8 import Fp8Tensor, pack_ue8m0, unpack_ue8m0
+from moefp8.fp8 import Fp8Tensor, ScaleStats, pack_ue8m0, unpack_ue8m0
 from moefp8.kernels.quant import quant_rowwise_ref, quant_weight_ref
 
 
@@ -37,3 +37,20 @@ def test_block_dequantize_uses_each_block_scale():
 def test_unknown_layout():
     with pytest.raises(ValueError, match="unknown FP8 layout '2x2'"):
         Fp8Tensor(torch.zeros(1, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1), "2x2").dequantize()
+
+
+def test_scale_stats_counts_floor_tiles_and_averages_the_others():
+    st = ScaleStats()
+    x = torch.zeros(4, 256)
+    x[0] = 448.0 * 2**-20  # scale 2**-20
+    x[1, :128] = 448.0 * 2**-30  # scale 2**-30; its second tile and rows 2, 3 are zero: at the floor
+    st.record("grad", quant_rowwise_ref(x))  # off: ignored
+    assert st.report() == {}
+    st.on = True
+    st.record("grad", quant_rowwise_ref(x))
+    st.record("act", quant_rowwise_ref(torch.ones(1, 128)))  # scale 2**-8
+    r = st.report()
+    assert r["fp8/grad_tiles"] == 8 and r["fp8/grad_at_floor"] == 5 / 8
+    assert r["fp8/grad_log2_scale_mean"] == (-20 - 20 - 30) / 3 and r["fp8/grad_log2_scale_min"] == -30
+    assert r["fp8/act_tiles"] == 1 and r["fp8/act_at_floor"] == 0 and r["fp8/act_log2_scale_mean"] == -8
+    assert st.report() == {}  # reset by the report

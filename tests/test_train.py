@@ -42,7 +42,7 @@ def cli(args, timeout=300):
 def test_cli_trains_tiny_model(data_dir, tmp_path):
     out = tmp_path / "run"
     r = cli(base(data_dir, out, **{"model": "tiny", "train.steps": 30, "train.micro_batch": 8, "optim.warmup_steps": 5,
-                                   "train.ckpt_every": 0, "logger.mode": "offline"}))
+                                   "train.ckpt_every": 0, "logger.mode": "offline", "train.fp8_stats_every": 10}))
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(out)
     assert [x["step"] for x in m] == list(range(1, 31))
@@ -52,6 +52,12 @@ def test_cli_trains_tiny_model(data_dir, tmp_path):
     assert checkpoint.check_complete(out / "step_0000030")["step"] == 30
     assert list((out / "wandb").glob("offline-run-*")), "wandb offline run files in the run dir"
     assert "name: tiny" in (out / "config.yaml").read_text()  # the resolved config, written by rank 0
+    stats = [x for x in m if "fp8/grad_tiles" in x]  # FP8 scale statistics on steps 1, 10, 20, 30
+    assert [x["step"] for x in stats] == [1, 10, 20, 30]
+    for x in stats:  # gradient tiles sit far below activation tiles; at the clamp floor: zero tiles only
+        assert x["fp8/grad_log2_scale_mean"] < x["fp8/act_log2_scale_mean"] - 8, x  # (padding; ~50% with a 1e-4 clamp)
+        assert x["fp8/grad_at_floor"] < 0.3 and x["fp8/act_tiles"] > 0, x
+    assert "grad tiles at floor" in r.stdout
 
 
 def test_resume_is_bit_exact(data_dir, tmp_path):
