@@ -132,7 +132,7 @@ class ScaleStats:
 
     def __init__(self):
         self.on = False
-        self._acc: dict[str, Tensor] = {}
+        self._rows: dict[str, list[Tensor]] = {}
 
     def record(self, kind: str, q: Fp8Tensor) -> None:
         if not self.on or q.scale.numel() == 0:
@@ -141,25 +141,26 @@ class ScaleStats:
         at_floor = s < 2 * AMAX_MIN / FP8_MAX
         fin = torch.isfinite(s) & ~at_floor  # the mean and min are over the other tiles
         l2 = torch.where(fin, s, torch.ones_like(s)).log2()
-        row = torch.stack([torch.tensor(float(s.numel()), device=s.device), at_floor.sum().float(),
-                           l2.sum(), fin.sum().float(), torch.where(fin, l2, torch.full_like(l2, 1e9)).min()])
-        a = self._acc.get(kind)
-        if a is None:
-            self._acc[kind] = row
-        else:
-            self._acc[kind] = torch.cat([a[:4] + row[:4], torch.minimum(a[4:], row[4:])])
+        # one row per tensor, made on the producer's stream (the overlap schedule quantizes on two):
+        # nothing is accumulated across streams before `report` synchronizes
+        self._rows.setdefault(kind, []).append(torch.stack([
+            torch.tensor(float(s.numel()), device=s.device), at_floor.sum().float(), l2.sum(), fin.sum().float(),
+            torch.where(fin, l2, torch.full_like(l2, 1e9)).min()]))
 
     def report(self) -> dict[str, float]:
         """{"fp8/<kind>_tiles", "fp8/<kind>_at_floor" (share), "fp8/<kind>_log2_scale_mean", "..._min"}."""
+        if any(r[0].is_cuda for r in self._rows.values()):
+            torch.cuda.synchronize()
         out = {}
-        for kind, a in sorted(self._acc.items()):
-            n, floor, l2sum, nfin, l2min = a.tolist()
+        for kind, rows in sorted(self._rows.items()):
+            r = torch.stack(rows)
+            n, floor, l2sum, nfin = r[:, :4].sum(0).tolist()
             out[f"fp8/{kind}_tiles"] = n
             out[f"fp8/{kind}_at_floor"] = floor / n
             if nfin:
                 out[f"fp8/{kind}_log2_scale_mean"] = l2sum / nfin
-                out[f"fp8/{kind}_log2_scale_min"] = l2min
-        self._acc.clear()
+                out[f"fp8/{kind}_log2_scale_min"] = r[:, 4].min().item()
+        self._rows.clear()
         return out
 
 
