@@ -39,3 +39,8 @@ def test_convergence_tool_cpu(tmp_path):
     assert gap["noise_floor"] == "bf16_seed+1" and gap["noise_floor_pct"] > 0  # another seed differs from BF16
     assert 0 <= gap["share_of_last_half_within_threshold"] <= 1 and 0 <= gap["noise_floor_share_within_threshold"] <= 1
     assert rows["fp8 tokens/s"]["value"] > 0 and len(doc["curves"]["rel_diff"]) == 6
+    vs = gap["fp8_vs_bf16_seed+1"]  # FP8 against the other BF16 run: is it inside BF16's own spread
+    c = doc["curves"]
+    want = max(abs(c["fp8"]["ema"][i] / c["bf16_seed+1"]["ema"][i] - 1) for i in range(3, 6))
+    assert vs["max_pct"] == pytest.approx(100 * want, abs=1e-4) and 0 <= vs["share_within_threshold"] <= 1
+    assert "fp8 vs bf16_seed+1: max" in r.stdout

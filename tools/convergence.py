@@ -171,6 +171,8 @@ def main() -> None:
         noise_curve = (noise_name, both, [(en[s] - e16[s]) / e16[s] for s in both])
         noise_last = noise_curve[2][len(both) // 2:]
         noise, noise_mean = max(abs(r) for r in noise_last), sum(noise_last) / len(noise_last)
+        # FP8 against the other BF16 run: whether FP8 sits inside BF16's own run-to-run spread
+        vs_noise = [(e8[s] - en[s]) / en[s] for s in both][len(both) // 2:]
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
     case = f"{' '.join(overrides) or 'defaults'}, {steps[-1]} steps"
     rows = [
@@ -183,7 +185,10 @@ def main() -> None:
          "final_expert_load": {r: c["load"] for r, c in curves.items()},
          "noise_floor": noise_name, "noise_floor_pct": round(100 * noise, 4) if noise is not None else None,
          "noise_floor_mean_pct": round(100 * noise_mean, 4) if noise is not None else None,
-         "noise_floor_share_within_threshold": within(noise_last) if noise is not None else None},
+         "noise_floor_share_within_threshold": within(noise_last) if noise is not None else None,
+         **({f"fp8_vs_{noise_name}": {"max_pct": round(100 * max(abs(r) for r in vs_noise), 4),
+                                      "mean_pct": round(100 * sum(vs_noise) / len(vs_noise), 4),
+                                      "share_within_threshold": within(vs_noise)}} if noise is not None else {})},
         {"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
          "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
          "ratio": round(tps["fp8"] / tps["bf16"], 3)},
@@ -202,6 +207,8 @@ def main() -> None:
         print(f"mean EMA rel. loss diff over the last half: fp8 vs bf16 {100 * sum(last) / len(last):+.3f}%, "
               f"{noise_name} vs bf16 {100 * noise_mean:+.3f}%")
         print(f"noise floor ({noise_name} vs bf16), max of the same statistic: {100 * noise:.3f}%")
+        print(f"fp8 vs {noise_name}: max {100 * max(abs(r) for r in vs_noise):.3f}%, mean "
+              f"{100 * sum(vs_noise) / len(vs_noise):+.3f}%, {within(vs_noise):.0%} of the last half inside")
     print(f"saved {json_path} and {png}")
 
 
