@@ -135,7 +135,7 @@ class OverlappedMoE(torch.autograd.Function):
             st.hand_to(st.compute, d[i].x, d[i].topk_idx, d[i].topk_w, L[i].row_TK, L[i].src_M, L[i].offsets)
 
         def experts(i):
-            st.wait(st.compute, ev_s[i], ev_d[i])
+            st.wait(st.compute, ev_d[i])  # implies ev_s[i]: the layout stream waited for the dispatch first
             z[i], saves[i] = fwd_experts(layer, d[i], L[i], w1, w2, want_dw)
             ev_z[i] = st.mark(st.compute)
             st.hand_to(st.comm, z[i])
