@@ -33,7 +33,7 @@ def _wgrad_target(weight: Tensor) -> Tensor | None:
     return mg if isinstance(mg, Tensor) and mg.dtype == torch.float32 else None
 
 
-def _quant_input(x2: Tensor, scale_fmt: str, colwise: bool, kind: str) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+def quant_operand(x2: Tensor, scale_fmt: str, colwise: bool, kind: str) -> tuple[Fp8Tensor, Fp8Tensor | None]:
     """A GEMM operand [M, K] -> ("1x128" with the GEMMs' column-major scales, its "128x1" copy for
     the wgrad GEMM when `colwise`, else None); kind ("act" | "grad") for SCALE_STATS."""
     if colwise:
@@ -54,7 +54,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if x.shape[-1] != K:
             raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
         x2 = x.reshape(-1, K)
-        x8, xc = _quant_input(x2, scale_fmt, colwise=weight.requires_grad, kind="act")
+        x8, xc = quant_operand(x2, scale_fmt, colwise=weight.requires_grad, kind="act")
         w8 = quant_weight(weight, scale_fmt)
         y = fp8_gemm(x8, w8)
         if weight.requires_grad:
@@ -73,7 +73,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, N)
         if dy2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             dy2 = dy2.float()
-        dy8, dy_col = _quant_input(dy2, ctx.scale_fmt, colwise=ctx.needs_input_grad[1], kind="grad")
+        dy8, dy_col = quant_operand(dy2, ctx.scale_fmt, colwise=ctx.needs_input_grad[1], kind="grad")
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm_dgrad(dy8, Fp8Tensor(w_data, w_scale, "128x128")).reshape(ctx.x_shape)
@@ -125,7 +125,7 @@ def fp8_grouped_linear(x: Tensor, weight: Tensor, group_offsets, scale_fmt: str 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, off: Tensor, scale_fmt: str) -> Tensor:
-        x8, xc = _quant_input(x, scale_fmt, colwise=weight.requires_grad, kind="act")
+        x8, xc = quant_operand(x, scale_fmt, colwise=weight.requires_grad, kind="act")
         w8 = quant_weight(weight, scale_fmt)
         y = fp8_grouped_gemm(x8, w8, off, validate=False)
         if weight.requires_grad:
@@ -139,7 +139,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         xc_data, xc_scale, w_data, w_scale, off = ctx.saved_tensors
-        dy8, dy_col = _quant_input(dy.contiguous(), ctx.scale_fmt, colwise=ctx.needs_input_grad[1], kind="grad")
+        dy8, dy_col = quant_operand(dy.contiguous(), ctx.scale_fmt, colwise=ctx.needs_input_grad[1], kind="grad")
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_grouped_gemm(dy8, Fp8Tensor(w_data, w_scale, "128x128"), off, transpose_b=True,

@@ -33,7 +33,8 @@ from moefp8.kernels.grouped_gemm import fp8_grouped_gemm
 from moefp8.fp8 import SCALE_STATS, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
                                     unpermute_combine)
-from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise
+from moefp8.kernels.quant import quant_rowwise
+from moefp8.linear import quant_operand
 from moefp8.router import Router
 
 RECIPES = ("fp8", "bf16")
@@ -207,8 +208,7 @@ def shared_forward(shared, x_TH: Tensor, w1: Tensor, w2: Tensor) -> tuple[Tensor
     FP8: x is quantized row-wise (fc1's operand) and col-wise (fc1's wgrad operand) in one pass."""
     fmt = shared.scale_fmt
     if shared.recipe == "fp8":
-        x8, x_col = quant_rowwise_colwise(x_TH, fmt)
-        SCALE_STATS.record("act", x8)
+        x8, x_col = quant_operand(x_TH, fmt, colwise=True, kind="act")
         y, h8, _ = fp8_mlp_forward(x8, None, shared.cache.get(w1, fmt), shared.cache.get(w2, fmt), fmt)
         return y, (x_col.data, x_col.scale, h8.data, h8.scale)
     x = x_TH.to(torch.bfloat16)
@@ -220,8 +220,7 @@ def shared_backward(shared, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, wa
     """-> (dx [T, H] like dy or None, dW1 [2I, H] fp32, dW2 [H, I] fp32)."""
     fmt, (x, xs, h, hs) = shared.scale_fmt, saved
     if shared.recipe == "fp8":
-        dy8, dy_col = quant_rowwise_colwise(dy, fmt)
-        SCALE_STATS.record("grad", dy8)
+        dy8, dy_col = quant_operand(dy, fmt, colwise=True, kind="grad")
         dx, dw1, dw2 = fp8_mlp_backward(dy8, Fp8Tensor(x, xs, "128x1"), Fp8Tensor(h, hs, "1x128"), None, w1, w2,
                                         shared.cache, fmt, want_dx=want_dx, dy_col=dy_col)
     else:
