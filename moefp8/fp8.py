@@ -134,9 +134,10 @@ class ScaleStats:
         self.on = False
         self._rows: dict[str, list[Tensor]] = {}
 
-    def record(self, kind: str, q: Fp8Tensor) -> None:
+    def record(self, kind: str, q: Fp8Tensor) -> Fp8Tensor:
+        """Records q's scales (while `on`); returns q, so a call can wrap the quantization."""
         if not self.on or q.scale.numel() == 0:
-            return
+            return q
         s = q.scale.detach().float()
         at_floor = s < 2 * AMAX_MIN / FP8_MAX
         fin = torch.isfinite(s) & ~at_floor  # the mean and min are over the other tiles
@@ -146,6 +147,7 @@ class ScaleStats:
         self._rows.setdefault(kind, []).append(torch.stack([
             torch.tensor(float(s.numel()), device=s.device), at_floor.sum().float(), l2.sum(), fin.sum().float(),
             torch.where(fin, l2, torch.full_like(l2, 1e9)).min()]))
+        return q
 
     def report(self) -> dict[str, float]:
         """{"fp8/<kind>_tiles", "fp8/<kind>_at_floor" (share), "fp8/<kind>_log2_scale_mean", "..._min"}."""

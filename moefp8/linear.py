@@ -40,8 +40,7 @@ def quant_operand(x2: Tensor, scale_fmt: str, colwise: bool, kind: str) -> tuple
         q, qc = quant_rowwise_colwise(x2, scale_fmt)
     else:
         q, qc = quant_rowwise(x2, scale_fmt, colmajor_scale=True), None
-    SCALE_STATS.record(kind, q)
-    return q, qc
+    return SCALE_STATS.record(kind, q), qc
 
 
 class Fp8LinearFunction(torch.autograd.Function):

@@ -92,9 +92,7 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
     compute kernel here: it must happen before the rows leave (DESIGN.md §1)."""
     fp8, disp = layer.recipe == "fp8", layer.dispatcher
     with record_function("quant"):
-        xin = quant_rowwise(x_TH, layer.scale_fmt) if fp8 else x_TH.to(torch.bfloat16)
-        if fp8:
-            SCALE_STATS.record("act", xin)
+        xin = SCALE_STATS.record("act", quant_rowwise(x_TH, layer.scale_fmt)) if fp8 else x_TH.to(torch.bfloat16)
     with record_function("dispatch"):
         return disp.dispatch(xin, topk_idx_TK, topk_w_TK)
 
@@ -129,9 +127,7 @@ def bwd_dispatch(layer, dout: Tensor, s: Saved):
     FP8 recipe, quantized 1x128 before it leaves)."""
     fp8, disp = layer.recipe == "fp8", layer.dispatcher
     with record_function("bwd_dispatch"):
-        g = quant_rowwise(dout, layer.scale_fmt) if fp8 else dout.to(torch.bfloat16)
-        if fp8:
-            SCALE_STATS.record("grad", g)
+        g = SCALE_STATS.record("grad", quant_rowwise(dout, layer.scale_fmt)) if fp8 else dout.to(torch.bfloat16)
         return disp.dispatch(g, handle=s.handle).x
 
 
