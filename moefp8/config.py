@@ -100,6 +100,7 @@ class DataConfig:
     prepare_from: str = "stdlib"
     glob: str = "*.py"
     max_bytes: int = 32_000_000  # cap on the text read when preparing
+    val_windows: int = 0  # windows of train.seq_len + 1 tokens held out of training for train.eval_every
 
 
 @dataclass
@@ -111,6 +112,7 @@ class TrainConfig:
     log_every: int = 10
     fp8_stats_every: int = 100  # FP8 recipe: tile-scale statistics (fp8/* metrics) of one step in N; 0: off
     ckpt_every: int = 50  # 0: only at the end
+    eval_every: int = 0  # held-out loss (`val_loss`) over data.val_windows every N steps and at the end; 0: off
     out_dir: str = "outputs/runs/default"  # the run dir: checkpoints, metrics, wandb files
     resume: str = "auto"  # auto: the latest complete checkpoint in out_dir if any; none; or a step dir
     seed: int = 0
@@ -238,6 +240,11 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"{key}={v}: must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi})"))
     if t.ckpt_every < 0:
         raise ValueError(f"train.ckpt_every={t.ckpt_every}: must be >= 0 (0: only at the end)")
+    if t.eval_every < 0 or data.val_windows < 0:
+        raise ValueError(f"train.eval_every={t.eval_every}, data.val_windows={data.val_windows}: must be >= 0")
+    if t.eval_every and not data.val_windows:
+        raise ValueError(f"train.eval_every={t.eval_every}: the held-out loss needs held-out data; set "
+                         f"data.val_windows (e.g. 256) or train.eval_every=0")
     if not t.out_dir:
         raise ValueError("train.out_dir='': the run needs a directory")
     if not os.path.exists(os.path.join(data.path, "index.json")):

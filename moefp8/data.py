@@ -14,6 +14,9 @@ no download. `prepare` writes a folder of shards:
 of all shards once per epoch (seeded) and deals each step's global batch to the data-parallel
 ranks: rank r of W takes windows [pos + r*B, pos + (r+1)*B) of the epoch's permutation. Its
 position (epoch, pos) is the whole state: `state_dict()` / `load_state_dict()` resume exactly.
+With `val_windows` > 0 that many windows, drawn once with a fixed seed (the same for every
+train.seed, so runs of any seed are evaluated on the same text), are held out of training and
+served by `val_batches()`.
 """
 
 import argparse
@@ -31,6 +34,7 @@ EOS = 256
 VOCAB_SIZE = 257
 FORMAT = "moefp8-bytes-v1"
 SHARD_TOKENS = 1 << 24  # 16M tokens (32 MB) per shard
+VAL_SEED = 0x5EED  # picks the held-out windows; independent of train.seed
 
 
 def encode(text: str | bytes) -> np.ndarray:
@@ -125,9 +129,10 @@ def load_shards(path: str) -> list[np.ndarray]:
 
 class Loader:
     """(x, y) int64 batches [B, seq_len] (y = x shifted by one) for data-parallel rank `rank` of
-    `world`; deterministic in (seed, rank, world, position)."""
+    `world`; deterministic in (seed, rank, world, position). `val_windows` windows are held out."""
 
-    def __init__(self, path: str, batch: int, seq_len: int, rank: int = 0, world: int = 1, seed: int = 0):
+    def __init__(self, path: str, batch: int, seq_len: int, rank: int = 0, world: int = 1, seed: int = 0,
+                 val_windows: int = 0):
         if not 0 <= rank < world:
             raise ValueError(f"data loader: rank {rank} not in a world of {world}")
         self.shards = load_shards(path)
@@ -137,7 +142,15 @@ class Loader:
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.win_shard = np.repeat(np.arange(len(counts)), counts)
         self.win_start = np.concatenate([np.arange(c, dtype=np.int64) * seq_len for c in counts])
-        self.n_windows = len(self.win_start)
+        n_all = len(self.win_start)
+        if val_windows and not batch * world <= val_windows <= n_all // 2:
+            raise ValueError(f"data.val_windows={val_windows}: must be between one global batch ({batch} x {world} "
+                             f"ranks) and half of the {n_all} windows of {w} tokens in {path}")
+        held = torch.randperm(n_all, generator=torch.Generator().manual_seed(VAL_SEED)).numpy()[:val_windows]
+        keep = np.ones(n_all, dtype=bool)
+        keep[held] = False
+        self.val_ids, self.train_ids = np.sort(held), np.flatnonzero(keep)  # window indices
+        self.n_windows = len(self.train_ids)
         if self.n_windows < batch * world:
             raise ValueError(f"data: {path} holds {self.n_windows} windows of {w} tokens, fewer than one global "
                              f"batch ({batch} x {world} ranks)")
@@ -147,9 +160,15 @@ class Loader:
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._perm = torch.randperm(self.n_windows, generator=g).numpy()
+            self._perm = self.train_ids[torch.randperm(self.n_windows, generator=g).numpy()]
             self._perm_epoch = self.epoch
         return self._perm
+
+    def _rows(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
+        rows = np.stack([self.shards[self.win_shard[i]][self.win_start[i]: self.win_start[i] + self.seq_len + 1]
+                         for i in ids]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1], t[:, 1:]
 
     def next(self) -> tuple[Tensor, Tensor]:
         per_step = self.batch * self.world
@@ -157,18 +176,24 @@ class Loader:
             self.epoch, self.pos = self.epoch + 1, 0
         ids = self._permutation()[self.pos + self.rank * self.batch: self.pos + (self.rank + 1) * self.batch]
         self.pos += per_step
-        rows = np.stack([self.shards[self.win_shard[i]][self.win_start[i]: self.win_start[i] + self.seq_len + 1]
-                         for i in ids]).astype(np.int64)
-        t = torch.from_numpy(rows)
-        return t[:, :-1], t[:, 1:]
+        return self._rows(ids)
+
+    def val_batches(self):
+        """This rank's share of the held-out windows as (x, y) batches, in whole global batches (every
+        rank gets the same number; a remainder of fewer than batch x world windows is left out)."""
+        g = self.batch * self.world
+        for i in range(len(self.val_ids) // g):
+            yield self._rows(self.val_ids[i * g + self.rank * self.batch: i * g + (self.rank + 1) * self.batch])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "world": self.world,
-                "seq_len": self.seq_len, "batch": self.batch}
+                "seq_len": self.seq_len, "batch": self.batch, "val_windows": len(self.val_ids)}
 
     def load_state_dict(self, sd: dict) -> None:
-        mine = {"seed": self.seed, "seq_len": self.seq_len, "global batch": self.batch * self.world}
-        theirs = {"seed": sd["seed"], "seq_len": sd["seq_len"], "global batch": sd["batch"] * sd["world"]}
+        mine = {"seed": self.seed, "seq_len": self.seq_len, "global batch": self.batch * self.world,
+                "data.val_windows": len(self.val_ids)}
+        theirs = {"seed": sd["seed"], "seq_len": sd["seq_len"], "global batch": sd["batch"] * sd["world"],
+                  "data.val_windows": sd.get("val_windows", 0)}
         for k in mine:  # the position counts windows of the global batch: ranks x batch may be re-split
             if mine[k] != theirs[k]:
                 raise ValueError(f"data loader: the checkpoint was taken with {k}={theirs[k]}, this run has "

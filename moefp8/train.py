@@ -330,7 +330,7 @@ def train(cfg: Config) -> dict:
         dist.barrier()  # the run dir and the data exist
     torch.manual_seed(t.seed)
     try:
-        loader = Loader(cfg.data.path, t.micro_batch, t.seq_len, rank, world, t.seed)
+        loader = Loader(cfg.data.path, t.micro_batch, t.seq_len, rank, world, t.seed, cfg.data.val_windows)
     except (OSError, ValueError) as e:  # missing / empty / truncated shard, index, too little data
         raise DataError(str(e)) from e
     dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
@@ -444,16 +444,21 @@ def train(cfg: Config) -> dict:
                  **SCALE_STATS.report()}  # this rank's FP8 tile scales, on stats steps (train.fp8_stats_every)
             if peak:
                 m["mfu"] = fpt * m["tokens_per_s"] / (peak * world)
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                watchdog.allow(t.dist_timeout_s)  # not a step: its own collectives, its own time
+                m["val_loss"] = evaluate(model, loader, device, par)
+                watchdog.beat()
             mf.write(json.dumps(m) + "\n")
             mf.flush()
             if run is not None:
                 run.log({**m, **{f"load/max_over_mean/layer{i}": s["load_max_over_mean"]
                                  for i, s in enumerate(stats)}}, step=step + 1)
-            info = f"loss {loss:.4f} lr {lr:.2e} {m['tokens_per_s']:,.0f} tok/s"
+            val = f" val {m['val_loss']:.4f}" if "val_loss" in m else ""
+            info = f"loss {loss:.4f}{val} lr {lr:.2e} {m['tokens_per_s']:,.0f} tok/s"
             progress.update(task, completed=step + 1, info=info)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
                 mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
-                console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f} aux {aux:.2e} lr {lr:.2e} "
+                console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f}{val} aux {aux:.2e} lr {lr:.2e} "
                               f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
             if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps:
@@ -468,6 +473,19 @@ def train(cfg: Config) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return m
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, loader: Loader, device: torch.device, par: Parallel) -> float:
+    """Mean loss over the held-out windows (data.val_windows; every rank its share, the same
+    number of batches on each, so the EP exchanges pair up), averaged over all ranks."""
+    total, n = torch.zeros((), device=device), 0
+    for x, y in loader.val_batches():
+        total += model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).out
+        n += 1
+    if par.world > 1:
+        par.all_reduce_(total).div_(par.world)
+    return (total / n).item()
 
 
 def fp8_line(m: dict) -> str:

@@ -21,14 +21,21 @@ def test_noise_floor_runs():
     assert run_overrides("fp8", base) == [*base, "recipe=fp8"]
     assert run_overrides("bf16_again", base) == [*base, "recipe=bf16"]  # same seed and data: GPU nondeterminism only
     assert run_overrides("bf16_seed+1", base) == [*base, "recipe=bf16", "train.seed=4"]
+    assert run_overrides("fp8_again", base) == [*base, "recipe=fp8"]
 
 
 @pytest.mark.slow
 def test_convergence_tool_cpu(tmp_path):
+    """Four runs in two calls (as on a 2-GPU machine: --train picks this call's runs), with held-out
+    losses; every FP8 run is compared with every BF16 run."""
     cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--noise-floor", "--noise-kind", "seed",
-           "model=tiny", "train.steps=6", "optim.warmup_steps=2", "data.max_bytes=2000000",
-           "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled", f"data.path={tmp_path / 'data'}"]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+           "--runs", "fp8_again", "model=tiny", "train.steps=6", "optim.warmup_steps=2", "data.max_bytes=2000000",
+           "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled", f"data.path={tmp_path / 'data'}",
+           "train.eval_every=2", "data.val_windows=16"]
+    r = subprocess.run([*cmd, "--train", "bf16,fp8,bf16_seed+1"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode != 0 and "no metrics in" in r.stderr and "fp8_again" in r.stderr  # not trained yet
+    r = subprocess.run([*cmd, "--train", "fp8_again"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads((tmp_path / "convergence.json").read_text())
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
@@ -44,3 +51,10 @@ def test_convergence_tool_cpu(tmp_path):
     want = max(abs(c["fp8"]["ema"][i] / c["bf16_seed+1"]["ema"][i] - 1) for i in range(3, 6))
     assert vs["max_pct"] == pytest.approx(100 * want, abs=1e-4) and 0 <= vs["share_within_threshold"] <= 1
     assert "fp8 vs bf16_seed+1: max" in r.stdout
+    pairs = {(x["run"], x["vs"]): x for x in doc["pairs"]}
+    assert set(pairs) == {("fp8", "bf16"), ("fp8", "bf16_seed+1"), ("fp8_again", "bf16"),
+                          ("fp8_again", "bf16_seed+1"), ("bf16_seed+1", "bf16"), ("fp8_again", "fp8")}
+    held = rows["fp8 vs bf16: max |held-out rel. loss diff|, last half"]  # evaluations at steps 4 and 6
+    v8, v16 = c["fp8"]["val"], c["bf16"]["val"]
+    assert sorted(v8) == ["2", "4", "6"] and held["points"] == 2
+    assert held["value"] == pytest.approx(100 * max(abs(v8[s] / v16[s] - 1) for s in ("4", "6")), abs=1e-4)

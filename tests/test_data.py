@@ -90,6 +90,29 @@ def test_loader_resume_exact(data):
         Loader(data, 3, 64, seed=1).load_state_dict(sd)
 
 
+def test_held_out_windows(data):
+    """data.val_windows: the same held-out windows for every seed, never served by next(); without
+    them the training order is what it was before the split existed (randperm of all windows)."""
+    plain = Loader(data, 2, 16, seed=4)
+    g = torch.Generator().manual_seed(4 * 1_000_003)
+    assert np.array_equal(plain._permutation(), torch.randperm(plain.n_windows, generator=g).numpy())
+    a, b = Loader(data, 2, 16, seed=4, val_windows=6), Loader(data, 2, 16, seed=9, val_windows=6)
+    assert np.array_equal(a.val_ids, b.val_ids) and len(a.val_ids) == 6 and a.n_windows == plain.n_windows - 6
+    assert torch.equal(torch.cat([x for x, _ in a.val_batches()]), a._rows(a.val_ids)[0])
+    for _ in range(2):  # two epochs: the training permutation never holds a held-out window
+        assert len(a._permutation()) == a.n_windows and not set(a._permutation()) & set(a.val_ids)
+        a.epoch += 1
+    # data-parallel ranks split each held-out global batch; a remainder under one global batch is left out
+    r0, r1 = Loader(data, 2, 16, 0, 2, val_windows=6), Loader(data, 2, 16, 1, 2, val_windows=6)
+    v0, v1 = list(r0.val_batches()), list(r1.val_batches())
+    assert len(v0) == len(v1) == 1
+    assert torch.equal(torch.cat([v0[0][0], v1[0][0]]), torch.cat([x for x, _ in a.val_batches()])[:4])
+    with pytest.raises(ValueError, match="data.val_windows=3: must be between one global batch"):
+        Loader(data, 2, 16, 0, 2, val_windows=3)
+    with pytest.raises(ValueError, match="data.val_windows=6"):  # resuming with another split: other positions
+        plain.load_state_dict(a.state_dict())
+
+
 def test_errors_name_the_path(data, tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope" / "index.json")):
         Loader(str(tmp_path / "nope"), 1, 8)

@@ -14,7 +14,14 @@ is compared too.
 scale the FP8 gap is judged against. --noise-kind rerun (the default): BF16 again with the same seed
 and data, so the two differ only by the GPU's nondeterministic kernels (atomics, split reductions),
 the smallest perturbation a training run meets; seed: BF16 with the next seed (another init and
-data order), the run-to-run spread.
+data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_again, bf16_seed+1)
+and --train picks which of the runs this call trains (the others are read from an earlier call):
+every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
+
+Held-out loss: with train.eval_every and data.val_windows among the overrides the runs also log
+the loss on fixed held-out windows (the same for every run), and the same comparison is made on
+it, point by point over the last half (no smoothing: it is an average over the whole held-out set,
+without the per-batch noise of the training loss).
 
 The stdlib corpus is ~10 MB on a typical machine: 2000 steps x 16384 tokens read it three times.
 For a run that stays under one epoch point the data at a bigger folder of text, e.g. the
@@ -35,10 +42,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.testing import REPO, results_path, save_results  # noqa: E402
+from moefp8.testing import REPO, print_table, results_path, save_results  # noqa: E402
 
 RECIPES = ("bf16", "fp8")
 NOISE = {"rerun": "bf16_again", "seed": "bf16_seed+1"}  # --noise-floor kind -> the third run's name
+EXTRA = ("bf16_again", "fp8_again", "bf16_seed+1")  # --runs: a recipe again (same seed), or the next seed
 
 
 def ema(xs: list[float], beta: float = 0.9) -> list[float]:
@@ -49,9 +57,9 @@ def ema(xs: list[float], beta: float = 0.9) -> list[float]:
     return out
 
 
-def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float], dict]:
-    """metrics.jsonl -> (steps, losses, tokens/s, the last step's expert-load stats); a resumed
-    run's later lines win."""
+def read_losses(run_dir: Path) -> dict:
+    """metrics.jsonl -> steps, losses, tokens/s, the held-out losses ({step: val_loss}) and the last
+    step's expert-load stats; a resumed run's later lines win."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"convergence: no metrics in {path} (did the training run fail?)")
@@ -61,18 +69,39 @@ def read_losses(run_dir: Path) -> tuple[list[int], list[float], list[float], dic
         by_step[m["step"]] = m
     steps = sorted(by_step)
     load = {k: by_step[steps[-1]].get(k) for k in ("load_max_over_mean", "experts_empty")} if steps else {}
-    return steps, [by_step[s]["loss"] for s in steps], [by_step[s]["tokens_per_s"] for s in steps], load
+    return {"steps": steps, "loss": [by_step[s]["loss"] for s in steps],
+            "tokens_per_s": [by_step[s]["tokens_per_s"] for s in steps],
+            "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
 
 
 def run_overrides(name: str, overrides: list[str]) -> list[str]:
-    """The overrides of run `name`: "bf16", "fp8", or a noise-floor run: "bf16_again" (BF16, same
-    seed) or "bf16_seed+1" (BF16 with the seed after the configured one: another init and data order)."""
+    """The overrides of run `name`: "bf16", "fp8", a recipe again with the same seed and data
+    ("bf16_again", "fp8_again") or BF16 with the seed after the configured one ("bf16_seed+1":
+    another init and data order)."""
     if name == NOISE["seed"]:
         seed = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.seed=")), 0)
         return [*overrides, "recipe=bf16", f"train.seed={seed + 1}"]
-    if name == NOISE["rerun"]:
-        return [*overrides, "recipe=bf16"]
-    return [*overrides, f"recipe={name}"]
+    return [*overrides, f"recipe={name.split('_')[0]}"]
+
+
+def compare(a: dict, b: dict, threshold: float) -> dict:
+    """Run a against run b: the EMA(0.9) relative training-loss difference over the last half
+    (max |.|, mean, share of steps inside the threshold) and, where both logged it, the relative
+    held-out loss difference at each evaluation in the last half (max |.|, mean)."""
+    eb = dict(zip(b["steps"], b["ema"]))
+    steps = [s for s in a["steps"] if s in eb]
+    if not steps:
+        raise SystemExit("convergence: two runs share no step")
+    rel = dict(zip(steps, [(e - eb[s]) / eb[s] for s, e in zip(a["steps"], a["ema"]) if s in eb]))
+    last = [rel[s] for s in steps[len(steps) // 2:]]
+    out = {"max_pct": round(100 * max(abs(r) for r in last), 4), "mean_pct": round(100 * sum(last) / len(last), 4),
+           "share_within_threshold": round(sum(abs(r) < threshold for r in last) / len(last), 4)}
+    vs = [s for s in sorted(a["val"]) if s in b["val"] and s > steps[-1] / 2]
+    if vs:
+        vr = [(a["val"][s] - b["val"][s]) / b["val"][s] for s in vs]
+        out.update(val_max_pct=round(100 * max(abs(r) for r in vr), 4), val_mean_pct=round(100 * sum(vr) / len(vr), 4),
+                   val_points=len(vs), val_final={"run": a["val"][vs[-1]], "vs": b["val"][vs[-1]]})
+    return out
 
 
 def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
@@ -91,27 +120,39 @@ def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
         raise SystemExit(f"convergence: the {', '.join(failed)} run(s) failed (commands above)")
 
 
-def plot(path: Path, curves: dict, rel: list[float], steps: list[int], threshold: float,
-         noise: tuple[str, list[int], list[float]] | None = None) -> None:
+def plot(path: Path, curves: dict, threshold: float) -> None:
+    """Top: each run's training loss (EMA and raw). Bottom: each run's EMA relative difference to
+    bf16 (fp8 in black, the other runs in gray) and the held-out differences as dots."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for recipe, c in curves.items():
-        (line,) = a.plot(c["steps"], c["ema"], label=f"{recipe} (EMA 0.9)")
+    for name, c in curves.items():
+        (line,) = a.plot(c["steps"], c["ema"], label=f"{name} (EMA 0.9)")
         a.plot(c["steps"], c["loss"], color=line.get_color(), alpha=0.25)
     a.set_ylabel("training loss")
     a.legend()
-    if noise:  # the noise-floor run against BF16, behind the FP8 curve
-        b.plot(noise[1], [100 * r for r in noise[2]], color="gray", alpha=0.6, label=f"{noise[0]} vs bf16")
-    b.plot(steps, [100 * r for r in rel], color="k", label="fp8 vs bf16")
-    b.legend(loc="lower right")
+    ref = curves["bf16"]
+    e16 = dict(zip(ref["steps"], ref["ema"]))
+    for name, c in curves.items():
+        if name == "bf16":
+            continue
+        color, alpha = ("k", 1.0) if name == "fp8" else ("gray", 0.6)
+        steps = [s for s in c["steps"] if s in e16]
+        ema_by_step = dict(zip(c["steps"], c["ema"]))
+        b.plot(steps, [100 * (ema_by_step[s] / e16[s] - 1) for s in steps], color=color, alpha=alpha,
+               label=f"{name} vs bf16")
+        vs = [s for s in sorted(c["val"]) if s in ref["val"]]
+        if vs:
+            b.plot(vs, [100 * (c["val"][s] / ref["val"][s] - 1) for s in vs], "o", color=color, alpha=alpha,
+                   markersize=4, label=f"{name} vs bf16, held-out")
+    b.legend(loc="lower right", fontsize=8)
     for y in (100 * threshold, -100 * threshold):
         b.axhline(y, color="r", linestyle="--", linewidth=1)
-    b.axvline(steps[len(steps) // 2], color="gray", linestyle=":", linewidth=1)
-    b.set_ylabel("(run - bf16) / bf16, EMA, %")
+    b.axvline(ref["steps"][len(ref["steps"]) // 2], color="gray", linestyle=":", linewidth=1)
+    b.set_ylabel("(run - bf16) / bf16, %")
     b.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -122,24 +163,33 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for the runs, the JSON and the PNG")
     p.add_argument("--threshold", type=float, default=0.0025, help="acceptance: max |EMA relative difference|")
     p.add_argument("--skip-train", action="store_true", help="only read existing runs and report")
-    p.add_argument("--parallel", action="store_true", help="run all at once, one GPU each (needs 2 GPUs, 3 with "
-                   "--noise-floor)")
+    p.add_argument("--parallel", action="store_true", help="train the runs at once, one GPU each")
     p.add_argument("--noise-floor", action="store_true", help="also train a third, BF16 run and report the same "
                    "smoothed relative difference between the two BF16 runs")
     p.add_argument("--noise-kind", choices=sorted(NOISE), default="rerun", help="the third run: BF16 again with the "
                    "same seed (rerun) or with the next seed (seed)")
+    p.add_argument("--runs", default="", help=f"more runs, comma-separated, of {', '.join(EXTRA)}")
+    p.add_argument("--train", default="", help="the runs to train in this call, comma-separated (default: all)")
     args, overrides = p.parse_known_args()
     json_path = Path(args.out) / "convergence.json" if args.out else results_path("convergence")
     runs = (Path(args.out) if args.out else REPO / "outputs" / "convergence") / "runs"
-    noise_name = NOISE[args.noise_kind] if args.noise_floor else None
-    names = RECIPES + ((noise_name,) if noise_name else ())
+    extra = [r for r in args.runs.split(",") if r]
+    if args.noise_floor:
+        extra.insert(0, NOISE[args.noise_kind])
+    bad = [r for r in extra if r not in EXTRA]
+    if bad:
+        raise SystemExit(f"convergence: --runs {','.join(bad)}: expected names of {', '.join(EXTRA)}")
+    names = list(dict.fromkeys([*RECIPES, *extra]))
+    to_train = [] if args.skip_train else [r for r in args.train.split(",") if r] or names
+    if set(to_train) - set(names):
+        raise SystemExit(f"convergence: --train {args.train}: not among the runs {', '.join(names)}")
     run_dirs = {name: (runs / name).resolve() for name in names}
-    if args.parallel:
+    if to_train and args.parallel:
         import torch
 
-        if torch.cuda.device_count() < len(names):
-            raise SystemExit(f"convergence: --parallel needs {len(names)} GPUs, {torch.cuda.device_count()} visible")
-    if not args.skip_train:
+        if torch.cuda.device_count() < len(to_train):
+            raise SystemExit(f"convergence: --parallel needs {len(to_train)} GPUs, {torch.cuda.device_count()} visible")
+    if to_train:
         if args.parallel:  # prepare the data once here: the runs would race to write the same shards
             from rich.console import Console
 
@@ -147,68 +197,72 @@ def main() -> None:
             from moefp8.train import ensure_data
 
             ensure_data(compose_config(overrides), Console())
-        train(run_dirs, overrides, args.parallel)
+        train({n: run_dirs[n] for n in to_train}, overrides, args.parallel)
     curves = {}
-    for recipe, run_dir in run_dirs.items():
-        steps, loss, tps, load = read_losses(run_dir)
-        curves[recipe] = {"steps": steps, "loss": loss, "ema": ema(loss), "tokens_per_s": tps, "load": load}
-    steps = [s for s in curves["bf16"]["steps"] if s in set(curves["fp8"]["steps"])]
-    if not steps:
-        raise SystemExit("convergence: the two runs share no step")
-    e16 = dict(zip(curves["bf16"]["steps"], curves["bf16"]["ema"]))
-    e8 = dict(zip(curves["fp8"]["steps"], curves["fp8"]["ema"]))
-    rel = [(e8[s] - e16[s]) / e16[s] for s in steps]
-    last = rel[len(rel) // 2:]
-    worst = max(abs(r) for r in last)
-    noise = noise_mean = noise_curve = None
-
-    def within(rs: list[float]) -> float:  # share of the last half's steps inside the threshold
-        return round(sum(abs(r) < args.threshold for r in rs) / len(rs), 4)
-
-    if noise_name:  # the same statistic between the two BF16 runs
-        en = dict(zip(curves[noise_name]["steps"], curves[noise_name]["ema"]))
-        both = [s for s in steps if s in en]
-        noise_curve = (noise_name, both, [(en[s] - e16[s]) / e16[s] for s in both])
-        noise_last = noise_curve[2][len(both) // 2:]
-        noise, noise_mean = max(abs(r) for r in noise_last), sum(noise_last) / len(noise_last)
-        # FP8 against the other BF16 run: whether FP8 sits inside BF16's own run-to-run spread
-        vs_noise = [(e8[s] - en[s]) / en[s] for s in both][len(both) // 2:]
+    for name, run_dir in run_dirs.items():
+        curves[name] = c = read_losses(run_dir)
+        c["ema"] = ema(c["loss"])
+    # every FP8 run against every BF16 run, and each rerun against its recipe's first run
+    pairs = [(a, b) for a in names if a.startswith("fp8") for b in names if b.startswith("bf16")]
+    pairs += [(a, a.split("_")[0]) for a in extra if (a, a.split("_")[0]) not in pairs]
+    stats = {pair: compare(curves[pair[0]], curves[pair[1]], args.threshold) for pair in pairs}
+    main_pair, noise_name = stats["fp8", "bf16"], NOISE[args.noise_kind] if args.noise_floor else None
+    noise = stats[noise_name, "bf16"] if noise_name else None
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
-    case = f"{' '.join(overrides) or 'defaults'}, {steps[-1]} steps"
+    worst = main_pair["max_pct"] / 100
+    case = f"{' '.join(overrides) or 'defaults'}, {curves['bf16']['steps'][-1]} steps"
     rows = [
-        {"case": case, "impl": "fp8 vs bf16: max |EMA rel. loss diff|, last half", "value": round(100 * worst, 4),
+        {"case": case, "impl": "fp8 vs bf16: max |EMA rel. loss diff|, last half", "value": main_pair["max_pct"],
          "unit": "%", "baseline": "DeepSeek-V3 acceptance", "baseline_value": 100 * args.threshold,
          "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
-         "mean_rel_diff_last_half_pct": round(100 * sum(last) / len(last), 4),
-         "share_of_last_half_within_threshold": within(last),
+         "mean_rel_diff_last_half_pct": main_pair["mean_pct"],
+         "share_of_last_half_within_threshold": main_pair["share_within_threshold"],
          "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()},
          "final_expert_load": {r: c["load"] for r, c in curves.items()},
-         "noise_floor": noise_name, "noise_floor_pct": round(100 * noise, 4) if noise is not None else None,
-         "noise_floor_mean_pct": round(100 * noise_mean, 4) if noise is not None else None,
-         "noise_floor_share_within_threshold": within(noise_last) if noise is not None else None,
-         **({f"fp8_vs_{noise_name}": {"max_pct": round(100 * max(abs(r) for r in vs_noise), 4),
-                                      "mean_pct": round(100 * sum(vs_noise) / len(vs_noise), 4),
-                                      "share_within_threshold": within(vs_noise)}} if noise is not None else {})},
-        {"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
-         "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
-         "ratio": round(tps["fp8"] / tps["bf16"], 3)},
+         "noise_floor": noise_name, "noise_floor_pct": noise["max_pct"] if noise else None,
+         "noise_floor_mean_pct": noise["mean_pct"] if noise else None,
+         "noise_floor_share_within_threshold": noise["share_within_threshold"] if noise else None,
+         **({f"fp8_vs_{noise_name}": {k: stats["fp8", noise_name][k] for k in
+                                      ("max_pct", "mean_pct", "share_within_threshold")}} if noise else {})},
     ]
+    if "val_max_pct" in main_pair:
+        v = main_pair["val_max_pct"] / 100
+        rows.append({"case": case, "impl": "fp8 vs bf16: max |held-out rel. loss diff|, last half",
+                     "value": main_pair["val_max_pct"], "unit": "%", "baseline": "DeepSeek-V3 acceptance",
+                     "baseline_value": 100 * args.threshold, "ratio": round(args.threshold / v, 3) if v else None,
+                     "pass": v < args.threshold, "mean_rel_diff_last_half_pct": main_pair["val_mean_pct"],
+                     "points": main_pair["val_points"], "final": main_pair["val_final"]})
+    rows.append({"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
+                 "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
+                 "ratio": round(tps["fp8"] / tps["bf16"], 3)})
+    e16, e8 = (dict(zip(curves[r]["steps"], curves[r]["ema"])) for r in RECIPES)
+    shared = [s for s in curves["bf16"]["steps"] if s in e8]
     png = json_path.with_suffix(".png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(png, curves, rel, steps, args.threshold, noise_curve)
+    plot(png, curves, args.threshold)
     save_results("convergence", rows, {"what": "acceptance threshold on the smoothed relative loss difference",
                                        "value": 100 * args.threshold, "unit": "%"}, path=json_path,
-                 plot=png.name, curves={"steps": steps, "rel_diff": rel,
-                                        **{r: {"loss": c["loss"], "ema": c["ema"]} for r, c in curves.items()}})
+                 plot=png.name, pairs=[{"run": a, "vs": b, **st} for (a, b), st in stats.items()],
+                 curves={"steps": shared, "rel_diff": [e8[s] / e16[s] - 1 for s in shared],
+                         **{r: {"loss": c["loss"], "ema": c["ema"], "val": {str(k): v for k, v in c["val"].items()}}
+                            for r, c in curves.items()}})
+    print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "EMA train mean %": st["mean_pct"],
+                  "inside": st["share_within_threshold"], "held-out max %": st.get("val_max_pct", "-"),
+                  "held-out mean %": st.get("val_mean_pct", "-")} for (a, b), st in stats.items()],
+                ["run", "vs", "EMA train max %", "EMA train mean %", "inside", "held-out max %", "held-out mean %"])
     verdict = "PASS" if worst < args.threshold else "FAIL"
     print(f"max |EMA rel. loss diff| over the last half: {100 * worst:.3f}% (threshold {100 * args.threshold}%): "
           f"{verdict}; tokens/s fp8 {tps['fp8']:,.0f} vs bf16 {tps['bf16']:,.0f} ({tps['fp8'] / tps['bf16']:.2f}x)")
+    if "val_max_pct" in main_pair:
+        print(f"max |held-out rel. loss diff| over the last half: {main_pair['val_max_pct']:.3f}%: "
+              f"{'PASS' if main_pair['val_max_pct'] / 100 < args.threshold else 'FAIL'}")
     if noise is not None:
-        print(f"mean EMA rel. loss diff over the last half: fp8 vs bf16 {100 * sum(last) / len(last):+.3f}%, "
-              f"{noise_name} vs bf16 {100 * noise_mean:+.3f}%")
-        print(f"noise floor ({noise_name} vs bf16), max of the same statistic: {100 * noise:.3f}%")
-        print(f"fp8 vs {noise_name}: max {100 * max(abs(r) for r in vs_noise):.3f}%, mean "
-              f"{100 * sum(vs_noise) / len(vs_noise):+.3f}%, {within(vs_noise):.0%} of the last half inside")
+        vs = stats["fp8", noise_name]
+        print(f"mean EMA rel. loss diff over the last half: fp8 vs bf16 {main_pair['mean_pct']:+.3f}%, "
+              f"{noise_name} vs bf16 {noise['mean_pct']:+.3f}%")
+        print(f"noise floor ({noise_name} vs bf16), max of the same statistic: {noise['max_pct']:.3f}%")
+        print(f"fp8 vs {noise_name}: max {vs['max_pct']:.3f}%, mean {vs['mean_pct']:+.3f}%, "
+              f"{vs['share_within_threshold']:.0%} of the last half inside")
     print(f"saved {json_path} and {png}")
 
 
