@@ -22,6 +22,9 @@ def test_noise_floor_runs():
     assert run_overrides("bf16_again", base) == [*base, "recipe=bf16"]  # same seed and data: GPU nondeterminism only
     assert run_overrides("bf16_seed+1", base) == [*base, "recipe=bf16", "train.seed=4"]
     assert run_overrides("fp8_again", base) == [*base, "recipe=fp8"]
+    ablation = ["recipe.fp8_dense=false"]  # --fp8-overrides: the FP8 runs only
+    assert run_overrides("fp8_again", base, ablation) == [*base, "recipe=fp8", *ablation]
+    assert run_overrides("bf16_again", base, ablation) == [*base, "recipe=bf16"]
 
 
 @pytest.mark.slow

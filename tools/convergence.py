@@ -74,14 +74,16 @@ def read_losses(run_dir: Path) -> dict:
             "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
 
 
-def run_overrides(name: str, overrides: list[str]) -> list[str]:
+def run_overrides(name: str, overrides: list[str], fp8_overrides: list[str] = ()) -> list[str]:
     """The overrides of run `name`: "bf16", "fp8", a recipe again with the same seed and data
     ("bf16_again", "fp8_again") or BF16 with the seed after the configured one ("bf16_seed+1":
-    another init and data order)."""
+    another init and data order). The FP8 runs get `fp8_overrides` last (an ablation of the
+    recipe, e.g. recipe.fp8_dense=false)."""
     if name == NOISE["seed"]:
         seed = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.seed=")), 0)
         return [*overrides, "recipe=bf16", f"train.seed={seed + 1}"]
-    return [*overrides, f"recipe={name.split('_')[0]}"]
+    recipe = name.split("_")[0]
+    return [*overrides, f"recipe={recipe}", *(fp8_overrides if recipe == "fp8" else ())]
 
 
 def compare(a: dict, b: dict, threshold: float) -> dict:
@@ -104,12 +106,13 @@ def compare(a: dict, b: dict, threshold: float) -> dict:
     return out
 
 
-def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
+def train(runs: dict[str, Path], overrides: list[str], parallel: bool, fp8_overrides: list[str] = ()) -> None:
     """Runs each recipe through the real entry point; with `parallel`, all at once, run i on GPU i
     (CUDA_VISIBLE_DEVICES), each alone on its GPU, so tokens/s stay comparable."""
     procs = {}
     for i, (recipe, run_dir) in enumerate(runs.items()):
-        cmd = [sys.executable, "-m", "moefp8.train", *run_overrides(recipe, overrides), f"train.out_dir={run_dir}"]
+        cmd = [sys.executable, "-m", "moefp8.train", *run_overrides(recipe, overrides, fp8_overrides),
+               f"train.out_dir={run_dir}"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if parallel else None
         print("convergence:", " ".join(cmd), f"(GPU {i})" if parallel else "", flush=True)
         procs[recipe] = subprocess.Popen(cmd, cwd=REPO, env=env)
@@ -121,39 +124,45 @@ def train(runs: dict[str, Path], overrides: list[str], parallel: bool) -> None:
 
 
 def plot(path: Path, curves: dict, threshold: float) -> None:
-    """Top: each run's training loss (EMA and raw). Bottom: each run's EMA relative difference to
-    bf16 (fp8 in black, the other runs in gray) and the held-out differences as dots."""
+    """Top: each run's training loss (EMA). Middle: each run's EMA relative difference to bf16.
+    Bottom: the same for the held-out loss, where logged. One color per run throughout."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for name, c in curves.items():
-        (line,) = a.plot(c["steps"], c["ema"], label=f"{name} (EMA 0.9)")
-        a.plot(c["steps"], c["loss"], color=line.get_color(), alpha=0.25)
-    a.set_ylabel("training loss")
-    a.legend()
+    held = any(c["val"] for c in curves.values())
+    fig, axes = plt.subplots(3 if held else 2, 1, figsize=(8, 10 if held else 7), sharex=True)
+    colors = dict(zip(curves, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     ref = curves["bf16"]
     e16 = dict(zip(ref["steps"], ref["ema"]))
     for name, c in curves.items():
+        axes[0].plot(c["steps"], c["ema"], color=colors[name], label=name)
         if name == "bf16":
             continue
-        color, alpha = ("k", 1.0) if name == "fp8" else ("gray", 0.6)
-        steps = [s for s in c["steps"] if s in e16]
         ema_by_step = dict(zip(c["steps"], c["ema"]))
-        b.plot(steps, [100 * (ema_by_step[s] / e16[s] - 1) for s in steps], color=color, alpha=alpha,
-               label=f"{name} vs bf16")
+        steps = [s for s in c["steps"] if s in e16]
+        axes[1].plot(steps, [100 * (ema_by_step[s] / e16[s] - 1) for s in steps], color=colors[name],
+                     linewidth=1.5 if name == "fp8" else 0.8, label=f"{name} vs bf16")
         vs = [s for s in sorted(c["val"]) if s in ref["val"]]
-        if vs:
-            b.plot(vs, [100 * (c["val"][s] / ref["val"][s] - 1) for s in vs], "o", color=color, alpha=alpha,
-                   markersize=4, label=f"{name} vs bf16, held-out")
-    b.legend(loc="lower right", fontsize=8)
-    for y in (100 * threshold, -100 * threshold):
-        b.axhline(y, color="r", linestyle="--", linewidth=1)
-    b.axvline(ref["steps"][len(ref["steps"]) // 2], color="gray", linestyle=":", linewidth=1)
-    b.set_ylabel("(run - bf16) / bf16, %")
-    b.set_xlabel("step")
+        if held and vs:
+            axes[2].plot(vs, [100 * (c["val"][s] / ref["val"][s] - 1) for s in vs], "o-", color=colors[name],
+                         markersize=3, label=f"{name} vs bf16")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("training loss, EMA(0.9)")
+    axes[0].legend()
+    axes[1].set_ylabel("training loss EMA:\n(run - bf16) / bf16, %")
+    if held:
+        axes[2].set_ylabel("held-out loss:\n(run - bf16) / bf16, %")
+    half = ref["steps"][len(ref["steps"]) // 2]
+    for ax in axes[1:]:
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(max(lo, -3), min(hi, 3))  # early-training swings would hide the last half's scale
+        for y in (100 * threshold, -100 * threshold):
+            ax.axhline(y, color="r", linestyle="--", linewidth=1)
+        ax.axvline(half, color="gray", linestyle=":", linewidth=1)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -170,6 +179,8 @@ def main() -> None:
                    "same seed (rerun) or with the next seed (seed)")
     p.add_argument("--runs", default="", help=f"more runs, comma-separated, of {', '.join(EXTRA)}")
     p.add_argument("--train", default="", help="the runs to train in this call, comma-separated (default: all)")
+    p.add_argument("--fp8-overrides", default="", help="Hydra overrides for the FP8 runs only, space-separated "
+                   "(an ablation of the recipe, e.g. 'recipe.fp8_dense=false')")
     args, overrides = p.parse_known_args()
     json_path = Path(args.out) / "convergence.json" if args.out else results_path("convergence")
     runs = (Path(args.out) if args.out else REPO / "outputs" / "convergence") / "runs"
@@ -197,7 +208,7 @@ def main() -> None:
             from moefp8.train import ensure_data
 
             ensure_data(compose_config(overrides), Console())
-        train({n: run_dirs[n] for n in to_train}, overrides, args.parallel)
+        train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split())
     curves = {}
     for name, run_dir in run_dirs.items():
         curves[name] = c = read_losses(run_dir)
@@ -210,7 +221,8 @@ def main() -> None:
     noise = stats[noise_name, "bf16"] if noise_name else None
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
     worst = main_pair["max_pct"] / 100
-    case = f"{' '.join(overrides) or 'defaults'}, {curves['bf16']['steps'][-1]} steps"
+    case = f"{' '.join(overrides) or 'defaults'}, {curves['bf16']['steps'][-1]} steps" + (
+        f", fp8 runs with {args.fp8_overrides}" if args.fp8_overrides else "")
     rows = [
         {"case": case, "impl": "fp8 vs bf16: max |EMA rel. loss diff|, last half", "value": main_pair["max_pct"],
          "unit": "%", "baseline": "DeepSeek-V3 acceptance", "baseline_value": 100 * args.threshold,
