@@ -22,6 +22,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("stop", "skip")
 MOMENT_DTYPES = ("bf16", "fp32")
 SCORE_FUNCS = ("sigmoid", "softmax")
+DENSE_LINEARS = ("wqkv", "wo", "dense_mlp")  # the non-expert linears: attention projections, dense MLPs
 BYTE_VOCAB = 257  # 256 byte values + EOS (moefp8.data)
 
 
@@ -59,6 +60,9 @@ class RecipeConfig:
     # FP8 recipe: the dense linears (attention projections, dense MLPs) in FP8 too; false: those in
     # BF16 and only the MoE layers' experts in FP8 (an ablation knob: which part costs accuracy)
     fp8_dense: bool = True
+    # FP8 recipe: these of the dense linears ("wqkv", "wo", "dense_mlp") in BF16, a finer ablation
+    # knob than fp8_dense=false (which is all three)
+    bf16_linears: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +150,11 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+def bf16_linears(r: RecipeConfig) -> frozenset[str]:
+    """The dense linears that compute in BF16 under the FP8 recipe (none by default)."""
+    return frozenset(r.bf16_linears if r.fp8_dense else DENSE_LINEARS)
+
+
 def _one_of(key: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{key}={value!r}: expected one of {', '.join(map(repr, allowed))}")
@@ -167,6 +176,8 @@ def validate(cfg: Config) -> None:
     _one_of("logger.mode", lg.mode, WANDB_MODES)
     _one_of("optim.moment_dtype", o.moment_dtype, MOMENT_DTYPES)
     _one_of("model.score_func", m.score_func, SCORE_FUNCS)
+    for name in r.bf16_linears:
+        _one_of("recipe.bf16_linears entry", name, DENSE_LINEARS)
     for key in ("hidden", "n_layers", "n_heads", "head_dim", "moe_inter", "n_experts", "topk", "vocab_size"):
         _positive(f"model.{key}", getattr(m, key))
     for key in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every"):

@@ -69,12 +69,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, recipe: str, scale_fmt: str):
+    def __init__(self, cfg: ModelConfig, recipe: str, scale_fmt: str, bf16_linears=frozenset()):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         d = cfg.n_heads * cfg.head_dim
-        self.wqkv = make_linear(cfg.hidden, 3 * d, recipe, scale_fmt)
-        self.wo = make_linear(d, cfg.hidden, recipe, scale_fmt)
+        self.wqkv = make_linear(cfg.hidden, 3 * d, "bf16" if "wqkv" in bf16_linears else recipe, scale_fmt)
+        self.wo = make_linear(d, cfg.hidden, "bf16" if "wo" in bf16_linears else recipe, scale_fmt)
 
     def forward(self, x_BSH: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x_BSH.shape
@@ -99,11 +99,10 @@ class DenseMLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, recipe: str, scale_fmt: str, dispatcher: Dispatcher,
-                 overlap: bool = False, fp8_dense: bool = True):
+                 overlap: bool = False, bf16_linears=frozenset()):
         super().__init__()
-        dense_recipe = recipe if fp8_dense else "bf16"
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, dense_recipe, scale_fmt)
+        self.attn = Attention(cfg, recipe, scale_fmt, bf16_linears)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.is_moe = layer >= cfg.n_dense_layers
         if self.is_moe:
@@ -113,7 +112,8 @@ class Block(nn.Module):
                                 bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha,
                                 overlap=overlap)
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, dense_recipe, scale_fmt)
+            self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, "bf16" if "dense_mlp" in bf16_linears else recipe,
+                                scale_fmt)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
@@ -137,17 +137,17 @@ def _nonfinite(x: Tensor) -> Tensor:
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: str = "fp8", scale_fmt: str = "pow2",
                  dispatcher: Dispatcher | None = None, ep_rank: int = 0, seed: int = 0, overlap: bool = False,
-                 fp8_dense: bool = True):
+                 bf16_linears=frozenset()):
         """dispatcher: this rank's expert-parallel dispatcher, shared by the MoE layers (default:
         the EP=1 `local` backend); ep_rank: this rank's index in its EP group (it holds global
         experts [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed; overlap: the
-        MoE layers' two micro-batch overlap (moefp8.overlap); fp8_dense=False: under the FP8 recipe
-        the attention projections and dense MLPs compute in BF16 (only the experts in FP8)."""
+        MoE layers' two micro-batch overlap (moefp8.overlap); bf16_linears: under the FP8 recipe,
+        these dense linears compute in BF16 ("wqkv", "wo", "dense_mlp"; config.bf16_linears)."""
         super().__init__()
         self.cfg, self.recipe = cfg, recipe
         dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher, overlap, fp8_dense)
+        self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher, overlap, frozenset(bf16_linears))
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)

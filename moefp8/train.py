@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moefp8 import checkpoint
-from moefp8.config import Config, validate
+from moefp8.config import Config, bf16_linears, validate
 from moefp8.data import Loader, prepare
 from moefp8.dispatch import DEEPEP_INSTALL, build_dispatcher, build_ep_group, node_limited_groups
 from moefp8.fp8 import SCALE_STATS
@@ -336,7 +336,7 @@ def train(cfg: Config) -> dict:
     dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
                                   capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode)
     model = Transformer(routing_config(cfg, world), cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
-                        t.seed, overlap=cfg.dispatch.overlap, fp8_dense=cfg.recipe.fp8_dense).to(device)
+                        t.seed, overlap=cfg.dispatch.overlap, bf16_linears=bf16_linears(cfg.recipe)).to(device)
     opt = AdamW(model.named_parameters(), o)
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]

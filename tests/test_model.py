@@ -168,14 +168,28 @@ def test_validate_other():
 
 
 def test_fp8_dense_false_keeps_dense_linears_in_bf16():
-    """recipe.fp8_dense=false: attention projections and the dense MLP compute in BF16, experts in FP8."""
+    """recipe.fp8_dense=false: attention projections and the dense MLP compute in BF16, experts in FP8;
+    recipe.bf16_linears picks some of them; a name that is not a dense linear is refused."""
+    from moefp8.config import Config, bf16_linears
     from moefp8.linear import Fp8Linear
     from moefp8.model import Bf16Linear
 
-    m = Transformer(TINY, "fp8", fp8_dense=False)
+    c = Config(model=TINY)
+    c.recipe.fp8_dense = False
+    m = Transformer(TINY, "fp8", bf16_linears=bf16_linears(c.recipe))
     dense = [mod for n, mod in m.named_modules() if n.endswith(("wqkv", "wo")) or ".mlp.w" in n]
     assert dense and all(isinstance(mod, Bf16Linear) for mod in dense)
     assert not any(isinstance(mod, Fp8Linear) for mod in m.modules())
     assert all(b.mlp.recipe == "fp8" for b in m.layers if b.is_moe)
     out = m(torch.randint(0, TINY.vocab_size, (2, 16)), torch.randint(0, TINY.vocab_size, (2, 16)))
     assert torch.isfinite(out.out)
+    c.recipe.fp8_dense, c.recipe.bf16_linears = True, ["wqkv"]
+    m = Transformer(TINY, "fp8", bf16_linears=bf16_linears(c.recipe))
+    kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if n.endswith(("wqkv", "wo", "mlp.w1"))}
+    assert kinds["layers.0.attn.wqkv"] == "Bf16Linear" and kinds["layers.0.attn.wo"] == "Fp8Linear"
+    assert kinds["layers.0.mlp.w1"] == "Fp8Linear" and kinds["layers.2.attn.wqkv"] == "Bf16Linear"
+    c.recipe.bf16_linears = ["wq"]
+    with pytest.raises(ValueError, match="recipe.bf16_linears entry='wq': expected one of 'wqkv', 'wo', 'dense_mlp'"):
+        validate(c)
+
+

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moefp8.config import bf16_linears  # noqa: E402
 from moefp8.dispatch import build_dispatcher  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import Transformer, flops_per_token, param_counts  # noqa: E402
@@ -38,7 +39,7 @@ def build(cfg, device: torch.device):
     m = cfg.model
     model = Transformer(m, cfg.recipe.recipe, cfg.recipe.scale_fmt,
                         build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0,
-                        cfg.train.seed, fp8_dense=cfg.recipe.fp8_dense).to(device)
+                        cfg.train.seed, bf16_linears=bf16_linears(cfg.recipe)).to(device)
     return model, AdamW(model.named_parameters(), cfg.optim)
 
 
