@@ -122,10 +122,20 @@ def find_latest(run_dir: str | Path) -> Path | None:
     return None
 
 
-def load(path: str | Path, state: dict) -> dict:
+def load(path: str | Path, state: dict, optional: tuple[str, ...] = ()) -> dict:
     """Loads checkpoint `path` into `state` (tensors in place, plain values replaced); returns
-    its meta.json."""
+    its meta.json. `optional`: dotted keys of `state` (e.g. "data.val_windows") that checkpoints
+    written before they existed lack; those are dropped from `state` when the checkpoint has none."""
     meta = check_complete(path)
+    if optional:
+        have = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for key in optional:
+            if key not in have:
+                *parents, leaf = key.split(".")
+                d = state
+                for k in parents:
+                    d = d[k]
+                d.pop(leaf, None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         try:

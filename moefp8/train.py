@@ -356,9 +356,12 @@ def train(cfg: Config) -> dict:
         t.resume)
     if ckpt is not None:
         st = state(0)
-        checkpoint.load(ckpt, st)  # tensors in place: model, moments (expert views included)
+        checkpoint.load(ckpt, st, optional=("data.val_windows",))  # in place: model, moments, expert views
         opt.step_count = st["optim"]["step"]
-        loader.load_state_dict(st["data"])
+        try:  # (a checkpoint from before data.val_windows existed: none held out)
+            loader.load_state_dict(st["data"])
+        except ValueError as e:
+            raise DataError(f"checkpoint {ckpt}: {e}") from None
         torch.set_rng_state(st["rng"]["cpu"])
         if "cuda" in st["rng"]:
             torch.cuda.set_rng_state(st["rng"]["cuda"], device)

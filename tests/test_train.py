@@ -203,6 +203,25 @@ def test_held_out_loss_under_ep_and_overlap(data_dir, tmp_path):
     assert val_ep == pytest.approx(val_one, abs=2e-3), (val_ep, val_one)
 
 
+def test_resume_from_a_checkpoint_without_held_out_windows(data_dir, tmp_path, monkeypatch):
+    """Checkpoints written before data.val_windows existed (no such key in the loader state)
+    resume with none held out, and are refused, naming the values, with some held out."""
+    from moefp8.data import Loader
+    from moefp8.train import DataError
+
+    run = tmp_path / "old"
+    new_state = Loader.state_dict
+    monkeypatch.setattr(Loader, "state_dict", lambda self: {k: v for k, v in new_state(self).items()
+                                                            if k != "val_windows"})
+    train(compose_config(base(data_dir, run, **{"train.steps": 2, "train.ckpt_every": 2})))
+    monkeypatch.undo()
+    train(compose_config(base(data_dir, run, **{"train.steps": 3, "train.ckpt_every": 3})))
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3]
+    with pytest.raises(DataError, match="step_0000003: data loader: the checkpoint was taken with "
+                                        "data.val_windows=0, this run has data.val_windows=8"):
+        train(compose_config(base(data_dir, run, **{"train.steps": 4, "data.val_windows": 8})))
+
+
 def test_resume_continues_the_same_wandb_run(data_dir, tmp_path):
     """A resumed training logs into the same wandb run (id kept in the run dir), not a new one."""
     run = tmp_path / "run"
