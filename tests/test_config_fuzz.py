@@ -54,7 +54,9 @@ def override(draw) -> str:
         return f"{draw(st.sampled_from(sorted(GROUPS)) | words)}.{draw(words)}={draw(words)}"
     key = draw(st.sampled_from(sorted(KEYS)))
     typ = KEYS[key]
-    right = {int: ints, float: floats | ints, bool: st.booleans(), str: words}[typ]
+    names = st.lists(st.sampled_from(["wqkv", "wo", "dense_mlp"]) | words, max_size=3)  # list[str] fields
+    right = {int: ints, float: floats | ints, bool: st.booleans(), str: words,
+             list[str]: names.map(lambda xs: "[" + ",".join(xs) + "]")}[typ]
     value = draw(st.one_of(right, right, ints, floats, st.booleans(), words, texts))
     if kind == "prefixed":
         prefix = draw(st.sampled_from(["+", "++", "~"]))
