@@ -146,7 +146,8 @@ class Loader:
         if val_windows and not batch * world <= val_windows <= n_all // 2:
             raise ValueError(f"data.val_windows={val_windows}: must be between one global batch ({batch} x {world} "
                              f"ranks) and half of the {n_all} windows of {w} tokens in {path}")
-        held = torch.randperm(n_all, generator=torch.Generator().manual_seed(VAL_SEED)).numpy()[:val_windows]
+        held = (torch.randperm(n_all, generator=torch.Generator().manual_seed(VAL_SEED)).numpy()[:val_windows]
+                if val_windows else np.zeros(0, dtype=np.int64))
         keep = np.ones(n_all, dtype=bool)
         keep[held] = False
         self.val_ids, self.train_ids = np.sort(held), np.flatnonzero(keep)  # window indices

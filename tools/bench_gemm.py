@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moefp8.kernels import grouped_gemm as gg  # noqa: E402
-from moefp8.fp8 import col_major as _col_major  # noqa: E402
+from moefp8.fp8 import col_major  # noqa: E402
 from moefp8.kernels.gemm import _cublas_weight_scale, fp8_gemm, fp8_gemm_dgrad, transpose_weight  # noqa: E402
 from moefp8.kernels.quant import quant_colwise, quant_rowwise, quant_weight  # noqa: E402
 from moefp8.testing import bench, print_table, rel_err, save_results  # noqa: E402
@@ -83,7 +83,7 @@ def expert_case(rows, name, K, N, counts, variants):
     ends = off_t[1:].contiguous()
 
     # baselines ---------------------------------------------------------------------------
-    sa_cm = _col_major(a8.scale)
+    sa_cm = col_major(a8.scale)
     sb_dense = _cublas_weight_scale(w8.scale[0])  # one expert's weight for all rows: same FLOPs
     b_dense = w8.data[0]
     t_dense = bench(lambda: torch._scaled_mm(a8.data, b_dense.t(), sa_cm, sb_dense, out_dtype=torch.bfloat16))
@@ -91,7 +91,7 @@ def expert_case(rows, name, K, N, counts, variants):
     for e in range(E):
         s, t = off[e], off[e + 1]
         if t > s:
-            per.append((a8.data[s:t], w8.data[e].t(), _col_major(a8.scale[s:t]), _cublas_weight_scale(w8.scale[e])))
+            per.append((a8.data[s:t], w8.data[e].t(), col_major(a8.scale[s:t]), _cublas_weight_scale(w8.scale[e])))
     t_loop = bench(lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16) for a, b, sa, sb in per])
     xb, wbt = x, w.transpose(1, 2)
     t_bf16 = bench(lambda: torch._grouped_mm(xb, wbt, offs=ends, out_dtype=torch.bfloat16))
@@ -140,7 +140,7 @@ def expert_case(rows, name, K, N, counts, variants):
     for e in range(E):
         s, t = off[e], off[e + 1]
         if t > s:
-            per_w.append((dyc.data[:, s:t], xc.data[:, s:t].t(), _col_major(dyc.scale[:, s // 128:t // 128]),
+            per_w.append((dyc.data[:, s:t], xc.data[:, s:t].t(), col_major(dyc.scale[:, s // 128:t // 128]),
                            xc.scale[:, s // 128:t // 128].t().contiguous()))
     try:
         t_loopw = bench(lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32) for a, b, sa, sb in per_w])
@@ -242,7 +242,7 @@ def probe():
         ref = a8.dequantize() @ w8.dequantize().t()
         s = w8.scale
         for name, sb in [("s.t()", s.t()), ("padded L4 view", _cublas_weight_scale(s)), ("s.t().contiguous()", s.t().contiguous())]:
-            for aname, sa in [("sa col-major", _col_major(a8.scale)), ("sa row-major", a8.scale)]:
+            for aname, sa in [("sa col-major", col_major(a8.scale)), ("sa row-major", a8.scale)]:
                 try:
                     y = torch._scaled_mm(a8.data, w8.data.t(), sa, sb, out_dtype=torch.bfloat16)
                     print(f"probe fprop K={K} scale_b {name:20s} {aname}: rel_err {rel_err(y, ref):.3g}")
@@ -255,7 +255,7 @@ def probe():
         for name, sb in [("xs.t()", xc.scale.t()), ("xs.t().contiguous()", xc.scale.t().contiguous())]:
             for dt in (torch.float32, torch.bfloat16):
                 try:
-                    y = torch._scaled_mm(dyc.data, xc.data.t(), _col_major(dyc.scale), sb, out_dtype=dt)
+                    y = torch._scaled_mm(dyc.data, xc.data.t(), col_major(dyc.scale), sb, out_dtype=dt)
                     print(f"probe wgrad T={T} scale_b {name:20s} {dt}: rel_err {rel_err(y, ref):.3g}")
                 except RuntimeError as exc:
                     print(f"probe wgrad T={T} scale_b {name:20s} {dt}: refused: {str(exc)[:120]}")

@@ -86,23 +86,29 @@ def run_overrides(name: str, overrides: list[str], fp8_overrides: list[str] = ()
     return [*overrides, f"recipe={recipe}", *(fp8_overrides if recipe == "fp8" else ())]
 
 
+def rel_diff(a: dict, b: dict, key: str = "ema") -> tuple[list[int], list[float]]:
+    """The steps where both runs have `key` ("ema": the smoothed training loss; "val": the held-out
+    loss) and (a - b) / b there."""
+    ya, yb = (dict(zip(r["steps"], r["ema"])) if key == "ema" else r["val"] for r in (a, b))
+    steps = [s for s in sorted(ya) if s in yb]
+    return steps, [ya[s] / yb[s] - 1 for s in steps]
+
+
 def compare(a: dict, b: dict, threshold: float) -> dict:
     """Run a against run b: the EMA(0.9) relative training-loss difference over the last half
     (max |.|, mean, share of steps inside the threshold) and, where both logged it, the relative
     held-out loss difference at each evaluation in the last half (max |.|, mean)."""
-    eb = dict(zip(b["steps"], b["ema"]))
-    steps = [s for s in a["steps"] if s in eb]
+    steps, rel = rel_diff(a, b)
     if not steps:
         raise SystemExit("convergence: two runs share no step")
-    rel = dict(zip(steps, [(e - eb[s]) / eb[s] for s, e in zip(a["steps"], a["ema"]) if s in eb]))
-    last = [rel[s] for s in steps[len(steps) // 2:]]
+    last = rel[len(rel) // 2:]
     out = {"max_pct": round(100 * max(abs(r) for r in last), 4), "mean_pct": round(100 * sum(last) / len(last), 4),
            "share_within_threshold": round(sum(abs(r) < threshold for r in last) / len(last), 4)}
-    vs = [s for s in sorted(a["val"]) if s in b["val"] and s > steps[-1] / 2]
-    if vs:
-        vr = [(a["val"][s] - b["val"][s]) / b["val"][s] for s in vs]
+    vs, vr = rel_diff(a, b, "val")
+    vr = [r for s, r in zip(vs, vr) if s > steps[-1] / 2]
+    if vr:
         out.update(val_max_pct=round(100 * max(abs(r) for r in vr), 4), val_mean_pct=round(100 * sum(vr) / len(vr), 4),
-                   val_points=len(vs), val_final={"run": a["val"][vs[-1]], "vs": b["val"][vs[-1]]})
+                   val_points=len(vr), val_final={"run": a["val"][vs[-1]], "vs": b["val"][vs[-1]]})
     return out
 
 
@@ -135,19 +141,16 @@ def plot(path: Path, curves: dict, threshold: float) -> None:
     fig, axes = plt.subplots(3 if held else 2, 1, figsize=(8, 10 if held else 7), sharex=True)
     colors = dict(zip(curves, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     ref = curves["bf16"]
-    e16 = dict(zip(ref["steps"], ref["ema"]))
     for name, c in curves.items():
         axes[0].plot(c["steps"], c["ema"], color=colors[name], label=name)
         if name == "bf16":
             continue
-        ema_by_step = dict(zip(c["steps"], c["ema"]))
-        steps = [s for s in c["steps"] if s in e16]
-        axes[1].plot(steps, [100 * (ema_by_step[s] / e16[s] - 1) for s in steps], color=colors[name],
-                     linewidth=1.5 if name == "fp8" else 0.8, label=f"{name} vs bf16")
-        vs = [s for s in sorted(c["val"]) if s in ref["val"]]
+        steps, rel = rel_diff(c, ref)
+        axes[1].plot(steps, [100 * r for r in rel], color=colors[name], linewidth=1.5 if name == "fp8" else 0.8,
+                     label=f"{name} vs bf16")
+        vs, vr = rel_diff(c, ref, "val")
         if held and vs:
-            axes[2].plot(vs, [100 * (c["val"][s] / ref["val"][s] - 1) for s in vs], "o-", color=colors[name],
-                         markersize=3, label=f"{name} vs bf16")
+            axes[2].plot(vs, [100 * r for r in vr], "o-", color=colors[name], markersize=3, label=f"{name} vs bf16")
     axes[0].set_yscale("log")
     axes[0].set_ylabel("training loss, EMA(0.9)")
     axes[0].legend()
@@ -247,15 +250,14 @@ def main() -> None:
     rows.append({"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
                  "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
                  "ratio": round(tps["fp8"] / tps["bf16"], 3)})
-    e16, e8 = (dict(zip(curves[r]["steps"], curves[r]["ema"])) for r in RECIPES)
-    shared = [s for s in curves["bf16"]["steps"] if s in e8]
+    shared, rel = rel_diff(curves["fp8"], curves["bf16"])
     png = json_path.with_suffix(".png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     plot(png, curves, args.threshold)
     save_results("convergence", rows, {"what": "acceptance threshold on the smoothed relative loss difference",
                                        "value": 100 * args.threshold, "unit": "%"}, path=json_path,
                  plot=png.name, pairs=[{"run": a, "vs": b, **st} for (a, b), st in stats.items()],
-                 curves={"steps": shared, "rel_diff": [e8[s] / e16[s] - 1 for s in shared],
+                 curves={"steps": shared, "rel_diff": rel,
                          **{r: {"loss": c["loss"], "ema": c["ema"], "val": {str(k): v for k, v in c["val"].items()}}
                             for r, c in curves.items()}})
     print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "EMA train mean %": st["mean_pct"],
