@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-from convergence import ema, run_overrides  # noqa: E402
+from convergence import RERUN, ema, recipe_means, run_overrides  # noqa: E402
 
 
 def test_ema():
@@ -25,6 +25,26 @@ def test_noise_floor_runs():
     ablation = ["recipe.fp8_dense=false"]  # --fp8-overrides: the FP8 runs only
     assert run_overrides("fp8_again", base, ablation) == [*base, "recipe=fp8", *ablation]
     assert run_overrides("bf16_again", base, ablation) == [*base, "recipe=bf16"]
+    assert run_overrides("fp8_again2", base, ablation) == [*base, "recipe=fp8", *ablation]  # a third FP8 run
+    assert RERUN.fullmatch("bf16_again3") and not RERUN.fullmatch("fp8_seed+1") and not RERUN.fullmatch("fp8_x")
+
+
+def test_recipe_means():
+    """Each same-seed run's held-out mean over the last half, FP8 runs' average against BF16 runs'; the
+    seed+1 run (other data order) is not one of them."""
+    def run(*val):  # held-out losses at steps 2, 4, 6, 8 of an 8-step run: the last half is steps 6 and 8
+        return {"steps": list(range(1, 9)), "val": dict(zip((2, 4, 6, 8), val))}
+
+    curves = {"bf16": run(9, 9, 1.0, 1.0), "fp8": run(9, 9, 1.01, 1.03), "bf16_again": run(0, 0, 1.02, 1.02),
+              "fp8_again": run(0, 0, 1.04, 1.04), "bf16_seed+1": run(0, 0, 5, 5)}
+    got = recipe_means(curves)  # fp8 runs 1.02 and 1.04, bf16 runs 1.0 and 1.02; steps 2 and 4 not counted
+    assert got["value"] == pytest.approx(100 * (1.03 / 1.01 - 1), abs=1e-4)
+    assert got["runs_per_recipe"] == {"bf16": 2, "fp8": 2} and "bf16_seed+1" not in got["last_half_mean"]
+    assert got["bf16_spread_pct"] == pytest.approx(100 * 0.02 / 1.01, abs=1e-4)
+    assert got["fp8_spread_pct"] == pytest.approx(100 * 0.02 / 1.03, abs=1e-4)
+    curves["fp8_again"]["val"] = {2: 1.0}  # no evaluation in the last half: the run is left out
+    assert recipe_means(curves)["runs_per_recipe"]["fp8"] == 1
+    assert recipe_means({"bf16": run(1, 1, 1, 1), "fp8": {"steps": [1, 2], "val": {}}}) == {}  # no held-out fp8
 
 
 @pytest.mark.slow
@@ -57,7 +77,15 @@ def test_convergence_tool_cpu(tmp_path):
     pairs = {(x["run"], x["vs"]): x for x in doc["pairs"]}
     assert set(pairs) == {("fp8", "bf16"), ("fp8", "bf16_seed+1"), ("fp8_again", "bf16"),
                           ("fp8_again", "bf16_seed+1"), ("bf16_seed+1", "bf16"), ("fp8_again", "fp8")}
+    means = rows["fp8 runs vs bf16 runs: mean held-out loss over the last half, relative"]
+    assert means["runs_per_recipe"] == {"bf16": 1, "fp8": 2} and isinstance(means["pass"], bool)
     held = rows["fp8 vs bf16: max |held-out rel. loss diff|, last half"]  # evaluations at steps 4 and 6
     v8, v16 = c["fp8"]["val"], c["bf16"]["val"]
     assert sorted(v8) == ["2", "4", "6"] and held["points"] == 2
     assert held["value"] == pytest.approx(100 * max(abs(v8[s] / v16[s] - 1) for s in ("4", "6")), abs=1e-4)
+    # --skip-train only reads the runs; --suffix names the outputs (one JSON per ablation beside the main one)
+    r = subprocess.run([*cmd, "--skip-train", "--suffix", "reread"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    again = json.loads((tmp_path / "convergence-reread.json").read_text())
+    assert again["plot"] == "convergence-reread.png" and (tmp_path / "convergence-reread.png").is_file()
+    assert again["pairs"] == doc["pairs"]  # the same runs read twice give the same statistics

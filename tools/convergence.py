@@ -14,8 +14,8 @@ is compared too.
 scale the FP8 gap is judged against. --noise-kind rerun (the default): BF16 again with the same seed
 and data, so the two differ only by the GPU's nondeterministic kernels (atomics, split reductions),
 the smallest perturbation a training run meets; seed: BF16 with the next seed (another init and
-data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_again, bf16_seed+1)
-and --train picks which of the runs this call trains (the others are read from an earlier call):
+data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_again, bf16_seed+1,
+and further same-seed reruns fp8_again2, bf16_again2, ...) and --train picks which of the runs this call trains (the others are read from an earlier call):
 every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
 
 Held-out loss: with train.eval_every and data.val_windows among the overrides the runs also log
@@ -30,12 +30,13 @@ data.max_bytes=64000000.
     python tools/convergence.py --out outputs/conv model=tiny train.steps=40   # CPU smoke run
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
-Saves bench/results/convergence-<device>.json and .png (CPU runs: outputs/), or under --out.
+Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: outputs/), or under --out.
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ from moefp8.testing import REPO, print_table, results_path, save_results  # noqa
 RECIPES = ("bf16", "fp8")
 NOISE = {"rerun": "bf16_again", "seed": "bf16_seed+1"}  # --noise-floor kind -> the third run's name
 EXTRA = ("bf16_again", "fp8_again", "bf16_seed+1")  # --runs: a recipe again (same seed), or the next seed
+RERUN = re.compile(r"(bf16|fp8)_again\d*")  # more reruns of the same seed: fp8_again2, bf16_again3, ...
 
 
 def ema(xs: list[float], beta: float = 0.9) -> list[float]:
@@ -129,6 +131,26 @@ def train(runs: dict[str, Path], overrides: list[str], parallel: bool, fp8_overr
         raise SystemExit(f"convergence: the {', '.join(failed)} run(s) failed (commands above)")
 
 
+def recipe_means(curves: dict) -> dict:
+    """Recipe against recipe on the held-out loss: each same-seed run's mean over the last half (the
+    seed+1 run is left out: other data order), then the FP8 runs' average relative to the BF16 runs',
+    with each recipe's spread (max - min over its runs, relative) beside it. {} without held-out losses."""
+    last = {}
+    for name, c in curves.items():
+        steps = [s for s in c["val"] if s > c["steps"][-1] / 2]
+        if steps and name != NOISE["seed"]:
+            last[name] = sum(c["val"][s] for s in steps) / len(steps)
+    group = {r: [v for n, v in last.items() if n.split("_")[0] == r] for r in RECIPES}
+    if not all(group.values()):
+        return {}
+    mean = {r: sum(v) / len(v) for r, v in group.items()}
+    return {"impl": "fp8 runs vs bf16 runs: mean held-out loss over the last half, relative",
+            "value": round(100 * (mean["fp8"] / mean["bf16"] - 1), 4), "unit": "%",
+            "runs_per_recipe": {r: len(v) for r, v in group.items()},
+            **{f"{r}_spread_pct": round(100 * (max(v) - min(v)) / mean[r], 4) for r, v in group.items()},
+            "last_half_mean": {n: round(v, 6) for n, v in last.items()}}
+
+
 def plot(path: Path, curves: dict, threshold: float) -> None:
     """Top: each run's training loss (EMA). Middle: each run's EMA relative difference to bf16.
     Bottom: the same for the held-out loss, where logged. One color per run throughout."""
@@ -173,6 +195,7 @@ def plot(path: Path, curves: dict, threshold: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="folder for the runs, the JSON and the PNG")
+    p.add_argument("--suffix", default="", help="appended to the JSON's and PNG's names: convergence-<device>-<suffix>.json")
     p.add_argument("--threshold", type=float, default=0.0025, help="acceptance: max |EMA relative difference|")
     p.add_argument("--skip-train", action="store_true", help="only read existing runs and report")
     p.add_argument("--parallel", action="store_true", help="train the runs at once, one GPU each")
@@ -186,13 +209,16 @@ def main() -> None:
                    "(an ablation of the recipe, e.g. 'recipe.fp8_dense=false')")
     args, overrides = p.parse_known_args()
     json_path = Path(args.out) / "convergence.json" if args.out else results_path("convergence")
+    if args.suffix:
+        json_path = json_path.with_name(f"{json_path.stem}-{args.suffix}.json")
     runs = (Path(args.out) if args.out else REPO / "outputs" / "convergence") / "runs"
     extra = [r for r in args.runs.split(",") if r]
     if args.noise_floor:
         extra.insert(0, NOISE[args.noise_kind])
-    bad = [r for r in extra if r not in EXTRA]
+    bad = [r for r in extra if r not in EXTRA and not RERUN.fullmatch(r)]
     if bad:
-        raise SystemExit(f"convergence: --runs {','.join(bad)}: expected names of {', '.join(EXTRA)}")
+        raise SystemExit(f"convergence: --runs {','.join(bad)}: expected names of {', '.join(EXTRA)} "
+                         "(or more reruns: bf16_again2, fp8_again2, ...)")
     names = list(dict.fromkeys([*RECIPES, *extra]))
     to_train = [] if args.skip_train else [r for r in args.train.split(",") if r] or names
     if set(to_train) - set(names):
@@ -247,6 +273,10 @@ def main() -> None:
                      "baseline_value": 100 * args.threshold, "ratio": round(args.threshold / v, 3) if v else None,
                      "pass": v < args.threshold, "mean_rel_diff_last_half_pct": main_pair["val_mean_pct"],
                      "points": main_pair["val_points"], "final": main_pair["val_final"]})
+    by_recipe = recipe_means(curves)
+    if by_recipe:
+        rows.append({"case": case, **by_recipe, "baseline": "DeepSeek-V3 acceptance",
+                     "baseline_value": 100 * args.threshold, "pass": abs(by_recipe["value"]) / 100 < args.threshold})
     rows.append({"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
                  "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
                  "ratio": round(tps["fp8"] / tps["bf16"], 3)})
@@ -270,6 +300,10 @@ def main() -> None:
     if "val_max_pct" in main_pair:
         print(f"max |held-out rel. loss diff| over the last half: {main_pair['val_max_pct']:.3f}%: "
               f"{'PASS' if main_pair['val_max_pct'] / 100 < args.threshold else 'FAIL'}")
+    if by_recipe:
+        print(f"held-out loss, last-half mean, {by_recipe['runs_per_recipe']['fp8']} fp8 runs vs "
+              f"{by_recipe['runs_per_recipe']['bf16']} bf16 runs: {by_recipe['value']:+.3f}% (the bf16 runs span "
+              f"{by_recipe['bf16_spread_pct']:.3f}%, the fp8 runs {by_recipe['fp8_spread_pct']:.3f}%)")
     if noise is not None:
         vs = stats["fp8", noise_name]
         print(f"mean EMA rel. loss diff over the last half: fp8 vs bf16 {main_pair['mean_pct']:+.3f}%, "
