@@ -115,6 +115,29 @@ def ensure_data(cfg: Config, console: Console) -> None:
     console.print(f"data: {idx['files']} files, {idx['bytes'] / 1e6:.1f} MB, {len(idx['shards'])} shard(s)")
 
 
+def config_changes(old_path: Path, new_yaml: str) -> list[str]:
+    """"key: old -> new" for every config value that differs between the YAML a run dir was last
+    started with and this start's (keys only one side has count too); [] without an old YAML."""
+    if not old_path.is_file():
+        return []
+    from omegaconf import OmegaConf
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    try:
+        old = flat(OmegaConf.to_container(OmegaConf.load(old_path)))
+    except Exception as e:  # noqa: BLE001 - an unreadable old copy is not a reason to stop training
+        return [f"{old_path} unreadable ({first_line(e)})"]
+    new = flat(OmegaConf.to_container(OmegaConf.create(new_yaml)))
+    missing = "(absent)"
+    return [f"{k}: {old.get(k, missing)} -> {new.get(k, missing)}" for k in sorted(old.keys() | new.keys())
+            if old.get(k, missing) != new.get(k, missing)]
+
+
 def start_wandb(cfg: Config, run_dir: Path, is_main: bool):
     if not is_main or cfg.logger.mode == "disabled":
         return None
@@ -320,11 +343,14 @@ def train(cfg: Config) -> dict:
     world, rank, is_main = par.world, par.rank, par.rank == 0
     console = Console(soft_wrap=True, quiet=not is_main)
     run_dir = Path(t.out_dir)  # the same path on every rank: computed from the config
+    changed = []  # what differs from the config this run dir was last started with (told on resume)
     if is_main:
         from omegaconf import OmegaConf  # only to write the resolved config as YAML
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        new_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        changed = config_changes(run_dir / "config.yaml", new_yaml)
+        (run_dir / "config.yaml").write_text(new_yaml)
         ensure_data(cfg, console)
     if world > 1:
         dist.barrier()  # the run dir and the data exist
@@ -367,6 +393,8 @@ def train(cfg: Config) -> dict:
             torch.cuda.set_rng_state(st["rng"]["cuda"], device)
         start = st["step"]
         console.print(f"resumed from {ckpt} at step {start}")
+        if changed:  # e.g. train.steps raised on purpose, or a default that changed between versions
+            console.print(f"config changes since this run dir was last started: {'; '.join(changed)}")
     metrics_path = run_dir / "metrics.jsonl"
     if is_main:  # keep the history up to the resumed step: drop steps a killed run logged past it
         kept = []  # and a line it was killed while writing; rewritten atomically
