@@ -7,8 +7,8 @@
 Precision (DESIGN.md §1): every weight is an fp32 master; activations between layers are BF16.
 Under recipe "fp8" the attention projections and the dense MLPs are `Fp8Linear`s and the experts
 run the FP8 MoE path, except the linears named in `bf16_linears` (the training config's default: wo,
-bench/notes/convergence.md session 11); under "bf16" the same linears compute in BF16 (`Bf16Linear`). Embedding,
-LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention, causal) and the
+bench/notes/convergence.md session 11); under "bf16" the same linears compute in BF16 (`Bf16Linear`).
+Embedding, LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention, causal) and the
 router stay in high precision. Attention is multi-head attention with RoPE, not DeepSeek-V3's MLA.
 
 Shapes: B batch, S sequence, H hidden, T = B*S tokens, L layers, E experts, V vocabulary.

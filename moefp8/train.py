@@ -116,7 +116,7 @@ def ensure_data(cfg: Config, console: Console) -> None:
 
 
 def config_changes(old_path: Path, new_yaml: str) -> list[str]:
-    """"key: old -> new" for every config value that differs between the YAML a run dir was last
+    """One line `key: old -> new` per config value that differs between the YAML a run dir was last
     started with and this start's (keys only one side has count too); [] without an old YAML."""
     if not old_path.is_file():
         return []

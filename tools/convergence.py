@@ -15,8 +15,8 @@ scale the FP8 gap is judged against. --noise-kind rerun (the default): BF16 agai
 and data, so the two differ only by the GPU's nondeterministic kernels (atomics, split reductions),
 the smallest perturbation a training run meets; seed: BF16 with the next seed (another init and
 data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_again, bf16_seed+1,
-and further same-seed reruns fp8_again2, bf16_again2, ...) and --train picks which of the runs this call trains (the others are read from an earlier call):
-every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
+and further same-seed reruns fp8_again2, bf16_again2, ...) and --train picks which of the runs this
+call trains (the others are read from an earlier call): every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
 
 Held-out loss: with train.eval_every and data.val_windows among the overrides the runs also log
 the loss on fixed held-out windows (the same for every run), and the same comparison is made on
