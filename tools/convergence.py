@@ -51,6 +51,11 @@ EXTRA = ("bf16_again", "fp8_again", "bf16_seed+1")  # --runs: a recipe again (sa
 RERUN = re.compile(r"(bf16|fp8)_again\d*")  # more reruns of the same seed: fp8_again2, bf16_again3, ...
 
 
+def recipe_of(name: str) -> str:
+    """The recipe of a run name: "fp8_again2" -> "fp8", "bf16_seed+1" -> "bf16"."""
+    return name.split("_")[0]
+
+
 def ema(xs: list[float], beta: float = 0.9) -> list[float]:
     out, s = [], None
     for x in xs:
@@ -84,7 +89,7 @@ def run_overrides(name: str, overrides: list[str], fp8_overrides: list[str] = ()
     if name == NOISE["seed"]:
         seed = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.seed=")), 0)
         return [*overrides, "recipe=bf16", f"train.seed={seed + 1}"]
-    recipe = name.split("_")[0]
+    recipe = recipe_of(name)
     return [*overrides, f"recipe={recipe}", *(fp8_overrides if recipe == "fp8" else ())]
 
 
@@ -140,7 +145,7 @@ def recipe_means(curves: dict) -> dict:
         steps = [s for s in c["val"] if s > c["steps"][-1] / 2]
         if steps and name != NOISE["seed"]:
             last[name] = sum(c["val"][s] for s in steps) / len(steps)
-    group = {r: [v for n, v in last.items() if n.split("_")[0] == r] for r in RECIPES}
+    group = {r: [v for n, v in last.items() if recipe_of(n) == r] for r in RECIPES}
     if not all(group.values()):
         return {}
     mean = {r: sum(v) / len(v) for r, v in group.items()}
@@ -243,8 +248,8 @@ def main() -> None:
         curves[name] = c = read_losses(run_dir)
         c["ema"] = ema(c["loss"])
     # every FP8 run against every BF16 run, and each rerun against its recipe's first run
-    pairs = [(a, b) for a in names if a.startswith("fp8") for b in names if b.startswith("bf16")]
-    pairs += [(a, a.split("_")[0]) for a in extra if (a, a.split("_")[0]) not in pairs]
+    pairs = [(a, b) for a in names if recipe_of(a) == "fp8" for b in names if recipe_of(b) == "bf16"]
+    pairs += [(a, recipe_of(a)) for a in extra if (a, recipe_of(a)) not in pairs]
     stats = {pair: compare(curves[pair[0]], curves[pair[1]], args.threshold) for pair in pairs}
     main_pair, noise_name = stats["fp8", "bf16"], NOISE[args.noise_kind] if args.noise_floor else None
     noise = stats[noise_name, "bf16"] if noise_name else None
