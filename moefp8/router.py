@@ -62,7 +62,7 @@ class Router(nn.Module):
         if self.score_func == "sigmoid":
             w = w / w.sum(-1, keepdim=True)
         w = w * self.route_scale
-        load = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        load = expert_load(idx, self.n_experts)
         aux = None
         if self.seq_aux_alpha > 0:
             aux = seq_aux_loss(scores, idx, self.n_experts, self.topk, seq_len or x_TH.shape[0]) * self.seq_aux_alpha
@@ -107,6 +107,15 @@ def select_experts(scores_TE: Tensor, bias_E: Tensor, topk: int, n_groups: int =
         mask = torch.ones(T, n_groups, dtype=torch.bool, device=s.device).scatter_(1, keep, False)
         s = g.masked_fill(mask[:, :, None], float("-inf")).view(T, E)
     return s.topk(topk, dim=-1).indices
+
+
+def expert_load(idx_TK: Tensor, n_experts: int) -> Tensor:
+    """Tokens per expert, int64 [E], from expert ids [T, K] in [0, E). A scatter-add of ones rather
+    than torch.bincount: bincount reads the ids' min and max on the host (a device sync in every
+    router call, which stalls the host's queueing of the rest of the step); integer adds are exact
+    in any order, so this is deterministic too."""
+    flat = idx_TK.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=idx_TK.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def seq_aux_loss(scores_TE: Tensor, idx_TK: Tensor, n_experts: int, topk: int, seq_len: int) -> Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moefp8.router import Router, load_stats, select_experts, seq_aux_loss
+from moefp8.router import Router, expert_load, load_stats, select_experts, seq_aux_loss
 
 
 def select_ref(s: torch.Tensor, b: torch.Tensor, k: int, n_groups: int, topk_groups: int) -> list[set]:
@@ -52,6 +52,34 @@ def test_weights_are_unbiased_scores(score_func):
     torch.testing.assert_close(out.topk_w_TK, w * 2.5, rtol=1e-6, atol=0)
     assert out.topk_w_TK.dtype == torch.float32 and out.aux_loss is None
     assert torch.equal(out.load_E, torch.bincount(out.topk_idx_TK.view(-1), minlength=8))
+
+
+def test_expert_load_counts_every_slot():
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 10, (257, 6), generator=g)
+    idx[:, 0] = 9  # a popular expert; experts may also get nothing
+    load = expert_load(idx, 12)
+    assert load.dtype == torch.int64 and load.shape == (12,)
+    assert load.tolist() == [int((idx == e).sum()) for e in range(12)]
+    assert expert_load(idx[:0], 12).tolist() == [0] * 12
+
+
+@pytest.mark.gpu
+def test_gpu_router_does_not_sync_with_the_host():
+    """The router runs at the head of every MoE layer: a device sync there (torch.bincount reads the
+    ids' max on the host) drains the GPU queue each layer and makes the step host-paced."""
+    torch.manual_seed(0)
+    r = Router(256, 64, 8, n_groups=8, topk_groups=4, seq_aux_alpha=1e-3).cuda()
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r(x, seq_len=128)  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = r(x, seq_len=128)
+        (out.topk_w_TK.sum() + out.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out.load_E.cpu(), torch.bincount(out.topk_idx_TK.view(-1).cpu(), minlength=64))
 
 
 def test_update_bias_moves_towards_mean_load():

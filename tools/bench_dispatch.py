@@ -41,10 +41,16 @@ from moefp8.kernels.quant import quant_rowwise
 from moefp8.testing import print_table, results_path, save_results
 
 
-def init_torchrun() -> tuple[int, int, torch.device]:
+def init_torchrun(bind_cpus: bool = False) -> tuple[int, int, torch.device]:
     """The process group of a torchrun launch (env://; NCCL with one GPU per rank, gloo on CPU)
-    -> (rank, world size, this rank's device). Shared by the multi-GPU benchmarks."""
+    -> (rank, world size, this rank's device). Shared by the multi-GPU benchmarks. bind_cpus: pin
+    each local rank to CPUs near its GPU first (moefp8.affinity)."""
     cuda = torch.cuda.is_available()
+    if bind_cpus:
+        from moefp8.affinity import bind_cpus as bind
+
+        cpus = bind(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        print(f"local rank {os.environ.get('LOCAL_RANK', 0)}: pinned to CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)})", flush=True)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -210,6 +210,8 @@ def main():
                    help="grouped GEMMs: auto (the per-expert cuBLAS loop where it pays, moefp8.kernels."
                         "grouped_gemm.LOOP_MIN_MACS) or triton (the single-launch kernels everywhere: fewer launches)")
     p.add_argument("--trace-all-ranks", action="store_true", help="every rank writes its trace (default: rank 0)")
+    p.add_argument("--bind-cpus", action="store_true",
+                   help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -219,7 +221,7 @@ def main():
     if a.smoke:
         a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
 
-    rank, n, dev = init_torchrun()
+    rank, n, dev = init_torchrun(a.bind_cpus)
     cuda = dev.type == "cuda"
     E = (a.experts // n) * n
     torch.manual_seed(0)  # the same router and weights on every rank (each keeps its expert slice)
@@ -299,7 +301,7 @@ def main():
         print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
         path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
                             hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
-                            trace=trace.name)
+                            bind_cpus=a.bind_cpus, trace=trace.name)
         print(f"wrote {path} and {trace}")
     dist.barrier()
     dist.destroy_process_group()
