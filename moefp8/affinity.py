@@ -1,11 +1,12 @@
 """CPU affinity for multi-GPU runs: each local rank pinned to a disjoint slice of the CPUs nearest
-its GPU (torchrun pins nothing, so the ranks' host threads wander across NUMA nodes and the ranks
-reach each collective at different times).
+its GPU (torchrun pins nothing: the ranks' host threads may migrate across cores and NUMA nodes).
+Opt-in (`--bind-cpus` of the bench tools); bench/notes/overlap.md has what it measured (session 12).
 
 The CPUs near GPU i are the `local_cpulist` sysfs lists of its PCI device; local ranks whose GPUs
 share a list split it evenly, in local-rank order. Without that information (no sysfs, or a torch
 build whose device properties lack the PCI ids) the process's allowed CPUs are split evenly over
-the local ranks. Assumes local rank r drives GPU r, as torchrun launches do."""
+the local ranks. Assumes local rank r drives GPU r, as torchrun launches do (when a rank sees fewer
+GPUs than there are local ranks, the even split is used)."""
 
 import os
 
@@ -53,7 +54,9 @@ def cpu_slice(local_rank: int, pools: list[list[int]]) -> list[int]:
 def bind_cpus(local_rank: int, local_world: int) -> list[int]:
     """Pins this process (all its threads created afterwards) to its slice; returns it."""
     allowed = sorted(os.sched_getaffinity(0))
-    near = [gpu_local_cpus(r) for r in range(local_world)] if torch.cuda.is_available() else [None]
+    # every local GPU must be visible to map ranks to GPUs (not so under per-rank CUDA_VISIBLE_DEVICES)
+    see_all = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    near = [gpu_local_cpus(r) for r in range(local_world)] if see_all else [None]
     if any(c is None for c in near):
         pools = [allowed] * local_world
     else:
