@@ -266,9 +266,67 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
     tl.store(s_ptr + pid_e * stride_se + pid_n * stride_sn + pid_k, scale)
 
 
+@triton.jit
+def _colwise_program(pid, num_kb, num_mb, GROUP_K: tl.constexpr):
+    """Program pid of a col-wise words kernel -> (its BLOCK_K column block, its 128-row group).
+    Row groups run fastest within bands of GROUP_K column blocks, so that the programs resident
+    together read GROUP_K x BLOCK_K-byte runs of each input row and write runs of many 128-row
+    groups into each output row (K-fastest order writes 128 bytes per output row: 2-5% slower,
+    bench/notes/quant.md, session 13)."""
+    per_band = GROUP_K * num_mb
+    first_k = (pid // per_band) * GROUP_K
+    band = tl.minimum(num_kb - first_k, GROUP_K)
+    return first_k + (pid % per_band) % band, (pid % per_band) // band
+
+
+@triton.jit
+def _load_words4(p, ps, stride_w, stride_sm, rows, m_left, EVEN: tl.constexpr):
+    """The four interleaved word tiles (rows 4i + j) of a 128-row group and their row-wise scales;
+    rows past m_left read code 0 and scale 0: value 0, which leaves every amax alone."""
+    if EVEN:
+        w0, w1, w2, w3 = tl.load(p), tl.load(p + stride_w), tl.load(p + 2 * stride_w), tl.load(p + 3 * stride_w)
+        s0, s1, s2, s3 = tl.load(ps), tl.load(ps + stride_sm), tl.load(ps + 2 * stride_sm), tl.load(ps + 3 * stride_sm)
+    else:
+        w0 = tl.load(p, mask=(rows < m_left)[:, None], other=0)
+        w1 = tl.load(p + stride_w, mask=(rows + 1 < m_left)[:, None], other=0)
+        w2 = tl.load(p + 2 * stride_w, mask=(rows + 2 < m_left)[:, None], other=0)
+        w3 = tl.load(p + 3 * stride_w, mask=(rows + 3 < m_left)[:, None], other=0)
+        s0 = tl.load(ps, mask=rows < m_left, other=0.0)
+        s1 = tl.load(ps + stride_sm, mask=rows + 1 < m_left, other=0.0)
+        s2 = tl.load(ps + 2 * stride_sm, mask=rows + 2 < m_left, other=0.0)
+        s3 = tl.load(ps + 3 * stride_sm, mask=rows + 3 < m_left, other=0.0)
+    return w0, w1, w2, w3, s0, s1, s2, s3
+
+
+@triton.jit
+def _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33,
+                        offs_i, offs_w, n_left, po, pso, stride_ow, stride_osk, EVEN: tl.constexpr):
+    """x_jc [32, BLOCK_K/4] fp32: row 4i + j, column 4w + c of a 128-row group -> one pow2 scale
+    per column and the output words (column 4w + c, rows 4i..4i+3) at po + (4w + c) * stride_ow
+    + i; scales at pso + (4w + c) * stride_osk. n_left: the group's output words per column."""
+    sc0, i0 = _scale_from_amax(tl.max(_absmax4(x00, x10, x20, x30), axis=0), True)
+    sc1, i1 = _scale_from_amax(tl.max(_absmax4(x01, x11, x21, x31), axis=0), True)
+    sc2, i2 = _scale_from_amax(tl.max(_absmax4(x02, x12, x22, x32), axis=0), True)
+    sc3, i3 = _scale_from_amax(tl.max(_absmax4(x03, x13, x23, x33), axis=0), True)
+    i0, i1, i2, i3 = i0[None, :], i1[None, :], i2[None, :], i3[None, :]
+    po = po + (4 * offs_w)[None, :] * stride_ow + offs_i[:, None]
+    words = (_pack_e4m3x4(x00 * i0, x10 * i0, x20 * i0, x30 * i0), _pack_e4m3x4(x01 * i1, x11 * i1, x21 * i1, x31 * i1),
+             _pack_e4m3x4(x02 * i2, x12 * i2, x22 * i2, x32 * i2), _pack_e4m3x4(x03 * i3, x13 * i3, x23 * i3, x33 * i3))
+    for c in tl.static_range(4):
+        if EVEN:
+            tl.store(po + c * stride_ow, words[c])
+        else:
+            tl.store(po + c * stride_ow, words[c], mask=(offs_i < n_left)[:, None])
+    pso = pso + 4 * offs_w * stride_osk
+    scales = (sc0, sc1, sc2, sc3)
+    for c in tl.static_range(4):
+        tl.store(pso + c * stride_osk, scales[c])
+
+
 @triton.jit(do_not_specialize=["M16", "q_row16", "o_row16"])
 def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, stride_sm, stride_sg, o_row16,
-                                  stride_osk, stride_osm, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                                  stride_osk, stride_osm, num_kb, num_mb, BLOCK_K: tl.constexpr,
+                                  GROUP_K: tl.constexpr, EVEN: tl.constexpr):
     """pow2 scales, M % 16 == 0. q_ptr: the "1x128" data as int32 words [M, K/4]; o_ptr: the
     output as int32 words [K, M/4]. A program requantizes one 128-row group of BLOCK_K columns.
 
@@ -280,8 +338,8 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
     kernel. M and the row strides come in 16-byte units (M16 = M/16, q_row16 = K/16, o_row16 =
     M/16): the compiler knows 16-byte accesses stay aligned (vector loads / stores, masked ones
     too) without specialising on the shape. EVEN: M % 128 == 0, no masks."""
-    k0 = tl.program_id(0) * BLOCK_K
-    pid_m = tl.program_id(1)
+    pid_k, pid_m = _colwise_program(tl.program_id(0), num_kb, num_mb, GROUP_K)
+    k0 = pid_k * BLOCK_K
     m0 = pid_m.to(tl.int64) * 128
     stride_qw = q_row16 * 4
     stride_ow = o_row16 * 4
@@ -289,44 +347,18 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
     offs_w = tl.arange(0, BLOCK_K // 4)
     rows = 4 * offs_i
     m_left = M16 * 16 - pid_m * 128  # rows of this group (< 128: the last, partial group)
-    n_left = M16 * 4 - pid_m * 32  # its output words per column (m_left / 4, kept visibly a multiple of 4)
     p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
     ps = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
-    if EVEN:
-        w0, w1, w2, w3 = tl.load(p), tl.load(p + stride_qw), tl.load(p + 2 * stride_qw), tl.load(p + 3 * stride_qw)
-        s0, s1, s2, s3 = tl.load(ps), tl.load(ps + stride_sm), tl.load(ps + 2 * stride_sm), tl.load(ps + 3 * stride_sm)
-    else:  # rows past M read code 0 and scale 0: value 0, the amax is unchanged
-        w0 = tl.load(p, mask=(rows < m_left)[:, None], other=0)
-        w1 = tl.load(p + stride_qw, mask=(rows + 1 < m_left)[:, None], other=0)
-        w2 = tl.load(p + 2 * stride_qw, mask=(rows + 2 < m_left)[:, None], other=0)
-        w3 = tl.load(p + 3 * stride_qw, mask=(rows + 3 < m_left)[:, None], other=0)
-        s0 = tl.load(ps, mask=rows < m_left, other=0.0)
-        s1 = tl.load(ps + stride_sm, mask=rows + 1 < m_left, other=0.0)
-        s2 = tl.load(ps + 2 * stride_sm, mask=rows + 2 < m_left, other=0.0)
-        s3 = tl.load(ps + 3 * stride_sm, mask=rows + 3 < m_left, other=0.0)
+    w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_qw, stride_sm, rows, m_left, EVEN)
     # x_jc [32, BLOCK_K/4]: row 4i + j, column 4w + c, dequantized
     x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
     x10, x11, x12, x13 = _unpack_e4m3x4(w1, s1[:, None])
     x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
     x30, x31, x32, x33 = _unpack_e4m3x4(w3, s3[:, None])
-    sc0, i0 = _scale_from_amax(tl.max(_absmax4(x00, x10, x20, x30), axis=0), True)
-    sc1, i1 = _scale_from_amax(tl.max(_absmax4(x01, x11, x21, x31), axis=0), True)
-    sc2, i2 = _scale_from_amax(tl.max(_absmax4(x02, x12, x22, x32), axis=0), True)
-    sc3, i3 = _scale_from_amax(tl.max(_absmax4(x03, x13, x23, x33), axis=0), True)
-    i0, i1, i2, i3 = i0[None, :], i1[None, :], i2[None, :], i3[None, :]
-    # output word (column 4w + c, rows 4i..4i+3) at o[(k0 + 4w + c) * stride_ow + m0/4 + i]
-    po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4 + (4 * offs_w)[None, :] * stride_ow + offs_i[:, None]
-    words = (_pack_e4m3x4(x00 * i0, x10 * i0, x20 * i0, x30 * i0), _pack_e4m3x4(x01 * i1, x11 * i1, x21 * i1, x31 * i1),
-             _pack_e4m3x4(x02 * i2, x12 * i2, x22 * i2, x32 * i2), _pack_e4m3x4(x03 * i3, x13 * i3, x23 * i3, x33 * i3))
-    for c in tl.static_range(4):
-        if EVEN:
-            tl.store(po + c * stride_ow, words[c])
-        else:
-            tl.store(po + c * stride_ow, words[c], mask=(offs_i < n_left)[:, None])
-    pso = os_ptr + k0 * stride_osk + pid_m * stride_osm + 4 * offs_w * stride_osk
-    scales = (sc0, sc1, sc2, sc3)
-    for c in tl.static_range(4):
-        tl.store(pso + c * stride_osk, scales[c])
+    _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33,
+                        offs_i, offs_w, M16 * 4 - pid_m * 32,  # output words per column: m_left / 4
+                        o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4, os_ptr + k0 * stride_osk + pid_m * stride_osm,
+                        stride_ow, stride_osk, EVEN)
 
 
 @triton.jit
@@ -433,6 +465,44 @@ def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stri
                        s_ptr + k0 * stride_sk + pid_m * stride_sg, stride_qk, stride_sk, POW2, PACK)
 
 
+@triton.jit(do_not_specialize=["M16", "h_row16", "I16", "o_row16"])
+def _dequant_swiglu_quant_colwise_words_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16, h_row16, I16, stride_sm, stride_sg,
+                                               o_row16, stride_osk, stride_osm, num_kb, num_mb,
+                                               BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, EVEN: tl.constexpr):
+    """The requant words kernel's structure (int32 word loads, 4x4 byte blocks transposed in
+    registers) for dequant_swiglu_quant_colwise: pow2 scales, M % 16 == 0. h_ptr: "1x128" h as
+    int32 words [M, 2I/4] (gate columns, then up); o_ptr: a as int32 words [I, M/4]. I16 = I/16."""
+    pid_k, pid_m = _colwise_program(tl.program_id(0), num_kb, num_mb, GROUP_K)
+    k0 = pid_k * BLOCK_K
+    m0 = pid_m.to(tl.int64) * 128
+    stride_hw = h_row16 * 4
+    stride_ow = o_row16 * 4
+    offs_i = tl.arange(0, 32)
+    offs_w = tl.arange(0, BLOCK_K // 4)
+    rows = 4 * offs_i
+    m_left = M16 * 16 - pid_m * 128
+    p = h_ptr + m0 * stride_hw + k0 // 4 + rows[:, None] * stride_hw + offs_w[None, :]
+    ps = hs_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+    w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_hw, stride_sm, rows, m_left, EVEN)
+    v0, v1, v2, v3, t0, t1, t2, t3 = _load_words4(p + I16 * 4, ps + (I16 // 8) * stride_sg, stride_hw, stride_sm,
+                                                  rows, m_left, EVEN)  # up: I/4 words, I/128 scales on
+    g00, g01, g02, g03 = _unpack_e4m3x4(w0, s0[:, None])
+    u00, u01, u02, u03 = _unpack_e4m3x4(v0, t0[:, None])
+    g10, g11, g12, g13 = _unpack_e4m3x4(w1, s1[:, None])
+    u10, u11, u12, u13 = _unpack_e4m3x4(v1, t1[:, None])
+    g20, g21, g22, g23 = _unpack_e4m3x4(w2, s2[:, None])
+    u20, u21, u22, u23 = _unpack_e4m3x4(v2, t2[:, None])
+    g30, g31, g32, g33 = _unpack_e4m3x4(w3, s3[:, None])
+    u30, u31, u32, u33 = _unpack_e4m3x4(v3, t3[:, None])
+    _quant_words4_store(_swiglu(g00, u00), _swiglu(g01, u01), _swiglu(g02, u02), _swiglu(g03, u03),
+                        _swiglu(g10, u10), _swiglu(g11, u11), _swiglu(g12, u12), _swiglu(g13, u13),
+                        _swiglu(g20, u20), _swiglu(g21, u21), _swiglu(g22, u22), _swiglu(g23, u23),
+                        _swiglu(g30, u30), _swiglu(g31, u31), _swiglu(g32, u32), _swiglu(g33, u33),
+                        offs_i, offs_w, M16 * 4 - pid_m * 32,
+                        o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4, os_ptr + k0 * stride_osk + pid_m * stride_osm,
+                        stride_ow, stride_osk, EVEN)
+
+
 # ----------------------------------------------------------------------------------------------
 # Public wrappers: validate, allocate, launch. Kernels assume valid input.
 
@@ -442,12 +512,14 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "rowwise": dict(BLOCK_M=32, num_warps=8),
     "colwise": dict(BLOCK_K=64, num_warps=4),
     "weight": dict(num_warps=8),
-    "requant_colwise": dict(BLOCK_K=64, num_warps=2),  # words kernel (dev_requant_variants.py sweep); BLOCK_K <= 128
+    # col-wise words kernels: GROUP_K column blocks per band of the program order (_colwise_program)
+    "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8),  # BLOCK_K <= 128
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
     "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
     "swiglu_backward_quant": dict(num_warps=8),  # 128x128 tiles (kernels/swiglu.py)
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
-    "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4),  # BLOCK_K <= 128
+    "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4, GROUP_K=8),  # words kernel; BLOCK_K <= 128
+    "dequant_swiglu_quant_colwise_generic": dict(BLOCK_K=32, num_warps=4),  # fp32 scales or M % 16 != 0
 }
 
 
@@ -463,6 +535,14 @@ def _packs(M: int) -> bool:
     """Col-wise kernels store 4 tokens' codes per 32-bit word when rows of the [K, M] output
     stay 16-byte aligned; other M take the byte-wise store (same result, slower)."""
     return M % 16 == 0
+
+
+def _words_ok(data: Tensor, pow2: bool) -> bool:
+    """Whether the col-wise words kernels take this "1x128" input: they multiply by inverse scales
+    (pow2 only) and read it as int32 words with 16-byte aligned rows (M % 16 == 0 keeps the
+    transposed output's rows aligned too)."""
+    return (pow2 and data.shape[0] % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0
+            and data.data_ptr() % 16 == 0)
 
 
 def _check_input(name: str, x: Tensor, k_multiple_of_128: bool = True) -> None:
@@ -570,13 +650,12 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     out_s = _scales(K, triton.cdiv(M, TILE), data.device, True)
     if not M:
         return Fp8Tensor(out, out_s, "128x1")
-    # The words kernel multiplies by the inverse scale (pow2 only) and needs 16-byte aligned rows.
-    if pow2 and M % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0:
+    if _words_ok(data, pow2):
         cfg = LAUNCH["requant_colwise"]
-        grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
-        _requant_colwise_words_kernel[grid](data.view(torch.int32), sc, out.view(torch.int32), out_s, M // 16,
-                                            data.stride(0) // 16, sc.stride(0), sc.stride(1), M // 16,
-                                            out_s.stride(0), out_s.stride(1), EVEN=M % TILE == 0, **cfg)
+        num_kb, num_mb = K // cfg["BLOCK_K"], triton.cdiv(M, TILE)
+        _requant_colwise_words_kernel[(num_kb * num_mb,)](
+            data.view(torch.int32), sc, out.view(torch.int32), out_s, M // 16, data.stride(0) // 16, sc.stride(0),
+            sc.stride(1), M // 16, out_s.stride(0), out_s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)
     else:
         cfg = LAUNCH["requant_colwise_generic"]
         grid = (K // cfg["BLOCK_K"], triton.cdiv(M, TILE))
@@ -671,8 +750,14 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
     M, I = data.shape[0], data.shape[1] // 2
     q = torch.empty(I, M, dtype=FP8_DTYPE, device=data.device)
     s = _scales(I, triton.cdiv(M, TILE), data.device, True)
-    if M:
+    if M and _words_ok(data, pow2):
         cfg = LAUNCH["dequant_swiglu_quant_colwise"]
+        num_kb, num_mb = I // cfg["BLOCK_K"], triton.cdiv(M, TILE)
+        _dequant_swiglu_quant_colwise_words_kernel[(num_kb * num_mb,)](
+            data.view(torch.int32), sc, q.view(torch.int32), s, M // 16, data.stride(0) // 16, I // 16, sc.stride(0),
+            sc.stride(1), M // 16, s.stride(0), s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)
+    elif M:
+        cfg = LAUNCH["dequant_swiglu_quant_colwise_generic"]
         grid = (I // cfg["BLOCK_K"], triton.cdiv(M, TILE))
         _dequant_swiglu_quant_colwise_kernel[grid](data, sc, q, s, M, I, data.stride(0), sc.stride(0), sc.stride(1),
                                                    q.stride(0), s.stride(0), s.stride(1), POW2=pow2,

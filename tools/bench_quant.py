@@ -1,6 +1,8 @@
 """Quantization kernels' throughput against the device's copy bandwidth (DESIGN.md §6 JSON).
 
-For each kernel on DeepSeek-V3 shapes: median time, GB/s counting the bytes each kernel must
+Inputs carry the scale layouts the training step gives each kernel (requant_colwise: column-major
+"1x128" scales, as the MoE layer's permute writes them; the others' row-major). For each kernel on
+DeepSeek-V3 shapes: median time, GB/s counting the bytes each kernel must
 read and write once (data and scales), the device-to-device copy bandwidth measured in the same
 run (the speed-of-light for a memory-bound kernel) and their ratio; also the PyTorch reference's
 time on the same device, and whether the kernel's output equals the reference bit for bit. The
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from moefp8.fp8 import Fp8Tensor  # noqa: E402
+from moefp8.fp8 import Fp8Tensor, col_major  # noqa: E402
 from moefp8.kernels import quant as Q  # noqa: E402
 from moefp8.kernels import swiglu as S  # noqa: E402
 from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path, save_results  # noqa: E402
@@ -31,9 +33,10 @@ SWEEP = {
     "rowwise": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
     "colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128, 256), (2, 4, 8))],
     "weight": [dict(num_warps=w) for w in (4, 8, 16)],
-    "requant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
+    "requant_colwise": [dict(BLOCK_K=k, num_warps=w, GROUP_K=8) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
     "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
-    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w) for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
+    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w, GROUP_K=8)
+                                     for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
     "rowwise_colwise": [dict(num_warps=w) for w in (4, 8, 16)],
     "swiglu_backward_quant": [dict(num_warps=w) for w in (4, 8, 16)],
 }
@@ -52,6 +55,8 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
     """name -> (input, triton fn, reference fn, bytes read + written)."""
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     x8 = Q.quant_rowwise_ref(x)
+    # requant_colwise's input as the MoE backward gives it: permute_fp8(..., colmajor_scale=True)
+    x8c = Fp8Tensor(x8.data, col_major(x8.scale), "1x128")
     w = torch.randn(*w_shape, device=dev, dtype=torch.float32) * 0.02  # fp32 master weights
     out_row = M * K + M * (K // 128) * 4
     out_col = K * M + K * -(-M // 128) * 4
@@ -62,7 +67,7 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
         "rowwise": (x, Q.quant_rowwise, Q.quant_rowwise_ref, nbytes(x) + out_row),
         "colwise": (x, Q.quant_colwise, Q.quant_colwise_ref, nbytes(x) + out_col),
         "weight": (w, Q.quant_weight, Q.quant_weight_ref, nbytes(w) + w.numel() + w.numel() // 128**2 * 4),
-        "requant_colwise": (x8, Q.requant_colwise, Q.requant_colwise_ref, fp8_bytes(x8) + out_col),
+        "requant_colwise": (x8c, Q.requant_colwise, Q.requant_colwise_ref, fp8_bytes(x8) + out_col),
         "swiglu_quant": (x, Q.swiglu_quant, Q.swiglu_quant_ref, nbytes(x) + half_row),
         "dequant_swiglu_quant_colwise": (x8, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
                                          fp8_bytes(x8) + half_col),

@@ -337,6 +337,38 @@ def test_triton_interpreter_requant_colwise_paths(monkeypatch, M, fmt, kernel):
                        Q.requant_colwise_ref(y8, fmt).data.view(torch.uint8))
 
 
+# dequant_swiglu_quant_colwise has the same two kernels (words: pow2, M % 16 == 0)
+DEQUANT_SWIGLU_CASES = [(256, "pow2", "words"), (144, "pow2", "words"), (200, "pow2", "generic"),
+                        (272, "fp32", "generic")]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("M,fmt,kernel", DEQUANT_SWIGLU_CASES)
+def test_triton_interpreter_dequant_swiglu_paths(monkeypatch, M, fmt, kernel):
+    calls = []
+    for name, tag in (("_dequant_swiglu_quant_colwise_words_kernel", "words"),
+                      ("_dequant_swiglu_quant_colwise_kernel", "generic")):
+        monkeypatch.setattr(Q, name, _LaunchSpy(getattr(Q, name), tag, calls))
+    inp = Q.quant_rowwise_ref(make_x(M, 512, torch.bfloat16, seed=M).clamp(-60, 60))
+    got = Q.dequant_swiglu_quant_colwise(inp, fmt, impl="triton")
+    assert calls == [kernel]
+    assert_fp8_equal(got, Q.dequant_swiglu_quant_colwise_ref(inp, fmt), exact=False)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("K", [256, 768])
+def test_triton_interpreter_colwise_program_order(monkeypatch, K):
+    # The words kernels walk the (column block, row group) grid in bands of GROUP_K column blocks;
+    # 8 or 24 blocks in bands of 3 leave a partial last band (8) or none (24). A tile the order
+    # skipped would keep torch.empty's garbage, a tile done twice nothing: compare everything.
+    monkeypatch.setitem(Q.LAUNCH, "requant_colwise", dict(BLOCK_K=32, num_warps=1, GROUP_K=3))
+    monkeypatch.setitem(Q.LAUNCH, "dequant_swiglu_quant_colwise", dict(BLOCK_K=16, num_warps=1, GROUP_K=3))
+    inp = Q.quant_rowwise_ref(make_x(272, K, torch.bfloat16, seed=K).clamp(-60, 60))
+    assert_fp8_equal(Q.requant_colwise(inp, impl="triton"), Q.requant_colwise_ref(inp), exact=False)
+    assert_fp8_equal(Q.dequant_swiglu_quant_colwise(inp, impl="triton"), Q.dequant_swiglu_quant_colwise_ref(inp),
+                     exact=False)
+
+
 # quant_rowwise_colwise = quant_rowwise(colmajor_scale) then requant_colwise, in one kernel. Under
 # the interpreter its bytes equal the two Triton kernels' exactly (same casts, same order), and the
 # reference within the interpreter's cast bugs; on a GPU, bit for bit.
