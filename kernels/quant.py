@@ -513,6 +513,7 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "colwise": dict(BLOCK_K=64, num_warps=4),
     "weight": dict(num_warps=8),
     # col-wise words kernels: GROUP_K column blocks per band of the program order (_colwise_program)
+    # requant: 128/4 was 49-50 us on 16384x4096 in four runs; 128/2 (the sweep's pick by total time once) 49-70 us
     "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8),  # BLOCK_K <= 128
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
     "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
