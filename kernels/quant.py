@@ -326,11 +326,14 @@ def _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x
 @triton.jit(do_not_specialize=["M16", "q_row16", "o_row16"])
 def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, stride_sm, stride_sg, o_row16,
                                   stride_osk, stride_osm, num_kb, num_mb, BLOCK_K: tl.constexpr,
-                                  GROUP_K: tl.constexpr, EVEN: tl.constexpr):
+                                  GROUP_K: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr):
     """pow2 scales, M % 16 == 0. q_ptr: the "1x128" data as int32 words [M, K/4]; o_ptr: the
-    output as int32 words [K, M/4]. A program requantizes one 128-row group of BLOCK_K columns.
+    output as int32 words [K, M/4]. Persistent: each program requantizes tiles (one 128-row group
+    of BLOCK_K columns each) in `_colwise_program` order, with the loads of the next STAGES - 1
+    tiles in flight (Triton pipelines the loop's loads through shared memory): the one-tile-per-
+    program kernel idled on its loads (without its stores it still took 1.1x a full copy's time).
 
-    The group is read as four interleaved word tiles [32, BLOCK_K/4] (rows 4i + j), so a thread
+    A tile is read as four interleaved word tiles [32, BLOCK_K/4] (rows 4i + j), so a thread
     holds word w of rows 4i..4i+3: a 4x4 byte block. Unpacking the four rows and packing each
     column's four values back (_unpack_e4m3x4 / _pack_e4m3x4) transposes that block in
     registers: the output word of column 4w + c holds rows 4i..4i+3. Only int32 words then move
@@ -338,27 +341,28 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
     kernel. M and the row strides come in 16-byte units (M16 = M/16, q_row16 = K/16, o_row16 =
     M/16): the compiler knows 16-byte accesses stay aligned (vector loads / stores, masked ones
     too) without specialising on the shape. EVEN: M % 128 == 0, no masks."""
-    pid_k, pid_m = _colwise_program(tl.program_id(0), num_kb, num_mb, GROUP_K)
-    k0 = pid_k * BLOCK_K
-    m0 = pid_m.to(tl.int64) * 128
     stride_qw = q_row16 * 4
     stride_ow = o_row16 * 4
     offs_i = tl.arange(0, 32)
     offs_w = tl.arange(0, BLOCK_K // 4)
     rows = 4 * offs_i
-    m_left = M16 * 16 - pid_m * 128  # rows of this group (< 128: the last, partial group)
-    p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
-    ps = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
-    w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_qw, stride_sm, rows, m_left, EVEN)
-    # x_jc [32, BLOCK_K/4]: row 4i + j, column 4w + c, dequantized
-    x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
-    x10, x11, x12, x13 = _unpack_e4m3x4(w1, s1[:, None])
-    x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
-    x30, x31, x32, x33 = _unpack_e4m3x4(w3, s3[:, None])
-    _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33,
-                        offs_i, offs_w, M16 * 4 - pid_m * 32,  # output words per column: m_left / 4
-                        o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4, os_ptr + k0 * stride_osk + pid_m * stride_osm,
-                        stride_ow, stride_osk, EVEN)
+    for tile in tl.range(tl.program_id(0), num_kb * num_mb, tl.num_programs(0), num_stages=STAGES):
+        pid_k, pid_m = _colwise_program(tile, num_kb, num_mb, GROUP_K)
+        k0 = pid_k * BLOCK_K
+        m0 = pid_m.to(tl.int64) * 128
+        m_left = M16 * 16 - pid_m * 128  # rows of this group (< 128: the last, partial group)
+        p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
+        ps = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+        w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_qw, stride_sm, rows, m_left, EVEN)
+        # x_jc [32, BLOCK_K/4]: row 4i + j, column 4w + c, dequantized
+        x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
+        x10, x11, x12, x13 = _unpack_e4m3x4(w1, s1[:, None])
+        x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
+        x30, x31, x32, x33 = _unpack_e4m3x4(w3, s3[:, None])
+        _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33,
+                            offs_i, offs_w, M16 * 4 - pid_m * 32,  # output words per column: m_left / 4
+                            o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4,
+                            os_ptr + k0 * stride_osk + pid_m * stride_osm, stride_ow, stride_osk, EVEN)
 
 
 @triton.jit
@@ -513,8 +517,9 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/
     "colwise": dict(BLOCK_K=64, num_warps=4),
     "weight": dict(num_warps=8),
     # col-wise words kernels: GROUP_K column blocks per band of the program order (_colwise_program)
-    # requant: 128/4 was 49-50 us on 16384x4096 in four runs; 128/2 (the sweep's pick by total time once) 49-70 us
-    "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8),  # BLOCK_K <= 128
+    # requant (persistent): PROGS_PER_SM programs per SM, STAGES tiles' loads in flight; 168 registers
+    # let two 4-warp programs share an SM (bench/notes/quant.md, session 13)
+    "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8, STAGES=4, PROGS_PER_SM=2, maxnreg=168),
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
     "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
     "swiglu_backward_quant": dict(num_warps=8),  # 128x128 tiles (kernels/swiglu.py)
@@ -536,6 +541,12 @@ def _packs(M: int) -> bool:
     """Col-wise kernels store 4 tokens' codes per 32-bit word when rows of the [K, M] output
     stay 16-byte aligned; other M take the byte-wise store (same result, slower)."""
     return M % 16 == 0
+
+
+def _num_sms(device) -> int:
+    if _INTERPRET or device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _words_ok(data: Tensor, pow2: bool) -> bool:
@@ -652,9 +663,10 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     if not M:
         return Fp8Tensor(out, out_s, "128x1")
     if _words_ok(data, pow2):
-        cfg = LAUNCH["requant_colwise"]
+        cfg = dict(LAUNCH["requant_colwise"])
         num_kb, num_mb = K // cfg["BLOCK_K"], triton.cdiv(M, TILE)
-        _requant_colwise_words_kernel[(num_kb * num_mb,)](
+        grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * _num_sms(data.device))
+        _requant_colwise_words_kernel[(grid,)](
             data.view(torch.int32), sc, out.view(torch.int32), out_s, M // 16, data.stride(0) // 16, sc.stride(0),
             sc.stride(1), M // 16, out_s.stride(0), out_s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)
     else:
