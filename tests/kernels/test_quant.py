@@ -508,7 +508,9 @@ def test_errors():
 # ----------------------------------------------------------------------------------------------
 # GPU: Triton bit-exact against the reference (run on the same device), many shapes
 
-GPU_SHAPES = [(1, 128), (127, 384), (128, 640), (129, 2048), (1000, 7168), (1040, 384), (4113, 4096), (16384, 256)]
+# (8208, 1024): 520 col-wise tiles, more than the persistent requant kernel has programs, and a partial last group
+GPU_SHAPES = [(1, 128), (127, 384), (128, 640), (129, 2048), (1000, 7168), (1040, 384), (4113, 4096), (16384, 256),
+              (8208, 1024)]
 
 
 @pytest.mark.gpu
