@@ -512,7 +512,7 @@ def _dequant_swiglu_quant_colwise_words_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16
 
 # Launch configurations, as data: `tools/bench_quant.py --sweep` times alternatives on the GPU.
 # BLOCK_M: rows per program (row-wise kernels); BLOCK_K: columns per program (col-wise).
-LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (bench/results/quant-NVIDIA-H200.json)
+LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and tables: bench/notes/quant.md)
     "rowwise": dict(BLOCK_M=32, num_warps=8),
     "colwise": dict(BLOCK_K=64, num_warps=4),
     "weight": dict(num_warps=8),
