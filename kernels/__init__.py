@@ -3,6 +3,10 @@
 Installed as `moefp8.kernels` (the top-level folder is `kernels/`).
 """
 
+import os
+
+import torch
+
 
 def use_triton(x, impl: str | None) -> bool:
     """The wrappers' dispatch rule: impl None -> the Triton kernel for CUDA tensors, the reference
@@ -13,3 +17,11 @@ def use_triton(x, impl: str | None) -> bool:
     if impl not in ("triton", "ref"):
         raise ValueError(f"impl={impl!r}: expected None, 'triton' or 'ref'")
     return impl == "triton"
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`: the persistent kernels' grid unit (4 on CPU tensors
+    and under TRITON_INTERPRET=1, so that the interpreter runs several programs)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

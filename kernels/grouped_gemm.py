@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
-from moefp8.kernels import use_triton
+from moefp8.kernels import num_sms, use_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -415,12 +415,6 @@ def prepare_offsets(group_offsets, E: int, M: int, device, validate: bool) -> Te
     return off.to(device=device, dtype=torch.int32).contiguous()
 
 
-def _num_sms(device) -> int:
-    if _INTERPRET or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _m_hint(M: int) -> int:
     return 1 << max(M - 1, 1).bit_length()
 
@@ -435,27 +429,27 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
         return out
     a_data, b_data, b_scale = a.data.contiguous(), b.data.contiguous(), b.scale.contiguous()
     ast = a.scale.t().contiguous()  # [K/128, M]: contiguous per-step loads (a few MB, ~us)
-    num_sms = _num_sms(a.data.device)
+    sms = num_sms(a.data.device)
     e_pow2 = max(triton.next_power_of_2(E), 2)
     variant = variant or GPU_VARIANT["mgrouped"]
     if _INTERPRET or not a.data.is_cuda:
         bm, bn = 32, 32
-        grid = (min(num_sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+        grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
         _mgrouped_gemm_kernel[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
                                     a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
                                     NUM_SMS=grid[0], E_POW2=e_pow2, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
         return out
     if variant == "tma" and N % 16 == 0 and out.is_contiguous():
         _ensure_allocator()
-        grid = lambda meta: (min(meta["OCC"] * num_sms,
+        grid = lambda meta: (min(meta["OCC"] * sms,
                                  triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _mgrouped_tma_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
                                   b_scale.stride(0), b_scale.stride(1), E_POW2=e_pow2, PROMOTE=_promote)
     else:
-        grid = lambda meta: (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        grid = lambda meta: (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
         _mgrouped_tuned[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
                               a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
-                              NUM_SMS=num_sms, E_POW2=e_pow2)
+                              NUM_SMS=sms, E_POW2=e_pow2)
     return out
 
 

@@ -19,7 +19,7 @@ from triton.language.extra import libdevice
 from torch import Tensor
 
 from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, FP8_MAX, TILE, Fp8Tensor, check_scale_fmt, col_major
-from moefp8.kernels import use_triton
+from moefp8.kernels import num_sms, use_triton
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Triton kernels read module globals only as constexprs.
@@ -543,12 +543,6 @@ def _packs(M: int) -> bool:
     return M % 16 == 0
 
 
-def _num_sms(device) -> int:
-    if _INTERPRET or device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _words_ok(data: Tensor, pow2: bool) -> bool:
     """Whether the col-wise words kernels take this "1x128" input: they multiply by inverse scales
     (pow2 only) and read it as int32 words with 16-byte aligned rows (M % 16 == 0 keeps the
@@ -665,7 +659,7 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     if _words_ok(data, pow2):
         cfg = dict(LAUNCH["requant_colwise"])
         num_kb, num_mb = K // cfg["BLOCK_K"], triton.cdiv(M, TILE)
-        grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * _num_sms(data.device))
+        grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * num_sms(data.device))
         _requant_colwise_words_kernel[(grid,)](
             data.view(torch.int32), sc, out.view(torch.int32), out_s, M // 16, data.stride(0) // 16, sc.stride(0),
             sc.stride(1), M // 16, out_s.stride(0), out_s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)

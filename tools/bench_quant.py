@@ -1,10 +1,10 @@
 """Quantization kernels' throughput against the device's copy bandwidth (DESIGN.md §6 JSON).
 
 Inputs carry the scale layouts the training step gives each kernel (requant_colwise: column-major
-"1x128" scales, as the MoE layer's permute writes them; the others' row-major). For each kernel on
-DeepSeek-V3 shapes: median time, GB/s counting the bytes each kernel must
-read and write once (data and scales), the device-to-device copy bandwidth measured in the same
-run (the speed-of-light for a memory-bound kernel) and their ratio; also the PyTorch reference's
+"1x128" scales, as the MoE layer's permute writes them; the others' row-major). For each kernel
+on DeepSeek-V3 shapes: median time, GB/s counting the bytes each kernel must read and write once
+(data and scales), the device-to-device copy bandwidth measured in the same run (the
+speed-of-light for a memory-bound kernel) and their ratio; also the PyTorch reference's
 time on the same device, and whether the kernel's output equals the reference bit for bit. The
 fused pairs (quant_rowwise_colwise, swiglu_quant_cache) also report the two single kernels they
 replace, timed in the same run (`unfused_ms`).

@@ -361,7 +361,7 @@ def test_triton_interpreter_colwise_program_order(monkeypatch, K):
     # The words kernels walk the (column block, row group) grid in bands of GROUP_K column blocks;
     # 8 or 24 blocks in bands of 3 leave a partial last band (8) or none (24). A tile the order
     # skipped would keep torch.empty's garbage, a tile done twice nothing: compare everything.
-    # requant is persistent: 10 programs (5 per "SM", 2 under the interpreter) over 24 or 72 tiles.
+    # requant is persistent: 20 programs (5 per "SM", 4 under the interpreter) over 24 or 72 tiles.
     monkeypatch.setitem(Q.LAUNCH, "requant_colwise", dict(BLOCK_K=32, num_warps=1, GROUP_K=3, STAGES=2, PROGS_PER_SM=5))
     monkeypatch.setitem(Q.LAUNCH, "dequant_swiglu_quant_colwise", dict(BLOCK_K=16, num_warps=1, GROUP_K=3))
     inp = Q.quant_rowwise_ref(make_x(272, K, torch.bfloat16, seed=K).clamp(-60, 60))
