@@ -280,6 +280,22 @@ def _colwise_program(pid, num_kb, num_mb, GROUP_K: tl.constexpr):
 
 
 @triton.jit
+def _words_tile(tile, num_kb, num_mb, q_ptr, s_ptr, o_ptr, os_ptr, M16, stride_qw, stride_sm, stride_sg, stride_ow,
+                stride_osk, stride_osm, rows, offs_w, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
+    """Tile `tile` of a col-wise words kernel -> (its input word pointers [32, BLOCK_K/4] for rows
+    4i, its row-scale pointers [32], its output word and column-scale origins, the rows left in its
+    128-row group and the output words per column left: m_left / 4, kept visibly a multiple of 4)."""
+    pid_k, pid_m = _colwise_program(tile, num_kb, num_mb, GROUP_K)
+    k0 = pid_k * BLOCK_K
+    m0 = pid_m.to(tl.int64) * 128
+    p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
+    ps = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+    po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4
+    pso = os_ptr + k0 * stride_osk + pid_m * stride_osm
+    return p, ps, po, pso, M16 * 16 - pid_m * 128, M16 * 4 - pid_m * 32
+
+
+@triton.jit
 def _load_words4(p, ps, stride_w, stride_sm, rows, m_left, EVEN: tl.constexpr):
     """The four interleaved word tiles (rows 4i + j) of a 128-row group and their row-wise scales;
     rows past m_left read code 0 and scale 0: value 0, which leaves every amax alone."""
@@ -347,12 +363,9 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
     offs_w = tl.arange(0, BLOCK_K // 4)
     rows = 4 * offs_i
     for tile in tl.range(tl.program_id(0), num_kb * num_mb, tl.num_programs(0), num_stages=STAGES):
-        pid_k, pid_m = _colwise_program(tile, num_kb, num_mb, GROUP_K)
-        k0 = pid_k * BLOCK_K
-        m0 = pid_m.to(tl.int64) * 128
-        m_left = M16 * 16 - pid_m * 128  # rows of this group (< 128: the last, partial group)
-        p = q_ptr + m0 * stride_qw + k0 // 4 + rows[:, None] * stride_qw + offs_w[None, :]
-        ps = s_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+        p, ps, po, pso, m_left, n_left = _words_tile(tile, num_kb, num_mb, q_ptr, s_ptr, o_ptr, os_ptr, M16, stride_qw,
+                                                     stride_sm, stride_sg, stride_ow, stride_osk, stride_osm, rows,
+                                                     offs_w, BLOCK_K, GROUP_K)
         w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_qw, stride_sm, rows, m_left, EVEN)
         # x_jc [32, BLOCK_K/4]: row 4i + j, column 4w + c, dequantized
         x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
@@ -360,9 +373,7 @@ def _requant_colwise_words_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M16, q_row16, str
         x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
         x30, x31, x32, x33 = _unpack_e4m3x4(w3, s3[:, None])
         _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33,
-                            offs_i, offs_w, M16 * 4 - pid_m * 32,  # output words per column: m_left / 4
-                            o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4,
-                            os_ptr + k0 * stride_osk + pid_m * stride_osm, stride_ow, stride_osk, EVEN)
+                            offs_i, offs_w, n_left, po, pso, stride_ow, stride_osk, EVEN)
 
 
 @triton.jit
@@ -476,17 +487,14 @@ def _dequant_swiglu_quant_colwise_words_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16
     """The requant words kernel's structure (int32 word loads, 4x4 byte blocks transposed in
     registers) for dequant_swiglu_quant_colwise: pow2 scales, M % 16 == 0. h_ptr: "1x128" h as
     int32 words [M, 2I/4] (gate columns, then up); o_ptr: a as int32 words [I, M/4]. I16 = I/16."""
-    pid_k, pid_m = _colwise_program(tl.program_id(0), num_kb, num_mb, GROUP_K)
-    k0 = pid_k * BLOCK_K
-    m0 = pid_m.to(tl.int64) * 128
     stride_hw = h_row16 * 4
     stride_ow = o_row16 * 4
     offs_i = tl.arange(0, 32)
     offs_w = tl.arange(0, BLOCK_K // 4)
     rows = 4 * offs_i
-    m_left = M16 * 16 - pid_m * 128
-    p = h_ptr + m0 * stride_hw + k0 // 4 + rows[:, None] * stride_hw + offs_w[None, :]
-    ps = hs_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+    p, ps, po, pso, m_left, n_left = _words_tile(tl.program_id(0), num_kb, num_mb, h_ptr, hs_ptr, o_ptr, os_ptr, M16,
+                                                 stride_hw, stride_sm, stride_sg, stride_ow, stride_osk, stride_osm,
+                                                 rows, offs_w, BLOCK_K, GROUP_K)
     w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_hw, stride_sm, rows, m_left, EVEN)
     v0, v1, v2, v3, t0, t1, t2, t3 = _load_words4(p + I16 * 4, ps + (I16 // 8) * stride_sg, stride_hw, stride_sm,
                                                   rows, m_left, EVEN)  # up: I/4 words, I/128 scales on
@@ -502,9 +510,7 @@ def _dequant_swiglu_quant_colwise_words_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16
                         _swiglu(g10, u10), _swiglu(g11, u11), _swiglu(g12, u12), _swiglu(g13, u13),
                         _swiglu(g20, u20), _swiglu(g21, u21), _swiglu(g22, u22), _swiglu(g23, u23),
                         _swiglu(g30, u30), _swiglu(g31, u31), _swiglu(g32, u32), _swiglu(g33, u33),
-                        offs_i, offs_w, M16 * 4 - pid_m * 32,
-                        o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4, os_ptr + k0 * stride_osk + pid_m * stride_osm,
-                        stride_ow, stride_osk, EVEN)
+                        offs_i, offs_w, n_left, po, pso, stride_ow, stride_osk, EVEN)
 
 
 # ----------------------------------------------------------------------------------------------
