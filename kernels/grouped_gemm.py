@@ -9,7 +9,9 @@ running fp32 total, so Hopper's ~14-bit FP8 accumulator never sums more than 128
   stacked in one "1x128" tensor A [M, K]; rows [offsets[e], offsets[e+1]) are multiplied by
   expert e's "128x128" weight B[e] [N, K]: out[m] = A[m] · B[e]ᵀ (fprop) or, with
   ``transpose_b=True``, A[m] [M, N] · B[e] [N, K] (dgrad, through `transpose_weight`, an FP8
-  copy of Wᵀ: FP8 wgmma needs K-major operands). BF16 out.
+  copy of Wᵀ: FP8 wgmma needs K-major operands). BF16 out. On Hopper GPUs the kernel is the
+  warp-specialized Gluon one of `moefp8.kernels.grouped_gemm_ws` (bit-exact with the Triton
+  kernels here, which run elsewhere and under the interpreter).
 * k-grouped (experts wgrad), `fp8_grouped_gemm_wgrad`: dW[e] = dYᵀ·X over the rows of expert
   e, both operands "128x1" (data stored [N, M] and [K, M], tokens contiguous). FP32 out,
   optionally accumulated into an existing buffer.
@@ -316,9 +318,11 @@ _kgrouped_tma_tuned = triton.autotune(
     key=["N", "K", "M_HINT", "ACCUMULATE"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_tma_kernel)
 
-# Which kernel family the GPU path uses: "tma" (tensor descriptors) or "ptr" (pointer loads);
-# TMA measured 10-15% faster for the m-grouped GEMM and 10x for the k-grouped one (H200).
-GPU_VARIANT = {"mgrouped": "tma", "kgrouped": "tma"}
+# Which kernel family the GPU path uses: "ws" (m-grouped only: the warp-specialized Gluon kernel of
+# kernels/grouped_gemm_ws.py, on Hopper; elsewhere "tma"), "tma" (tensor descriptors) or "ptr"
+# (pointer loads). H200: ws 1.18-1.40x tma (bench/notes/gemm.md, session 14); tma 10-15% faster
+# than ptr for the m-grouped GEMM and 10x for the k-grouped one.
+GPU_VARIANT = {"mgrouped": "ws", "kgrouped": "tma"}
 # Default GPU path of fp8_grouped_gemm_wgrad: "triton" (k-grouped kernel, no host sync) or
 # "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync). Measured (H200): the
 # cuBLAS loop is 1.1-1.25x faster with >= 1000 tokens per expert, slower at 1024 tokens x 32
@@ -422,7 +426,8 @@ def _m_hint(M: int) -> int:
 def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, variant: str | None = None,
                     _promote: bool = True) -> Tensor:
     """Launches the m-grouped kernel on validated operands: a "1x128" [M, K], b "128x128"
-    [E, N, K], off int32 [E+1] on the device, out [M, N] (bf16, or fp32 for tests)."""
+    [E, N, K], off int32 [E+1] on the device, out [M, N] (bf16, or fp32 for tests).
+    variant: None (`GPU_VARIANT`), "ws" (Hopper, BF16 out; else "tma"), "tma" or "ptr"."""
     M, K = a.data.shape
     E, N, _ = b.data.shape
     if M == 0 or N == 0:
@@ -432,6 +437,12 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
     sms = num_sms(a.data.device)
     e_pow2 = max(triton.next_power_of_2(E), 2)
     variant = variant or GPU_VARIANT["mgrouped"]
+    if variant == "ws" and not _INTERPRET and a.data.is_cuda:
+        from moefp8.kernels import grouped_gemm_ws
+
+        if _promote and grouped_gemm_ws.supported(a, b, out):
+            return grouped_gemm_ws.launch_mgrouped_ws(a, b, off, out)
+        variant = "tma"
     if _INTERPRET or not a.data.is_cuda:
         bm, bn = 32, 32
         grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
