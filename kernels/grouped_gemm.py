@@ -318,11 +318,11 @@ _kgrouped_tma_tuned = triton.autotune(
     key=["N", "K", "M_HINT", "ACCUMULATE"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_tma_kernel)
 
-# Which kernel family the GPU path uses: "ws" (m-grouped only: the warp-specialized Gluon kernel of
+# Which kernel family the GPU path uses: "ws" (the warp-specialized Gluon kernels of
 # kernels/grouped_gemm_ws.py, on Hopper; elsewhere "tma"), "tma" (tensor descriptors) or "ptr"
 # (pointer loads). H200: ws 1.18-1.40x tma (bench/notes/gemm.md, session 14); tma 10-15% faster
 # than ptr for the m-grouped GEMM and 10x for the k-grouped one.
-GPU_VARIANT = {"mgrouped": "ws", "kgrouped": "tma"}
+GPU_VARIANT = {"mgrouped": "ws", "kgrouped": "ws"}
 # Default GPU path of fp8_grouped_gemm_wgrad: "triton" (k-grouped kernel, no host sync) or
 # "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync). Measured (H200): the
 # cuBLAS loop is 1.1-1.25x faster with >= 1000 tokens per expert, slower at 1024 tokens x 32
@@ -467,7 +467,8 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
 def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accumulate: bool,
                     variant: str | None = None, _promote: bool = True) -> Tensor:
     """Launches the k-grouped kernel on validated operands: dy "128x1" data [N, M], x "128x1"
-    data [K, M], off int32 [E+1], out [E, N, K] fp32 (accumulated into when `accumulate`)."""
+    data [K, M], off int32 [E+1], out [E, N, K] fp32 (accumulated into when `accumulate`).
+    variant: None (`GPU_VARIANT`), "ws" (Hopper, N and K % 128 == 0; else "tma"), "tma" or "ptr"."""
     N, M = dy.data.shape
     K = x.data.shape[0]
     E = off.numel() - 1
@@ -476,6 +477,12 @@ def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accum
     a, b = dy.data.contiguous(), x.data.contiguous()
     ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N|K]
     variant = variant or GPU_VARIANT["kgrouped"]
+    if variant == "ws" and not _INTERPRET and a.is_cuda:
+        from moefp8.kernels import grouped_gemm_ws
+
+        if _promote and grouped_gemm_ws.kgrouped_supported(dy, x, out):
+            return grouped_gemm_ws.launch_kgrouped_ws(dy, x, off, out, accumulate)
+        variant = "tma"
     if _INTERPRET or not a.is_cuda:
         bn, bk = 32, 32
         grid = (triton.cdiv(N, bn) * triton.cdiv(K, bk), E)

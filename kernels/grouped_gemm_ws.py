@@ -44,6 +44,7 @@ except ImportError:  # an older Triton: launch_mgrouped keeps its Triton kernels
 
 TILE_M, BLOCK_N, STAGES, GROUP_M = 128, 128, 4, 8
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 232 + 232 + 40 = 3 x 168: the 12 warps' register file
+KG_CONSUMER_REGS, KG_PRODUCER_REGS = 240, 24  # the wgrad's column scales need more: 240 + 240 + 24 = 504
 
 if HAVE_GLUON:
     # Triton 3.6 (the device's) names the TMA copies async_copy_*; 3.9 renamed them async_load / async_store.
@@ -189,6 +190,141 @@ if HAVE_GLUON:
             mbarrier.invalidate(ready.index(q))
             mbarrier.invalidate(empty.index(q))
 
+    # ------------------------------------------------------------------------------------------
+    # k-grouped (experts wgrad): dW[e] [N, K] (+)= dY_e^T X_e over expert e's 128-token blocks. Tiles
+    # are 128 x 128 blocks of dW[e] (expert-major, then GROUP_M row tiles sweep the column tiles), the
+    # "K" loop runs over the expert's token blocks; A = dY "128x1" data [N, M], B = X "128x1" data
+    # [K, M] (tokens contiguous: K-major for wgmma); scales per (token block, row) of each operand,
+    # so the promotion multiplies by an outer product of the two scale vectors.
+
+    @gluon.jit
+    def _kg_tile(t, num_r, num_c, off_ptr, GROUP_M: gl.constexpr):
+        """Work tile t -> (expert, row0 in N, col0 in K, first token, token blocks)."""
+        per_e = num_r * num_c
+        e = t // per_e
+        u = t % per_e
+        per_group = GROUP_M * num_c
+        first_r = (u // per_group) * GROUP_M
+        size_r = gl.minimum(num_r - first_r, GROUP_M)
+        r0 = (first_r + (u % per_group) % size_r) * 128
+        c0 = ((u % per_group) // size_r) * 128
+        t0 = gl.load(off_ptr + e)
+        t1 = gl.load(off_ptr + e + 1)
+        return e, r0, c0, t0, gl.cdiv(t1 - t0, 128)
+
+    @gluon.jit
+    def _kg_producer(a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, GROUP_M: gl.constexpr):
+        STAGES: gl.constexpr = a_s.type.shape[0]
+        num_r = N // 128
+        num_c = K // 128
+        i = 0
+        for t in range(gl.program_id(0), E * num_r * num_c, gl.num_programs(0)):
+            e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, off_ptr, GROUP_M)
+            for kb in range(k_tiles):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [r0, t0 + kb * 128], ready.index(s), a_s.index(s))
+                _tma_load(b_desc, [c0, t0 + kb * 128], ready.index(s), b_s.index(s))
+                i += 1
+
+    @gluon.jit
+    def _kg_promote(acc, p, empty, q, sa, sb, OUTSTANDING: gl.constexpr):
+        STAGES: gl.constexpr = empty.type.shape[0]
+        d = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(p, ))
+        mbarrier.arrive(empty.index(q % STAGES), count=1)
+        return acc + d * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
+
+    @gluon.jit
+    def _kg_consumer(c_desc, a_s, b_s, c_s, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
+                     SUB: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        """4 warps: rows [SUB, SUB + 64) of every dW tile."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, 128, 32])
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # one column per thread
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
+        cols = gl.arange(0, 128, layout=flat)
+        zero = gl.zeros((64, 128), gl.float32, layout=mma_layout)
+        num_r = N // 128
+        num_c = K // 128
+        i = 0
+        for t in range(gl.program_id(0), E * num_r * num_c, gl.num_programs(0)):
+            e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, off_ptr, GROUP_M)
+            as_ptrs = ast_ptr + (t0 // 128).to(gl.int64) * N + r0 + SUB + rows  # ast [T/128, N]
+            # bst [T/128, K]: loaded one column per thread, then spread to the accumulator's column
+            # layout (32 values per thread there: 32 pointers would cost 64 registers)
+            bs_ptrs = bst_ptr + (t0 // 128).to(gl.int64) * K + c0 + cols
+            acc = zero
+            for kb in range(0, k_tiles - 1, 2):
+                sax = gl.load(as_ptrs + kb * N)
+                say = gl.load(as_ptrs + (kb + 1) * N)
+                sbx = gl.load(bs_ptrs + kb * K)
+                sby = gl.load(bs_ptrs + (kb + 1) * K)
+                px = _issue(a_s, b_s, ready, i + kb, SUB, zero)
+                py = _issue(a_s, b_s, ready, i + kb + 1, SUB, zero)
+                acc = _kg_promote(acc, px, empty, i + kb, sax, gl.convert_layout(sbx, col_layout), 1)
+                acc = _kg_promote(acc, py, empty, i + kb + 1, say, gl.convert_layout(sby, col_layout), 0)
+            if k_tiles % 2 == 1:
+                sax = gl.load(as_ptrs + (k_tiles - 1) * N)
+                sbx = gl.load(bs_ptrs + (k_tiles - 1) * K)
+                px = _issue(a_s, b_s, ready, i + k_tiles - 1, SUB, zero)
+                acc = _kg_promote(acc, px, empty, i + k_tiles - 1, sax, gl.convert_layout(sbx, col_layout), 0)
+            i += k_tiles
+            row = e * N + r0 + SUB  # dW viewed [E*N, K]
+            if ACCUMULATE:
+                if k_tiles > 0:  # an expert with no tokens leaves its dW alone
+                    ccols = gl.arange(0, 128, layout=col_layout)
+                    prev = c_ptr + (row + rows).to(gl.int64)[:, None] * K + (c0 + ccols)[None, :]
+                    acc = acc + gl.load(prev)
+                    tma.store_wait(pendings=0)
+                    c_s.store(acc)
+                    fence_async_shared()
+                    _tma_store(c_desc, [row, c0], c_s)
+            else:
+                tma.store_wait(pendings=0)
+                c_s.store(acc)
+                fence_async_shared()
+                _tma_store(c_desc, [row, c0], c_s)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
+                            ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """a [N, M] and b [K, M] FP8 (TMA, 128 x 128 boxes), ast [T/128, N] and bst [T/128, K] fp32,
+        c [E*N, K] fp32 (TMA, 64-row boxes; read directly when ACCUMULATE). N, K multiples of 128."""
+        a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout)
+        b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout)
+        c_s0 = gl.allocate_shared_memory(c_desc.dtype, [64, 128], c_desc.layout)
+        c_s1 = gl.allocate_shared_memory(c_desc.dtype, [64, 128], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for q in gl.static_range(STAGES):
+            mbarrier.init(ready.index(q), count=1)
+            mbarrier.init(empty.index(q), count=2)
+        gl.warp_specialize([
+            (_kg_consumer, (c_desc, a_s, b_s, c_s0, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E, 0,
+                            ACCUMULATE, GROUP_M, 4)),
+            (_kg_consumer, (c_desc, a_s, b_s, c_s1, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E, 64,
+                            ACCUMULATE, GROUP_M, 4)),
+            (_kg_producer, (a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        for q in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(q))
+            mbarrier.invalidate(empty.index(q))
+
+    def kg_descriptors(a_data: torch.Tensor, b_data: torch.Tensor, out: torch.Tensor):
+        """Host TMA descriptors: a [N, M] and b [K, M] FP8, out [E, N, K] fp32 (all contiguous)."""
+        N, M = a_data.shape
+        K = b_data.shape[0]
+        E = out.shape[0]
+        l8 = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+        c_l = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float32)
+        return (TensorDescriptor(a_data, [N, M], [M, 1], [128, 128], l8),
+                TensorDescriptor(b_data, [K, M], [M, 1], [128, 128], l8),
+                TensorDescriptor(out.view(E * N, K), [E * N, K], [K, 1], [64, 128], c_l))
+
     def descriptors(a_data: torch.Tensor, b_data: torch.Tensor, out: torch.Tensor):
         """Host TMA descriptors: a [M, K] and b [E, N, K] FP8, out [M, N] BF16 (all contiguous)."""
         M, K = a_data.shape
@@ -226,4 +362,34 @@ def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch
                               E_POW2=max(triton.next_power_of_2(E), 2), GROUP_M=GROUP_M, STAGES=STAGES,
                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                               maxnreg=MAXNREG)
+    return out
+
+
+def kgrouped_supported(dy: Fp8Tensor, x: Fp8Tensor, out: torch.Tensor) -> bool:
+    """Whether the k-grouped kernel runs here: Gluon, sm_90, N and K multiples of 128 (a dW tile
+    never crosses experts in the [E*N, K] view), tokens M % 16 == 0 (TMA row strides), fp32 out."""
+    if not (HAVE_GLUON and out.is_cuda and out.dtype == torch.float32 and out.is_contiguous()):
+        return False
+    if torch.cuda.get_device_capability(out.device) != (9, 0):
+        return False
+    N, M = dy.data.shape
+    K = x.data.shape[0]
+    return N % 128 == 0 and K % 128 == 0 and M % 16 == 0 and all(
+        t.data_ptr() % 16 == 0 for t in (dy.data, x.data, out))
+
+
+def launch_kgrouped_ws(dy: Fp8Tensor, x: Fp8Tensor, off: torch.Tensor, out: torch.Tensor,
+                       accumulate: bool) -> torch.Tensor:
+    """Validated operands (as `grouped_gemm.launch_kgrouped`, where `kgrouped_supported`): dy
+    "128x1" data [N, M], x "128x1" data [K, M], off int32 [E+1], out fp32 [E, N, K]."""
+    N, M = dy.data.shape
+    K = x.data.shape[0]
+    E = off.numel() - 1
+    a, b = dy.data.contiguous(), x.data.contiguous()
+    ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N | K]
+    a_d, b_d, c_d = kg_descriptors(a, b, out)
+    grid = (max(1, min(num_sms(out.device), E * (N // 128) * (K // 128))),)
+    _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, out, off, N, K, E, ACCUMULATE=accumulate, GROUP_M=GROUP_M,
+                              STAGES=STAGES, CONSUMER_REGS=KG_CONSUMER_REGS, PRODUCER_REGS=KG_PRODUCER_REGS,
+                              num_warps=4, maxnreg=MAXNREG)
     return out

@@ -2,8 +2,8 @@
 
 Cases (DeepSeek-V3 defaults): expert fc1 (K=7168 -> N=4096) and fc2 (K=2048 -> N=7168) with
 8..32 local experts, balanced and skewed token counts (512..8192 per expert); dense 8192^3.
-For each: TFLOP/s of ours (m-grouped fprop and dgrad: the warp-specialized Gluon kernel "ws", the
-GPU default on Hopper, and the Triton TMA kernel; k-grouped wgrad: the Triton kernels) and of
+For each: TFLOP/s of ours (m-grouped fprop and dgrad, k-grouped wgrad: the warp-specialized Gluon
+kernels "ws", the GPU default on Hopper, and the Triton TMA kernels) and of
 cuBLAS dense blockwise `_scaled_mm` on the same total
 shape, a per-expert loop of blockwise `_scaled_mm`, BF16 `torch._grouped_mm` and row-wise FP8
 `torch._scaled_grouped_mm`; the FP8 peak (per-tensor `_scaled_mm` 8192^3) measured in the same
@@ -56,7 +56,7 @@ def peak_fp8(n: int = 8192) -> float:
 
 def set_variant(v: str) -> None:
     gg.GPU_VARIANT["mgrouped"] = v
-    gg.GPU_VARIANT["kgrouped"] = "tma" if v == "ws" else v  # "ws" is m-grouped only
+    gg.GPU_VARIANT["kgrouped"] = v
 
 
 def row(case, impl, value, baseline, baseline_value, err=None):
@@ -148,7 +148,7 @@ def expert_case(rows, name, K, N, counts, variants):
     except RuntimeError as exc:
         print(f"per-expert cuBLAS wgrad failed: {exc}"[:300])
         t_loopw = float("nan")
-    for v in [v for v in variants if v != "ws"]:
+    for v in variants:
         set_variant(v)
         dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False)
         e = 0
@@ -212,8 +212,7 @@ def dense_case(rows, n, variants):
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
     t_bfw = bench(lambda: dyt @ xt.t())
     ref = dyc.dequantize().t() @ xc.dequantize()
-    wgrad_variants = [v for v in variants if v != "ws"]  # "ws" is m-grouped only
-    for v in wgrad_variants:
+    for v in variants:
         set_variant(v)
         dw = fp8_gemm(dyc, xc, impl="triton")
         t = bench(lambda: fp8_gemm(dyc, xc, impl="triton"))
@@ -227,7 +226,7 @@ def dense_case(rows, n, variants):
     t = bench(lambda: fp8_gemm(dyc, xc, out=main_grad, impl="cublas"))
     rows.append(row(f"wgrad {case} into main grad", "cuBLAS blockwise fp32 + add_", tflops(flop, t),
                     "torch mm bf16 (token-major operands)", tflops(flop, t_bfw)))
-    for v in wgrad_variants:
+    for v in variants:
         set_variant(v)
         t = bench(lambda: fp8_gemm(dyc, xc, out=main_grad, impl="triton"))
         rows.append(row(f"wgrad {case} into main grad", f"moefp8-triton-{v} (accumulates in-kernel)", tflops(flop, t),

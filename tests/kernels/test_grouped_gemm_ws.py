@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon m-grouped GEMM (kernels/grouped_gemm_ws.py).
+"""The warp-specialized Gluon grouped GEMMs (kernels/grouped_gemm_ws.py).
 
 CPU: the kernel compiled for sm_90 (no GPU needed: Triton's own ptxas) must not have its wgmma
 serialized by ptxas (advisory C7514), the failure that kept the earlier warp-specialized kernels
@@ -14,29 +14,42 @@ import pytest
 import torch
 
 from moefp8.kernels import grouped_gemm, grouped_gemm_ws as ws
-from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, launch_mgrouped
-from moefp8.kernels.quant import quant_rowwise_ref, quant_weight_ref
+from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, launch_kgrouped, launch_mgrouped
+from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
 from moefp8.testing import rel_err
 
 BF16_TOL = 1e-2  # BF16 output rounding (2^-9 relative per element) dominates; see test_gemm.py
+FP32_TOL = 1e-4  # fp32 out: the tensor cores' ~14-bit partial sums over 128 products; see test_gemm.py
 
 
-def _compile_sm90(E=8, M=4096, N=4096, K=7168):
+def _compile_sm90(which: str):
+    """Compiles the m-grouped ("m") or k-grouped ("k") kernel for sm_90 without a GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    a = torch.empty(M, K, dtype=torch.float8_e4m3fn)
-    b = torch.empty(E, N, K, dtype=torch.float8_e4m3fn)
-    out = torch.empty(M, N, dtype=torch.bfloat16)
-    descs = ws.descriptors(a, b, out)
-    consts = dict(E_POW2=E, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES, CONSUMER_REGS=ws.CONSUMER_REGS,
-                  PRODUCER_REGS=ws.PRODUCER_REGS, num_warps=4)
+    f8 = torch.float8_e4m3fn
+    if which == "m":
+        E, M, N, K = 8, 4096, 4096, 7168
+        descs = ws.descriptors(torch.empty(M, K, dtype=f8), torch.empty(E, N, K, dtype=f8),
+                               torch.empty(M, N, dtype=torch.bfloat16))
+        fn, ptrs = ws._mgrouped_ws_kernel, ["ast_ptr", "bs_ptr", "off_ptr"]
+        scalars = ["M", "N", "K", "E", "stride_bse", "stride_bsn"]
+        consts = dict(E_POW2=E, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES, CONSUMER_REGS=ws.CONSUMER_REGS,
+                      PRODUCER_REGS=ws.PRODUCER_REGS, num_warps=4)
+    else:
+        E, M, N, K = 8, 4096, 4096, 7168
+        descs = ws.kg_descriptors(torch.empty(N, M, dtype=f8), torch.empty(K, M, dtype=f8),
+                                  torch.empty(E, N, K, dtype=torch.float32))
+        fn, ptrs = ws._kgrouped_ws_kernel, ["ast_ptr", "bst_ptr", "c_ptr", "off_ptr"]
+        scalars = ["N", "K", "E"]
+        consts = dict(ACCUMULATE=True, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES, CONSUMER_REGS=ws.KG_CONSUMER_REGS,
+                      PRODUCER_REGS=ws.KG_PRODUCER_REGS, num_warps=4)
     sig = {"a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
-           "ast_ptr": "*fp32", "bs_ptr": "*fp32", "off_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
-           "stride_bse": "i32", "stride_bsn": "i32", **{k: "constexpr" for k in consts}}
-    src = GluonASTSource(fn=ws._mgrouped_ws_kernel, signature=sig, constexprs=consts, attrs={})
+           **{p: ("*i32" if p == "off_ptr" else "*fp32") for p in ptrs}, **{n: "i32" for n in scalars},
+           **{k: "constexpr" for k in consts}}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs={})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws.MAXNREG})
 
 
@@ -60,10 +73,11 @@ def _ptxas_log(ptx: str, tmp_path) -> str:
 
 
 @pytest.mark.skipif(not ws.HAVE_GLUON, reason="this Triton has no Gluon")
-def test_compiles_for_sm90_without_wgmma_serialization(tmp_path):
+@pytest.mark.parametrize("which", ["m", "k"])
+def test_compiles_for_sm90_without_wgmma_serialization(which, tmp_path):
     # In a fresh process without TRITON_INTERPRET (under it, gluon.jit gives interpreted functions).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, __file__, which, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ptx = (tmp_path / "k.ptx").read_text()
@@ -168,9 +182,46 @@ def test_gpu_ws_is_the_default_and_dgrad():
     assert torch.equal(dx, dref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4096, 7168), (2048, 7168), (256, 384), (128, 640)])
+@pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128], [0, 0]])
+def test_gpu_kgrouped_ws_bitexact_vs_triton(N, K, counts):
+    if not (_hopper() and ws.HAVE_GLUON):
+        pytest.skip("needs a Hopper GPU and Gluon")
+    torch.manual_seed(N + K + len(counts))
+    off = _segments(counts)
+    E, M = len(counts), off[-1] + 128  # tokens past the last segment are ignored
+    dy = torch.randn(M, N, device="cuda")
+    dy[7, :3] = torch.tensor([1e4, 0.0, -3e-6])
+    dyc, xc = quant_colwise_ref(dy), quant_colwise_ref(torch.randn(M, K, device="cuda"))
+    off_t = torch.tensor(off, dtype=torch.int32, device="cuda")
+    got = torch.full((E, N, K), float("nan"), device="cuda")
+    assert ws.kgrouped_supported(dyc, xc, got)
+    ws.launch_kgrouped_ws(dyc, xc, off_t, got, accumulate=False)
+    want = torch.full_like(got, float("nan"))
+    launch_kgrouped(dyc, xc, off_t, want, False, variant="tma")
+    assert torch.equal(got, want)
+    D, X = dyc.dequantize().double(), xc.dequantize().double()
+    for e in range(E):
+        exact = D[off[e]:off[e + 1]].t() @ X[off[e]:off[e + 1]]
+        if off[e + 1] > off[e]:
+            assert rel_err(got[e], exact) < FP32_TOL
+        else:
+            assert torch.equal(got[e], torch.zeros_like(got[e]))
+    base = torch.randn(E, N, K, device="cuda")
+    acc_ws, acc_tma = base.clone(), base.clone()
+    ws.launch_kgrouped_ws(dyc, xc, off_t, acc_ws, accumulate=True)
+    launch_kgrouped(dyc, xc, off_t, acc_tma, True, variant="tma")
+    assert torch.equal(acc_ws, acc_tma)
+    for e, c in enumerate(counts):
+        if c == 0:  # no tokens: the main grad is left as it was
+            assert torch.equal(acc_ws[e], base[e])
+    assert torch.equal(fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False), got)  # the default path
+
+
 if __name__ == "__main__":  # the compile step of test_compiles_for_sm90_without_wgmma_serialization
     from pathlib import Path
 
-    kernel = _compile_sm90()
-    Path(sys.argv[1], "k.ptx").write_text(kernel.asm["ptx"])
-    Path(sys.argv[1], "shared").write_text(str(kernel.metadata.shared))
+    kernel = _compile_sm90(sys.argv[1])
+    Path(sys.argv[2], "k.ptx").write_text(kernel.asm["ptx"])
+    Path(sys.argv[2], "shared").write_text(str(kernel.metadata.shared))
