@@ -18,8 +18,8 @@ from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
 from moefp8.testing import rel_err
 
-BF16_TOL = 1e-2  # BF16 output rounding (2^-9 relative per element) dominates; see test_gemm.py
-FP32_TOL = 1e-4  # fp32 out: the tensor cores' ~14-bit partial sums over 128 products; see test_gemm.py
+BF16_TOL = 4e-3  # BF16 output rounding (2^-9 relative per element) dominates, as test_gemm.py
+FP32_TOL = 1e-3  # fp32 out vs float64: the tensor cores' FP8 partial sums (measured 3.5-4.1e-4), as test_gemm.py
 
 
 def _compile_sm90(which: str):
@@ -44,7 +44,8 @@ def _compile_sm90(which: str):
                                   torch.empty(E, N, K, dtype=torch.float32))
         fn, ptrs = ws._kgrouped_ws_kernel, ["ast_ptr", "bst_ptr", "c_ptr", "off_ptr"]
         scalars = ["N", "K", "E"]
-        consts = dict(ACCUMULATE=True, GROUP_M=ws.GROUP_M, STAGES=ws.STAGES, CONSUMER_REGS=ws.KG_CONSUMER_REGS,
+        consts = dict(ACCUMULATE=True, E_POW2=16, GROUP_M=ws.GROUP_M, STAGES=ws.KG_STAGES,
+                      CONSUMER_REGS=ws.KG_CONSUMER_REGS,
                       PRODUCER_REGS=ws.KG_PRODUCER_REGS, num_warps=4)
     sig = {"a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
            **{p: ("*i32" if p == "off_ptr" else "*fp32") for p in ptrs}, **{n: "i32" for n in scalars},
