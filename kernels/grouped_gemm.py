@@ -329,9 +329,11 @@ GPU_VARIANT = {"mgrouped": "ws", "kgrouped": "ws"}
 # experts; "triton" stays the default because the MoE layer must not sync with the host.
 WGRAD_IMPL = "triton"
 # Defaults when the caller passes `host_offsets` (no sync needed for a loop): the per-expert
-# cuBLAS loop measured faster than our Triton kernels for the m-grouped GEMM in every DeepSeek-V3
-# case of bench/results/gemm-NVIDIA-H200.json (ours / loop 0.73-0.98) and for the wgrad with
-# >= 2048 tokens per expert (1.21-1.28x BF16 vs 0.86-1.20x).
+# cuBLAS loop measured faster than the Triton TMA kernels for the m-grouped GEMM in every
+# DeepSeek-V3 case (tma / loop 0.73-0.98), but not than the warp-specialized kernel (ws / loop
+# 0.94-1.18, bench/results/gemm-NVIDIA-H200.json, session 14): where that kernel runs (Hopper), the
+# m-grouped GEMM never loops. For the wgrad with >= 2048 tokens per expert the loop stays ahead
+# (loop / ws 1.02-1.07 at 4096 tokens x 8 experts, session 14; 1.21-1.28x BF16).
 # Below LOOP_MIN_MACS multiply-adds per non-empty expert the loop's per-expert launches (and
 # scale copies) cost more than the GEMMs: the small training preset (H 1024, I 512, 32 experts,
 # ~2048 rows each, 2.1e9 MACs) spent 72 ms of a 145 ms step in ~1700 tiny cuBLAS calls; the
@@ -342,6 +344,15 @@ WGRAD_IMPL = "triton"
 MGROUPED_IMPL = "cublas"
 WGRAD_IMPL_HOST = "cublas"
 LOOP_MIN_MACS = 3 * 2**33  # 2.6e10
+
+
+def _ws_available(device: torch.device) -> bool:
+    """Whether the warp-specialized kernels (kernels/grouped_gemm_ws.py) run on `device`."""
+    if _INTERPRET or device.type != "cuda":
+        return False
+    from moefp8.kernels import grouped_gemm_ws
+
+    return grouped_gemm_ws.available(device)
 
 
 def loop_pays(h: list, N: int, K: int, min_rows: int = 0) -> bool:
@@ -536,7 +547,8 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     by `transpose_weight(b)` (pass that yourself with transpose_b=False to reuse the copy).
     group_offsets: see the module docstring (rows outside every segment come out 0).
     host_offsets: the same offsets as a host list, when the caller has them (the MoE layer does):
-    then the GPU default is `MGROUPED_IMPL`, which may be the per-expert cuBLAS loop (no sync).
+    then the GPU default is `MGROUPED_IMPL`, which may be the per-expert cuBLAS loop (no sync)
+    on GPUs where the warp-specialized kernel does not run.
     impl: None, "triton", "cublas" (per-expert loop of blockwise torch._scaled_mm) or "ref".
     """
     check_fp8("fp8_grouped_gemm: a", a, "1x128", 2)
@@ -559,7 +571,7 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
         raise ValueError(f"fp8_grouped_gemm: impl='cublas' needs CUDA, K/128 % 4 == 0 and N % 128 == 0 "
                          f"(K={Kb}, N={Nout})")
     if impl == "cublas" or (impl is None and cublas_ok and MGROUPED_IMPL == "cublas" and host_offsets is not None
-                            and loop_pays(host_offsets, Nout, Kb)):
+                            and loop_pays(host_offsets, Nout, Kb) and not _ws_available(a.data.device)):
         if transpose_b:
             b = transpose_weight(b)
         h = host_offsets if host_offsets is not None else off.tolist()

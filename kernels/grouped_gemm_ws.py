@@ -1,28 +1,31 @@
-"""The m-grouped FP8 GEMM for Hopper (sm_90), warp-specialized, in Gluon (Triton's explicit
-dialect): the GPU default of `moefp8.kernels.grouped_gemm.launch_mgrouped`. Same contract and
-numerics as that module's Triton kernels (bit for bit); reference twin:
-`grouped_gemm.fp8_grouped_gemm_ref` (re-exported here as `mgrouped_ws_ref`).
+"""The grouped FP8 GEMMs for Hopper (sm_90), warp-specialized, in Gluon (Triton's explicit
+dialect): the GPU defaults of `moefp8.kernels.grouped_gemm.launch_mgrouped` (experts fprop and
+dgrad) and `launch_kgrouped` (experts wgrad). Same contracts and numerics as that module's Triton
+kernels, bit for bit; reference twins: `grouped_gemm.fp8_grouped_gemm_ref` and
+`fp8_grouped_gemm_wgrad_ref` (re-exported here as `mgrouped_ws_ref` / `kgrouped_ws_ref`).
 
 Structure (DeepGEMM's, and cuBLAS's "coop" blockwise kernel's): per CTA one 1-warp TMA producer
 and two 4-warp consumer warpgroups. The producer fills a STAGES-slot ring with the 128 x 128 A
-tile and the BLOCK_N x 128 B tile of each K block of its tiles (persistent over 128 x BLOCK_N
+tile and the 128 x 128 B tile of each K block of its tiles (persistent over 128 x 128 output
 tiles); the two consumers each multiply a 64-row half of the same tile, so B is read from L2
 once per 128 rows. A slot is handed back when both consumers have arrived on its `empty`
 barrier (count 2). Nothing else joins the warpgroups, so one's FP32 promotion runs while the
 other's wgmma keeps the tensor cores busy.
 
 Per-128-K promotion (DESIGN.md §1) inside one consumer: K blocks go in pairs, both wgmma in
-flight, the first promoted (acc += d * a_scale * b_scale) while the second still runs. The pair
-is the unit on purpose: a wgmma accumulator that is still in flight must never be copied, and a
-loop that carries one across iterations (`p = p_next`) makes the compiler copy it at the loop
-edges, after which ptxas serializes every wgmma of the kernel (its advisory C7514, "wgmma.mma_async
+flight, the first promoted (acc += d * scale) while the second still runs. The pair is the unit
+on purpose: a wgmma accumulator that is still in flight must never be copied, and a loop that
+carries one across iterations (`p = p_next`) makes the compiler copy it at the loop edges, after
+which ptxas serializes every wgmma of the kernel (its advisory C7514, "wgmma.mma_async
 instructions are serialized due to non wgmma instructions reading accumulator registers"). That
 is what held the earlier warp-specialized attempts (bench/notes/gemm.md, sessions 9 and 13) below
-the plain Triton kernel; `tests/kernels/test_grouped_gemm_ws.py` compiles this kernel for sm_90
-and fails on that advisory.
+the plain Triton kernel; `tests/kernels/test_grouped_gemm_ws.py` compiles both kernels for sm_90
+and fails on that advisory, on its wait-injection twin C7517 and on register spills.
 
-Measured (one H200, bench/notes/gemm.md session 14): 1.18-1.40x the Triton TMA kernel and
-0.93-0.97x cuBLAS dense blockwise on the DeepSeek-V3 expert shapes, bit-exact with it.
+Measured (one H200, bench/results/gemm-NVIDIA-H200.json, DeepSeek-V3 expert shapes): m-grouped
+0.94-0.98x cuBLAS dense blockwise on the balanced cases (1.2-1.4x the Triton TMA kernel),
+1.06-1.17x torch's row-wise `_scaled_grouped_mm`, 1.55-1.69x BF16 `_grouped_mm`; k-grouped
+1.06-1.10x BF16 `_grouped_mm` at 1024 tokens x 32 experts (FP32 dW: twice BF16's output bytes).
 """
 
 import torch
@@ -30,7 +33,8 @@ import triton
 
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels import num_sms
-from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_ref as mgrouped_ws_ref  # noqa: F401 (the twin)
+from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_ref as mgrouped_ws_ref  # noqa: F401 (the twins)
+from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_wgrad_ref as kgrouped_ws_ref  # noqa: F401
 
 try:
     from triton.experimental import gluon
@@ -350,12 +354,15 @@ if HAVE_GLUON:
                 TensorDescriptor(out, [M, N], [N, 1], [64, BLOCK_N], c_l))
 
 
+def available(device: torch.device) -> bool:
+    """Gluon present and `device` a Hopper (sm_90) GPU."""
+    return HAVE_GLUON and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def supported(a: Fp8Tensor, b: Fp8Tensor, out: torch.Tensor) -> bool:
     """Whether the kernel runs here: Gluon present, a Hopper (sm_90) GPU, BF16 out, and the TMA
     descriptors' 16-byte rules (N % 8 == 0 for the output rows, 16-byte aligned bases)."""
-    if not (HAVE_GLUON and out.is_cuda and out.dtype == torch.bfloat16 and out.is_contiguous()):
-        return False
-    if torch.cuda.get_device_capability(out.device) != (9, 0):
+    if not (available(out.device) and out.dtype == torch.bfloat16 and out.is_contiguous()):
         return False
     N = b.data.shape[1]
     return N % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a.data, b.data, out))
@@ -381,9 +388,7 @@ def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch
 def kgrouped_supported(dy: Fp8Tensor, x: Fp8Tensor, out: torch.Tensor) -> bool:
     """Whether the k-grouped kernel runs here: Gluon, sm_90, N and K multiples of 128 (a dW tile
     never crosses experts in the [E*N, K] view), tokens M % 16 == 0 (TMA row strides), fp32 out."""
-    if not (HAVE_GLUON and out.is_cuda and out.dtype == torch.float32 and out.is_contiguous()):
-        return False
-    if torch.cuda.get_device_capability(out.device) != (9, 0):
+    if not (available(out.device) and out.dtype == torch.float32 and out.is_contiguous()):
         return False
     N, M = dy.data.shape
     K = x.data.shape[0]
