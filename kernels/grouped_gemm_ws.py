@@ -203,14 +203,7 @@ if HAVE_GLUON:
     # so the promotion multiplies by an outer product of the two scale vectors.
 
     @gluon.jit
-    def _kg_offsets(off_ptr, E, E_POW2: gl.constexpr, nw: gl.constexpr):
-        """All E + 1 offsets in registers (E_POW2 > E), so that a tile's token range costs no load."""
-        e_layout: gl.constexpr = gl.BlockedLayout([1], [32], [nw], [0])
-        ie = gl.arange(0, E_POW2, layout=e_layout)
-        return ie, gl.load(off_ptr + ie, mask=ie <= E, other=0)
-
-    @gluon.jit
-    def _kg_tile(t, num_r, num_c, ie, offs, GROUP_M: gl.constexpr):
+    def _kg_tile(t, num_r, num_c, off_ptr, GROUP_M: gl.constexpr):
         """Work tile t -> (expert, row0 in N, col0 in K, first token, token blocks)."""
         per_e = num_r * num_c
         e = t // per_e
@@ -220,20 +213,18 @@ if HAVE_GLUON:
         size_r = gl.minimum(num_r - first_r, GROUP_M)
         r0 = (first_r + (u % per_group) % size_r) * 128
         c0 = ((u % per_group) // size_r) * 128
-        t0 = gl.sum(gl.where(ie == e, offs, 0), axis=0)
-        t1 = gl.sum(gl.where(ie == e + 1, offs, 0), axis=0)
+        t0 = gl.load(off_ptr + e)  # (keeping all offsets in registers instead, picked by a reduction,
+        t1 = gl.load(off_ptr + e + 1)  # measured 20% slower at 8 experts: bench/notes/gemm.md, session 14)
         return e, r0, c0, t0, gl.cdiv(t1 - t0, 128)
 
     @gluon.jit
-    def _kg_producer(a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, E_POW2: gl.constexpr,
-                     GROUP_M: gl.constexpr):
+    def _kg_producer(a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, GROUP_M: gl.constexpr):
         STAGES: gl.constexpr = a_s.type.shape[0]
         num_r = N // 128
         num_c = K // 128
-        ie, offs = _kg_offsets(off_ptr, E, E_POW2, 1)
         i = 0
         for t in range(gl.program_id(0), E * num_r * num_c, gl.num_programs(0)):
-            e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, ie, offs, GROUP_M)
+            e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, off_ptr, GROUP_M)
             for kb in range(k_tiles):
                 s = i % STAGES
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -251,8 +242,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _kg_consumer(c_desc, a_s, b_s, c_s, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
-                     SUB: gl.constexpr, ACCUMULATE: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     SUB: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         """4 warps: rows [SUB, SUB + 64) of every dW tile."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, 128, 32])
@@ -263,10 +253,9 @@ if HAVE_GLUON:
         zero = gl.zeros((64, 128), gl.float32, layout=mma_layout)
         num_r = N // 128
         num_c = K // 128
-        ie, offs = _kg_offsets(off_ptr, E, E_POW2, num_warps)
         i = 0
         for t in range(gl.program_id(0), E * num_r * num_c, gl.num_programs(0)):
-            e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, ie, offs, GROUP_M)
+            e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, off_ptr, GROUP_M)
             as_ptrs = ast_ptr + (t0 // 128).to(gl.int64) * N + r0 + SUB + rows  # ast [T/128, N]
             # bst [T/128, K]: loaded one column per thread, then spread to the accumulator's column
             # layout (32 values per thread there: 32 pointers would cost 64 registers)
@@ -306,8 +295,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
-                            ACCUMULATE: gl.constexpr, E_POW2: gl.constexpr, GROUP_M: gl.constexpr,
-                            STAGES: gl.constexpr,
+                            ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """a [N, M] and b [K, M] FP8 (TMA, 128 x 128 boxes), ast [T/128, N] and bst [T/128, K] fp32,
         c [E*N, K] fp32 (TMA, 64-row boxes; read directly when ACCUMULATE). N, K multiples of 128."""
@@ -322,10 +310,10 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(q), count=2)
         gl.warp_specialize([
             (_kg_consumer, (c_desc, a_s, b_s, c_s0, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E, 0,
-                            ACCUMULATE, E_POW2, GROUP_M, 4)),
+                            ACCUMULATE, GROUP_M, 4)),
             (_kg_consumer, (c_desc, a_s, b_s, c_s1, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E, 64,
-                            ACCUMULATE, E_POW2, GROUP_M, 4)),
-            (_kg_producer, (a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, E_POW2, GROUP_M)),
+                            ACCUMULATE, GROUP_M, 4)),
+            (_kg_producer, (a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         for q in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(q))
@@ -407,8 +395,8 @@ def launch_kgrouped_ws(dy: Fp8Tensor, x: Fp8Tensor, off: torch.Tensor, out: torc
     ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N | K]
     a_d, b_d, c_d = kg_descriptors(a, b, out)
     grid = (max(1, min(num_sms(out.device), E * (N // 128) * (K // 128))),)
-    _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, out, off, N, K, E, ACCUMULATE=accumulate,
-                              E_POW2=triton.next_power_of_2(E + 1), GROUP_M=GROUP_M, STAGES=KG_STAGES,
+    _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, out, off, N, K, E, ACCUMULATE=accumulate, GROUP_M=GROUP_M,
+                              STAGES=KG_STAGES,
                               CONSUMER_REGS=KG_CONSUMER_REGS, PRODUCER_REGS=KG_PRODUCER_REGS, num_warps=4,
                               maxnreg=MAXNREG)
     return out

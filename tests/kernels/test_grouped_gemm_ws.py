@@ -44,7 +44,7 @@ def _compile_sm90(which: str):
                                   torch.empty(E, N, K, dtype=torch.float32))
         fn, ptrs = ws._kgrouped_ws_kernel, ["ast_ptr", "bst_ptr", "c_ptr", "off_ptr"]
         scalars = ["N", "K", "E"]
-        consts = dict(ACCUMULATE=True, E_POW2=16, GROUP_M=ws.GROUP_M, STAGES=ws.KG_STAGES,
+        consts = dict(ACCUMULATE=True, GROUP_M=ws.GROUP_M, STAGES=ws.KG_STAGES,
                       CONSUMER_REGS=ws.KG_CONSUMER_REGS,
                       PRODUCER_REGS=ws.KG_PRODUCER_REGS, num_warps=4)
     sig = {"a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
