@@ -349,11 +349,12 @@ def available(device: torch.device) -> bool:
 
 def supported(a: Fp8Tensor, b: Fp8Tensor, out: torch.Tensor) -> bool:
     """Whether the kernel runs here: Gluon present, a Hopper (sm_90) GPU, BF16 out, and the TMA
-    descriptors' 16-byte rules (N % 8 == 0 for the output rows, 16-byte aligned bases)."""
+    descriptors' rules (no empty tensor, N % 8 == 0 for 16-byte output rows, 16-byte aligned bases)."""
     if not (available(out.device) and out.dtype == torch.bfloat16 and out.is_contiguous()):
         return False
+    M, K = a.data.shape
     N = b.data.shape[1]
-    return N % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a.data, b.data, out))
+    return M > 0 and K > 0 and N % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a.data, b.data, out))
 
 
 def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -375,12 +376,13 @@ def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch
 
 def kgrouped_supported(dy: Fp8Tensor, x: Fp8Tensor, out: torch.Tensor) -> bool:
     """Whether the k-grouped kernel runs here: Gluon, sm_90, N and K multiples of 128 (a dW tile
-    never crosses experts in the [E*N, K] view), tokens M % 16 == 0 (TMA row strides), fp32 out."""
+    never crosses experts in the [E*N, K] view), tokens 0 < M, M % 16 == 0 (TMA: no empty
+    descriptors, 16-byte row strides), fp32 out."""
     if not (available(out.device) and out.dtype == torch.float32 and out.is_contiguous()):
         return False
     N, M = dy.data.shape
     K = x.data.shape[0]
-    return N % 128 == 0 and K % 128 == 0 and M % 16 == 0 and all(
+    return N % 128 == 0 and K % 128 == 0 and M > 0 and M % 16 == 0 and all(
         t.data_ptr() % 16 == 0 for t in (dy.data, x.data, out))
 
 

@@ -220,6 +220,24 @@ def test_gpu_kgrouped_ws_bitexact_vs_triton(N, K, counts):
     assert torch.equal(fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False), got)  # the default path
 
 
+@pytest.mark.gpu
+def test_gpu_wgrad_no_tokens_at_all():
+    """A rank that receives no tokens (EP): M = 0. The descriptors of an empty tensor are refused by
+    TMA, so the default path must not take the warp-specialized kernel there (found by the EP
+    layer tests on 2 and 4 GPUs)."""
+    dyc, xc = quant_colwise_ref(torch.empty(0, 256, device="cuda")), quant_colwise_ref(torch.empty(0, 384, device="cuda"))
+    assert not ws.kgrouped_supported(dyc, xc, torch.empty(3, 256, 384, device="cuda"))
+    dw = fp8_grouped_gemm_wgrad(dyc, xc, [0, 0, 0, 0], validate=False)
+    assert torch.equal(dw, torch.zeros(3, 256, 384, device="cuda"))
+    main = torch.randn(3, 256, 384, device="cuda")
+    out = main.clone()
+    fp8_grouped_gemm_wgrad(dyc, xc, [0, 0, 0, 0], out=out, validate=False)
+    assert torch.equal(out, main)
+    a = quant_rowwise_ref(torch.empty(0, 384, device="cuda"))
+    b = quant_weight_ref(torch.randn(3, 256, 384, device="cuda"))
+    assert fp8_grouped_gemm(a, b, [0, 0, 0, 0], validate=False).shape == (0, 256)
+
+
 if __name__ == "__main__":  # the compile step of test_compiles_for_sm90_without_wgmma_serialization
     from pathlib import Path
 
