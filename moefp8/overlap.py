@@ -41,10 +41,15 @@ import torch
 from torch import Tensor
 
 from moefp8.fp8 import Fp8Tensor
+from moefp8.kernels.grouped_gemm_ws import reserve_sms
 from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
                         restore, save, shared_backward, shared_forward)
 
 _SIDE_STREAMS: dict = {}
+# SMs the warp-specialized grouped GEMMs leave free while an overlapped layer runs, for the
+# concurrent all-to-alls (their persistent CTAs fill whole SMs; see grouped_gemm_ws.reserve_sms).
+# 0: all SMs. tools/bench_overlap.py --gemm-sm-reserve measures other values.
+GEMM_SM_RESERVE = 0
 
 
 def side_stream(device: torch.device, role: str = "comm"):
@@ -111,6 +116,16 @@ class OverlappedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
+        with reserve_sms(GEMM_SM_RESERVE):
+            return OverlappedMoE._forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer)
+
+    @staticmethod
+    def backward(ctx, dout):
+        with reserve_sms(GEMM_SM_RESERVE):
+            return OverlappedMoE._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
         st = _Streams(x_TH.device)
         shared = layer.shared
         want_dw = ctx.needs_input_grad[1]
@@ -172,7 +187,7 @@ class OverlappedMoE(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dout):
+    def _backward(ctx, dout):
         layer = ctx.layer
         saves, params = restore(ctx)
         w1, w2 = params[:2]

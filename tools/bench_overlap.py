@@ -212,6 +212,8 @@ def main():
     p.add_argument("--trace-all-ranks", action="store_true", help="every rank writes its trace (default: rank 0)")
     p.add_argument("--bind-cpus", action="store_true",
                    help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
+    p.add_argument("--gemm-sm-reserve", type=int, default=0,
+                   help="SMs the warp-specialized grouped GEMMs leave free in the overlapped schedule")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -237,6 +239,9 @@ def main():
     def add(case, impl, t, **kw):
         rows.append({"case": case, "impl": impl, "value": round(t * 1e3, 3), "unit": "ms", **kw})
 
+    import moefp8.overlap
+
+    moefp8.overlap.GEMM_SM_RESERVE = a.gemm_sm_reserve
     caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
     modes = [m for m in a.modes.split(",") if m]
     for cap, mode in [(c, m) for c in caps for m in modes]:
@@ -246,7 +251,8 @@ def main():
         layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=full).to(dev)
         r = layer_times(layer, x, dout, a.warmup, a.iters, dev, full, half)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
-               + (", Triton grouped GEMMs" if a.gemm == "triton" else ""))
+               + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
+               + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
         case = f"MoE layer fwd+bwd {shape}{tag}"
         add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
             baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3))

@@ -119,6 +119,17 @@ def test_ptxas_check_can_fail(tmp_path):
     assert "C7517" in log, log
 
 
+def test_reserve_sms_shrinks_the_persistent_grid_and_restores():
+    cpu = torch.device("cpu")  # num_sms: 4 off the GPU
+    assert ws._grid_sms(cpu) == 4
+    with ws.reserve_sms(2):
+        assert ws._grid_sms(cpu) == 2
+        with ws.reserve_sms(10):
+            assert ws._grid_sms(cpu) == 1  # never below one program
+        assert ws._grid_sms(cpu) == 2
+    assert ws._grid_sms(cpu) == 4
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
