@@ -23,7 +23,7 @@ from moefp8.kernels import grouped_gemm
 from moefp8.kernels.grouped_gemm import (fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad,
                                          fp8_grouped_gemm_wgrad_ref, launch_mgrouped, prepare_offsets)
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
-from moefp8.testing import rel_err
+from moefp8.testing import rel_err, segment_offsets
 
 FP32_TOL = 1e-5
 GPU_FP32_TOL = 1e-3
@@ -233,13 +233,6 @@ def test_gpu_dense(M, N, K, impl, monkeypatch):
     _gpu_ref_check(out, exact_w + main.double(), GPU_FP32_TOL)
 
 
-def _segments(counts):
-    off = [0]
-    for c in counts:
-        off.append(off[-1] + -(-c // 128) * 128)
-    return off
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (4096, 384), (256, 640), (96, 256)])
 @pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128]])
@@ -248,7 +241,7 @@ def test_gpu_grouped(N, K, counts, variant, monkeypatch):
     """Variants of the Triton kernels; the wgrad is also checked through its cuBLAS loop."""
     monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "mgrouped", variant)
     monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "kgrouped", variant)
-    off = _segments(counts)
+    off = segment_offsets(counts)
     E, M = len(counts), off[-1] + 128  # one spare tile past the segments
     a = quant_rowwise_ref(_rand(M, K, outliers=True).cuda())
     b = quant_weight_ref(_rand(E, N, K).cuda())
@@ -298,7 +291,7 @@ def test_gpu_all_experts_empty():
 def test_gpu_grouped_cublas_loop_with_host_offsets(N, K, counts):
     """The per-expert cuBLAS loops the MoE layer picks when it passes host offsets: fprop,
     dgrad (through the transposed weight) and wgrad, with empty and ragged experts."""
-    off = _segments(counts)
+    off = segment_offsets(counts)
     E, M = len(counts), off[-1] + 128
     a = quant_rowwise_ref(_rand(M, K, outliers=True).cuda())
     b = quant_weight_ref(_rand(E, N, K).cuda())

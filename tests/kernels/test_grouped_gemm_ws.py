@@ -16,7 +16,7 @@ import torch
 from moefp8.kernels import grouped_gemm, grouped_gemm_ws as ws
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, launch_kgrouped, launch_mgrouped
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
-from moefp8.testing import rel_err
+from moefp8.testing import rel_err, segment_offsets
 
 BF16_TOL = 4e-3  # BF16 output rounding (2^-9 relative per element) dominates, as test_gemm.py
 FP32_TOL = 1e-3  # fp32 out vs float64: the tensor cores' FP8 partial sums (measured 3.5-4.1e-4), as test_gemm.py
@@ -137,13 +137,6 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _segments(counts):
-    off = [0]
-    for c in counts:
-        off.append(off[-1] + -(-c // 128) * 128)
-    return off
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (4096, 384), (256, 640), (96, 256), (200, 128)])
 @pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128], [0, 0, 0]])
@@ -151,7 +144,7 @@ def test_gpu_ws_bitexact_vs_triton(N, K, counts):
     if not (_hopper() and ws.HAVE_GLUON):
         pytest.skip("needs a Hopper GPU and Gluon")
     torch.manual_seed(N + K + len(counts))
-    off = _segments(counts)
+    off = segment_offsets(counts)
     E, M = len(counts), off[-1] + 256  # spare tiles past the segments: zeros
     x = torch.randn(M, K, device="cuda")
     x[3, :5] = torch.tensor([1e4, -1e4, 0.0, 3e-6, 448.0])  # outliers, a zero, a tiny value
@@ -178,7 +171,7 @@ def test_gpu_ws_is_the_default_and_dgrad():
     if not (_hopper() and ws.HAVE_GLUON):
         pytest.skip("needs a Hopper GPU and Gluon")
     assert grouped_gemm.GPU_VARIANT["mgrouped"] == "ws"
-    off = _segments([700, 0, 1300])
+    off = segment_offsets([700, 0, 1300])
     M, N, K = off[-1] + 128, 1024, 768
     a = quant_rowwise_ref(torch.randn(M, K, device="cuda"))
     b = quant_weight_ref(torch.randn(3, N, K, device="cuda"))
@@ -201,7 +194,7 @@ def test_gpu_kgrouped_ws_bitexact_vs_triton(N, K, counts):
     if not (_hopper() and ws.HAVE_GLUON):
         pytest.skip("needs a Hopper GPU and Gluon")
     torch.manual_seed(N + K + len(counts))
-    off = _segments(counts)
+    off = segment_offsets(counts)
     E, M = len(counts), off[-1] + 128  # tokens past the last segment are ignored
     dy = torch.randn(M, N, device="cuda")
     dy[7, :3] = torch.tensor([1e4, 0.0, -3e-6])
