@@ -246,96 +246,56 @@ if HAVE_GLUON:
         return acc + d * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
 
     @gluon.jit
-    def _kg_blocks(acc, a_s, b_s, ready, empty, as_ptrs, bs_ptrs, i, kb0, k_tiles, N, K, SUB: gl.constexpr, zero,
-                   col_layout: gl.constexpr):
-        """K blocks kb0 .. k_tiles-1 of a tile (ring positions i + kb) into acc, in pairs."""
-        row_layout: gl.constexpr = gl.SliceLayout(1, col_layout.parent)
-        for kb in range(kb0, k_tiles - 1, 2):
-            sax = gl.convert_layout(gl.load(as_ptrs + kb * N), row_layout)
-            say = gl.convert_layout(gl.load(as_ptrs + (kb + 1) * N), row_layout)
-            sbx = gl.load(bs_ptrs + kb * K)
-            sby = gl.load(bs_ptrs + (kb + 1) * K)
-            px = _issue(a_s, b_s, ready, i + kb, SUB, zero)
-            py = _issue(a_s, b_s, ready, i + kb + 1, SUB, zero)
-            acc = _kg_promote(acc, px, empty, i + kb, sax, gl.convert_layout(sbx, col_layout), 1)
-            acc = _kg_promote(acc, py, empty, i + kb + 1, say, gl.convert_layout(sby, col_layout), 0)
-        if (k_tiles - kb0) % 2 == 1:
-            sax = gl.convert_layout(gl.load(as_ptrs + (k_tiles - 1) * N), row_layout)
-            sbx = gl.load(bs_ptrs + (k_tiles - 1) * K)
-            px = _issue(a_s, b_s, ready, i + k_tiles - 1, SUB, zero)
-            acc = _kg_promote(acc, px, empty, i + k_tiles - 1, sax, gl.convert_layout(sbx, col_layout), 0)
-        return acc
-
-    @gluon.jit
-    def _kg_store(c_desc, c_s, acc, row, c0):
-        tma.store_wait(pendings=0)  # the previous store has left c_s
-        c_s.store(acc)
-        fence_async_shared()
-        _tma_store(c_desc, [row, c0], c_s)
-
-    @gluon.jit
     def _kg_consumer(c_desc, a_s, b_s, c_s, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
                      SUB: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-        """4 warps: rows [SUB, SUB + 64) of every dW tile. Without ACCUMULATE a tile's epilogue runs
-        while the next tile's first K block is on the tensor cores (with only 8 K blocks per tile at
-        1024 tokens per expert, both consumers draining and storing together idled them);
-        with it (a 64-register read of the old dW in the epilogue) the next tile waits."""
+        """4 warps: rows [SUB, SUB + 64) of every dW tile."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, 128, 32])
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # one column per thread
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        flat64: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # 64 rows over 128 threads
-        rows = gl.arange(0, 64, layout=row_layout)
-        rows_flat = gl.arange(0, 64, layout=flat64)
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
         cols = gl.arange(0, 128, layout=flat)
         zero = gl.zeros((64, 128), gl.float32, layout=mma_layout)
         num_r = N // 128
         num_c = K // 128
         i = 0
-        acc_prev = zero  # the previous tile's dW (no ACCUMULATE), stored under this tile's first wgmma
-        prev_row = -1
-        prev_c0 = 0
         for t in range(gl.program_id(0), E * num_r * num_c, gl.num_programs(0)):
             e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, off_ptr, GROUP_M)
-            as_ptrs = ast_ptr + (t0 // 128).to(gl.int64) * N + r0 + SUB + rows_flat  # ast [T/128, N]
+            as_ptrs = ast_ptr + (t0 // 128).to(gl.int64) * N + r0 + SUB + rows  # ast [T/128, N]
             # bst [T/128, K]: loaded one column per thread, then spread to the accumulator's column
             # layout (32 values per thread there: 32 pointers would cost 64 registers)
             bs_ptrs = bst_ptr + (t0 // 128).to(gl.int64) * K + c0 + cols
+            acc = zero
+            for kb in range(0, k_tiles - 1, 2):
+                sax = gl.load(as_ptrs + kb * N)
+                say = gl.load(as_ptrs + (kb + 1) * N)
+                sbx = gl.load(bs_ptrs + kb * K)
+                sby = gl.load(bs_ptrs + (kb + 1) * K)
+                px = _issue(a_s, b_s, ready, i + kb, SUB, zero)
+                py = _issue(a_s, b_s, ready, i + kb + 1, SUB, zero)
+                acc = _kg_promote(acc, px, empty, i + kb, sax, gl.convert_layout(sbx, col_layout), 1)
+                acc = _kg_promote(acc, py, empty, i + kb + 1, say, gl.convert_layout(sby, col_layout), 0)
+            if k_tiles % 2 == 1:
+                sax = gl.load(as_ptrs + (k_tiles - 1) * N)
+                sbx = gl.load(bs_ptrs + (k_tiles - 1) * K)
+                px = _issue(a_s, b_s, ready, i + k_tiles - 1, SUB, zero)
+                acc = _kg_promote(acc, px, empty, i + k_tiles - 1, sax, gl.convert_layout(sbx, col_layout), 0)
+            i += k_tiles
             row = e * N + r0 + SUB  # dW viewed [E*N, K]
             if ACCUMULATE:
-                acc = _kg_blocks(zero, a_s, b_s, ready, empty, as_ptrs, bs_ptrs, i, 0, k_tiles, N, K, SUB, zero,
-                                 col_layout)
                 if k_tiles > 0:  # an expert with no tokens leaves its dW alone
                     ccols = gl.arange(0, 128, layout=col_layout)
                     prev = c_ptr + (row + rows).to(gl.int64)[:, None] * K + (c0 + ccols)[None, :]
-                    _kg_store(c_desc, c_s, acc + gl.load(prev), row, c0)
+                    acc = acc + gl.load(prev)
+                    tma.store_wait(pendings=0)
+                    c_s.store(acc)
+                    fence_async_shared()
+                    _tma_store(c_desc, [row, c0], c_s)
             else:
-                if k_tiles >= 2:  # one block ahead: two in flight beside acc_prev would spill
-                    sax = gl.convert_layout(gl.load(as_ptrs), row_layout)
-                    sbx = gl.load(bs_ptrs)
-                    px = _issue(a_s, b_s, ready, i, SUB, zero)
-                    if prev_row >= 0:
-                        _kg_store(c_desc, c_s, acc_prev, prev_row, prev_c0)
-                    say = gl.convert_layout(gl.load(as_ptrs + N), row_layout)
-                    sby = gl.load(bs_ptrs + K)
-                    py = _issue(a_s, b_s, ready, i + 1, SUB, zero)
-                    acc = _kg_promote(zero, px, empty, i, sax, gl.convert_layout(sbx, col_layout), 1)
-                    acc = _kg_promote(acc, py, empty, i + 1, say, gl.convert_layout(sby, col_layout), 0)
-                    acc = _kg_blocks(acc, a_s, b_s, ready, empty, as_ptrs, bs_ptrs, i, 2, k_tiles, N, K, SUB, zero,
-                                     col_layout)
-                else:
-                    if prev_row >= 0:
-                        _kg_store(c_desc, c_s, acc_prev, prev_row, prev_c0)
-                    acc = _kg_blocks(zero, a_s, b_s, ready, empty, as_ptrs, bs_ptrs, i, 0, k_tiles, N, K, SUB, zero,
-                                     col_layout)
-                acc_prev = acc
-                prev_row = row
-                prev_c0 = c0
-            i += k_tiles
-        if not ACCUMULATE:
-            if prev_row >= 0:
-                _kg_store(c_desc, c_s, acc_prev, prev_row, prev_c0)
+                tma.store_wait(pendings=0)
+                c_s.store(acc)
+                fence_async_shared()
+                _tma_store(c_desc, [row, c0], c_s)
         tma.store_wait(pendings=0)
 
     @gluon.jit
