@@ -443,10 +443,6 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
     E, N, _ = b.data.shape
     if M == 0 or N == 0:
         return out
-    a_data, b_data, b_scale = a.data.contiguous(), b.data.contiguous(), b.scale.contiguous()
-    ast = a.scale.t().contiguous()  # [K/128, M]: contiguous per-step loads (a few MB, ~us)
-    sms = num_sms(a.data.device)
-    e_pow2 = max(triton.next_power_of_2(E), 2)
     variant = variant or GPU_VARIANT["mgrouped"]
     if variant == "ws" and not _INTERPRET and a.data.is_cuda:
         from moefp8.kernels import grouped_gemm_ws
@@ -454,6 +450,10 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
         if _promote and grouped_gemm_ws.supported(a, b, out):
             return grouped_gemm_ws.launch_mgrouped_ws(a, b, off, out)
         variant = "tma"
+    a_data, b_data, b_scale = a.data.contiguous(), b.data.contiguous(), b.scale.contiguous()
+    ast = a.scale.t().contiguous()  # [K/128, M]: contiguous per-step loads (a few MB, ~us)
+    sms = num_sms(a.data.device)
+    e_pow2 = max(triton.next_power_of_2(E), 2)
     if _INTERPRET or not a.data.is_cuda:
         bm, bn = 32, 32
         grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
@@ -485,15 +485,15 @@ def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accum
     E = off.numel() - 1
     if E == 0 or N == 0 or K == 0:
         return out
-    a, b = dy.data.contiguous(), x.data.contiguous()
-    ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N|K]
     variant = variant or GPU_VARIANT["kgrouped"]
-    if variant == "ws" and not _INTERPRET and a.is_cuda:
+    if variant == "ws" and not _INTERPRET and dy.data.is_cuda:
         from moefp8.kernels import grouped_gemm_ws
 
         if _promote and grouped_gemm_ws.kgrouped_supported(dy, x, out):
             return grouped_gemm_ws.launch_kgrouped_ws(dy, x, off, out, accumulate)
         variant = "tma"
+    a, b = dy.data.contiguous(), x.data.contiguous()
+    ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N|K]
     if _INTERPRET or not a.is_cuda:
         bn, bk = 32, 32
         grid = (triton.cdiv(N, bn) * triton.cdiv(K, bk), E)

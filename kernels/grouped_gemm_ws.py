@@ -119,11 +119,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _promote(acc, p, empty, q, scale, OUTSTANDING: gl.constexpr):
         """Waits for the wgmma p (leaving OUTSTANDING groups in flight), frees its ring slot q,
-        adds its partial product times the K block's scale into acc."""
+        adds its partial product times the K block's scale (broadcastable to the tile) into acc."""
         STAGES: gl.constexpr = empty.type.shape[0]
         d = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(p, ))
         mbarrier.arrive(empty.index(q % STAGES), count=1)
-        return acc + d * gl.expand_dims(scale, 1)
+        return acc + d * scale
+
+    @gluon.jit
+    def _store_tile(c_desc, c_s, acc, row, col):
+        """acc -> c_s -> global at [row, col] (TMA store left in flight)."""
+        tma.store_wait(pendings=0)  # the previous store has left c_s
+        c_s.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [row, col], c_s)
 
     @gluon.jit
     def _consumer(c_desc, a_s, b_s, c_s, ready, empty, ast_ptr, bs_ptr, off_ptr, M, N, K, E, stride_bse,
@@ -150,17 +158,14 @@ if HAVE_GLUON:
                 sy = gl.load(as_ptrs + (kb + 1) * M) * gl.load(bs_ptr_t + kb + 1)
                 px = _issue(a_s, b_s, ready, i + kb, SUB, zero)
                 py = _issue(a_s, b_s, ready, i + kb + 1, SUB, zero)
-                acc = _promote(acc, px, empty, i + kb, sx, 1)  # under py's wgmma
-                acc = _promote(acc, py, empty, i + kb + 1, sy, 0)
+                acc = _promote(acc, px, empty, i + kb, gl.expand_dims(sx, 1), 1)  # under py's wgmma
+                acc = _promote(acc, py, empty, i + kb + 1, gl.expand_dims(sy, 1), 0)
             if k_tiles % 2 == 1:
                 sx = gl.load(as_ptrs + (k_tiles - 1) * M) * gl.load(bs_ptr_t + k_tiles - 1)
                 px = _issue(a_s, b_s, ready, i + k_tiles - 1, SUB, zero)
-                acc = _promote(acc, px, empty, i + k_tiles - 1, sx, 0)
+                acc = _promote(acc, px, empty, i + k_tiles - 1, gl.expand_dims(sx, 1), 0)
             i += k_tiles
-            tma.store_wait(pendings=0)  # the previous tile's store has left c_s
-            c_s.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _tma_store(c_desc, [row0 + SUB, n0], c_s)
+            _store_tile(c_desc, c_s, acc, row0 + SUB, n0)
         # row tiles past the last expert's rows: zeros
         zero_tiles = (gl.cdiv(M, BLOCK_M) - num_m) * num_n
         if zero_tiles > 0:
@@ -223,6 +228,11 @@ if HAVE_GLUON:
         return e, r0, c0, t0, gl.cdiv(t1 - t0, 128)
 
     @gluon.jit
+    def _outer(sa, sb):
+        """Row scales x column scales: a dW tile's per-element scale of one token block."""
+        return gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+
+    @gluon.jit
     def _kg_producer(a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, GROUP_M: gl.constexpr):
         STAGES: gl.constexpr = a_s.type.shape[0]
         num_r = N // 128
@@ -237,13 +247,6 @@ if HAVE_GLUON:
                 _tma_load(a_desc, [r0, t0 + kb * 128], ready.index(s), a_s.index(s))
                 _tma_load(b_desc, [c0, t0 + kb * 128], ready.index(s), b_s.index(s))
                 i += 1
-
-    @gluon.jit
-    def _kg_promote(acc, p, empty, q, sa, sb, OUTSTANDING: gl.constexpr):
-        STAGES: gl.constexpr = empty.type.shape[0]
-        d = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(p, ))
-        mbarrier.arrive(empty.index(q % STAGES), count=1)
-        return acc + d * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
 
     @gluon.jit
     def _kg_consumer(c_desc, a_s, b_s, c_s, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
@@ -273,29 +276,22 @@ if HAVE_GLUON:
                 sby = gl.load(bs_ptrs + (kb + 1) * K)
                 px = _issue(a_s, b_s, ready, i + kb, SUB, zero)
                 py = _issue(a_s, b_s, ready, i + kb + 1, SUB, zero)
-                acc = _kg_promote(acc, px, empty, i + kb, sax, gl.convert_layout(sbx, col_layout), 1)
-                acc = _kg_promote(acc, py, empty, i + kb + 1, say, gl.convert_layout(sby, col_layout), 0)
+                acc = _promote(acc, px, empty, i + kb, _outer(sax, gl.convert_layout(sbx, col_layout)), 1)
+                acc = _promote(acc, py, empty, i + kb + 1, _outer(say, gl.convert_layout(sby, col_layout)), 0)
             if k_tiles % 2 == 1:
                 sax = gl.load(as_ptrs + (k_tiles - 1) * N)
                 sbx = gl.load(bs_ptrs + (k_tiles - 1) * K)
                 px = _issue(a_s, b_s, ready, i + k_tiles - 1, SUB, zero)
-                acc = _kg_promote(acc, px, empty, i + k_tiles - 1, sax, gl.convert_layout(sbx, col_layout), 0)
+                acc = _promote(acc, px, empty, i + k_tiles - 1, _outer(sax, gl.convert_layout(sbx, col_layout)), 0)
             i += k_tiles
             row = e * N + r0 + SUB  # dW viewed [E*N, K]
             if ACCUMULATE:
                 if k_tiles > 0:  # an expert with no tokens leaves its dW alone
                     ccols = gl.arange(0, 128, layout=col_layout)
                     prev = c_ptr + (row + rows).to(gl.int64)[:, None] * K + (c0 + ccols)[None, :]
-                    acc = acc + gl.load(prev)
-                    tma.store_wait(pendings=0)
-                    c_s.store(acc)
-                    fence_async_shared()
-                    _tma_store(c_desc, [row, c0], c_s)
+                    _store_tile(c_desc, c_s, acc + gl.load(prev), row, c0)
             else:
-                tma.store_wait(pendings=0)
-                c_s.store(acc)
-                fence_async_shared()
-                _tma_store(c_desc, [row, c0], c_s)
+                _store_tile(c_desc, c_s, acc, row, c0)
         tma.store_wait(pendings=0)
 
     @gluon.jit
