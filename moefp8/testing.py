@@ -85,12 +85,13 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Measured device-to-device copy bandwidth, GB/s counting bytes read + written."""
+def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeat: int = 1) -> float:
+    """Measured device-to-device copy bandwidth of `nbytes`, GB/s counting bytes read + written
+    (the best of `repeat` medians)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_()
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
+    ms = min(bench(lambda: dst.copy_(src)) for _ in range(max(repeat, 1)))
     return 2 * nbytes / ms / 1e6
 
 
