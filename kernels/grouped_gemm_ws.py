@@ -49,10 +49,9 @@ except ImportError:  # an older Triton: launch_mgrouped keeps its Triton kernels
     HAVE_GLUON = False
 
 TILE_M, BLOCK_N, STAGES, GROUP_M = 128, 128, 4, 8
-# SMs the persistent kernels leave free (`grid_limits`): a CTA of theirs fills an SM (227 KB of shared
+# SMs the persistent kernels leave free (`reserve_sms`): a CTA of theirs fills an SM (227 KB of shared
 # memory, the whole register file), so a collective launched while one runs finds no SM to start on.
 _RESERVED_SMS = 0
-_TILES_PER_CTA = 0  # (`grid_limits`) 0: persistent, one CTA per SM
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 232 + 232 + 40 = 3 x 168: the 12 warps' register file
 KG_CONSUMER_REGS, KG_PRODUCER_REGS = 240, 24  # the wgrad's column scales need more: 240 + 240 + 24 = 504
 KG_STAGES = 4
@@ -345,27 +344,19 @@ if HAVE_GLUON:
 
 
 @contextmanager
-def grid_limits(reserve: int = 0, tiles_per_cta: int = 0):
-    """Inside, for kernels that run beside communication (the two micro-batch overlap's
-    all-to-alls): the persistent grids leave `reserve` SMs free, and with `tiles_per_cta` > 0 no
-    CTA takes more than that many tiles (a larger grid whose CTAs end as they finish: an SM comes
-    free every few tiles, where a collective launched meanwhile can start; with all SMs held by a
-    persistent grid it waits for the whole GEMM). 0: no limit."""
-    global _RESERVED_SMS, _TILES_PER_CTA
-    old = _RESERVED_SMS, _TILES_PER_CTA
-    _RESERVED_SMS, _TILES_PER_CTA = max(int(reserve), 0), max(int(tiles_per_cta), 0)
+def reserve_sms(n: int):
+    """Inside: the kernels' persistent grids leave `n` SMs free (for communication kernels that
+    run concurrently, e.g. the two micro-batch overlap's all-to-alls)."""
+    global _RESERVED_SMS
+    old, _RESERVED_SMS = _RESERVED_SMS, max(int(n), 0)
     try:
         yield
     finally:
-        _RESERVED_SMS, _TILES_PER_CTA = old
+        _RESERVED_SMS = old
 
 
-def _grid(device: torch.device, tiles: int) -> int:
-    """CTAs for `tiles` output tiles under the current `grid_limits`."""
-    g = min(max(1, num_sms(device) - _RESERVED_SMS), tiles)
-    if _TILES_PER_CTA:
-        g = max(g, triton.cdiv(tiles, _TILES_PER_CTA))
-    return max(1, min(g, tiles))
+def _grid_sms(device: torch.device) -> int:
+    return max(1, num_sms(device) - _RESERVED_SMS)
 
 
 def available(device: torch.device) -> bool:
@@ -392,7 +383,7 @@ def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch
     ast = a.scale.t().contiguous()  # [K/128, M]; free when the scales are stored column-major
     a_d, b_d, c_d = descriptors(a_data, b_data, out)
     tiles = triton.cdiv(M, TILE_M) * triton.cdiv(N, BLOCK_N)
-    grid = (_grid(out.device, tiles),)
+    grid = (max(1, min(_grid_sms(out.device), tiles)),)
     _mgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, b_scale, off, M, N, K, E, b_scale.stride(0), b_scale.stride(1),
                               E_POW2=max(triton.next_power_of_2(E), 2), GROUP_M=GROUP_M, STAGES=STAGES,
                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
@@ -422,7 +413,7 @@ def launch_kgrouped_ws(dy: Fp8Tensor, x: Fp8Tensor, off: torch.Tensor, out: torc
     a, b = dy.data.contiguous(), x.data.contiguous()
     ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N | K]
     a_d, b_d, c_d = kg_descriptors(a, b, out)
-    grid = (_grid(out.device, E * (N // 128) * (K // 128)),)
+    grid = (max(1, min(_grid_sms(out.device), E * (N // 128) * (K // 128))),)
     _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, out, off, N, K, E, ACCUMULATE=accumulate, GROUP_M=GROUP_M,
                               STAGES=KG_STAGES,
                               CONSUMER_REGS=KG_CONSUMER_REGS, PRODUCER_REGS=KG_PRODUCER_REGS, num_warps=4,

@@ -41,16 +41,15 @@ import torch
 from torch import Tensor
 
 from moefp8.fp8 import Fp8Tensor
-from moefp8.kernels.grouped_gemm_ws import grid_limits
+from moefp8.kernels.grouped_gemm_ws import reserve_sms
 from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
                         restore, save, shared_backward, shared_forward)
 
 _SIDE_STREAMS: dict = {}
-# While an overlapped layer runs, the warp-specialized grouped GEMMs leave GEMM_SM_RESERVE SMs free
-# and give a CTA at most GEMM_CTA_TILES tiles, for the concurrent all-to-alls (their persistent CTAs
-# fill whole SMs; see grouped_gemm_ws.grid_limits). 0, 0: all SMs, persistent.
-# tools/bench_overlap.py --gemm-sm-reserve / --gemm-cta-tiles measure other values.
-GEMM_SM_RESERVE, GEMM_CTA_TILES = 0, 0
+# SMs the warp-specialized grouped GEMMs leave free while an overlapped layer runs, for the
+# concurrent all-to-alls (their persistent CTAs fill whole SMs; see grouped_gemm_ws.reserve_sms).
+# 0: all SMs. tools/bench_overlap.py --gemm-sm-reserve measures other values.
+GEMM_SM_RESERVE = 0
 
 
 def side_stream(device: torch.device, role: str = "comm"):
@@ -117,12 +116,12 @@ class OverlappedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
-        with grid_limits(GEMM_SM_RESERVE, GEMM_CTA_TILES):
+        with reserve_sms(GEMM_SM_RESERVE):
             return OverlappedMoE._forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer)
 
     @staticmethod
     def backward(ctx, dout):
-        with grid_limits(GEMM_SM_RESERVE, GEMM_CTA_TILES):
+        with reserve_sms(GEMM_SM_RESERVE):
             return OverlappedMoE._backward(ctx, dout)
 
     @staticmethod

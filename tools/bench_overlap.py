@@ -45,16 +45,13 @@ from moefp8.overlap import _halves, serialized  # noqa: E402
 from moefp8.testing import print_table, results_path, save_results  # noqa: E402
 
 
-def comm_group(ctas: int | None, high_priority: bool = False):
-    """A process group over all ranks; NCCL capped at `ctas` CTAs per collective if given, its
-    kernels on a high-priority stream if asked (None: the default group)."""
-    if (ctas is None and not high_priority) or dist.get_backend() != "nccl":
+def comm_group(ctas: int | None):
+    """A process group over all ranks; NCCL capped at `ctas` CTAs per collective if given."""
+    if ctas is None or dist.get_backend() != "nccl":
         return None
     opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = high_priority
-    if ctas is not None:
-        opts.config.min_ctas = 1
-        opts.config.max_ctas = ctas
+    opts.config.min_ctas = 1
+    opts.config.max_ctas = ctas
     return dist.new_group(backend="nccl", pg_options=opts)
 
 
@@ -217,10 +214,6 @@ def main():
                    help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
     p.add_argument("--gemm-sm-reserve", type=int, default=0,
                    help="SMs the warp-specialized grouped GEMMs leave free in the overlapped schedule")
-    p.add_argument("--gemm-cta-tiles", type=int, default=0,
-                   help="at most this many tiles per CTA of those GEMMs in the overlapped schedule (0: persistent)")
-    p.add_argument("--nccl-high-priority", action="store_true",
-                   help="the communication group's NCCL kernels on a high-priority stream")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -248,20 +241,18 @@ def main():
 
     import moefp8.overlap
 
-    moefp8.overlap.GEMM_SM_RESERVE, moefp8.overlap.GEMM_CTA_TILES = a.gemm_sm_reserve, a.gemm_cta_tiles
+    moefp8.overlap.GEMM_SM_RESERVE = a.gemm_sm_reserve
     caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
     modes = [m for m in a.modes.split(",") if m]
     for cap, mode in [(c, m) for c in caps for m in modes]:
-        group = comm_group(cap, a.nccl_high_priority)
+        group = comm_group(cap)
         full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode)
                       for c in (a.tokens, (a.tokens + 1) // 2))
         layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=full).to(dev)
         r = layer_times(layer, x, dout, a.warmup, a.iters, dev, full, half)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
                + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
-               + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else "")
-               + (f", GEMM CTAs of <= {a.gemm_cta_tiles} tiles" if a.gemm_cta_tiles else "")
-               + (", NCCL high-priority stream" if a.nccl_high_priority else ""))
+               + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
         case = f"MoE layer fwd+bwd {shape}{tag}"
         add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
             baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3))

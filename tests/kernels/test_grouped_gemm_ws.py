@@ -119,18 +119,15 @@ def test_ptxas_check_can_fail(tmp_path):
     assert "C7517" in log, log
 
 
-def test_grid_limits_shrink_or_split_the_persistent_grid_and_restore():
+def test_reserve_sms_shrinks_the_persistent_grid_and_restores():
     cpu = torch.device("cpu")  # num_sms: 4 off the GPU
-    assert ws._grid(cpu, 100) == 4 and ws._grid(cpu, 3) == 3
-    with ws.grid_limits(reserve=2):
-        assert ws._grid(cpu, 100) == 2
-        with ws.grid_limits(reserve=10):
-            assert ws._grid(cpu, 100) == 1  # never below one program
-        assert ws._grid(cpu, 100) == 2
-    with ws.grid_limits(tiles_per_cta=8):
-        assert ws._grid(cpu, 100) == 13  # ceil(100 / 8) CTAs of at most 8 tiles
-        assert ws._grid(cpu, 10) == 4  # few tiles: the SM count still bounds it below
-    assert ws._grid(cpu, 100) == 4
+    assert ws._grid_sms(cpu) == 4
+    with ws.reserve_sms(2):
+        assert ws._grid_sms(cpu) == 2
+        with ws.reserve_sms(10):
+            assert ws._grid_sms(cpu) == 1  # never below one program
+        assert ws._grid_sms(cpu) == 2
+    assert ws._grid_sms(cpu) == 4
 
 
 # ----------------------------------------------------------------------------------------------
