@@ -444,7 +444,7 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
     if M == 0 or N == 0:
         return out
     variant = variant or GPU_VARIANT["mgrouped"]
-    if variant == "ws" and not _INTERPRET and a.data.is_cuda:
+    if variant == "ws" and _ws_available(a.data.device):
         from moefp8.kernels import grouped_gemm_ws
 
         if _promote and grouped_gemm_ws.supported(a, b, out):
@@ -486,7 +486,7 @@ def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accum
     if E == 0 or N == 0 or K == 0:
         return out
     variant = variant or GPU_VARIANT["kgrouped"]
-    if variant == "ws" and not _INTERPRET and dy.data.is_cuda:
+    if variant == "ws" and _ws_available(dy.data.device):
         from moefp8.kernels import grouped_gemm_ws
 
         if _promote and grouped_gemm_ws.kgrouped_supported(dy, x, out):

@@ -30,6 +30,15 @@ from moefp8.kernels.quant import _scales
 ALIGN = 128  # expert segments start at multiples of the grouped GEMMs' row block
 
 
+def segment_offsets(counts: list[int]) -> list[int]:
+    """Per-expert row counts -> the grouped GEMMs' offsets [E+1] (host ints), each expert's
+    segment padded to ALIGN rows."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + -(-c // ALIGN) * ALIGN)
+    return out
+
+
 @dataclass(frozen=True)
 class PermuteLayout:
     """Where each routed (token, slot) pair lives in the permuted tensor.
@@ -54,10 +63,7 @@ class PermuteLayout:
     @property
     def offsets_host(self) -> list[int]:
         """`offsets` on the host (from the counts: no device sync)."""
-        out = [0]
-        for c in self.counts:
-            out.append(out[-1] + -(-c // ALIGN) * ALIGN)
-        return out
+        return segment_offsets(self.counts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +208,7 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None)
     if n_bad:
         bad = int(flat.max())
         raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
-    M = sum(-(-c // ALIGN) * ALIGN for c in counts)
+    M = segment_offsets(counts)[-1]
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     src_M = torch.empty(M, dtype=torch.int32, device=dev)  # every row written: pairs and padding
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
@@ -314,10 +320,7 @@ def build_layout_ref(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
     if len(counts) > num_experts:
         bad = int(flat.max())
         raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {num_experts} experts")
-    padded = [-(-c // ALIGN) * ALIGN for c in counts]
-    offsets_host = [0]
-    for p in padded:
-        offsets_host.append(offsets_host[-1] + p)
+    offsets_host = segment_offsets(counts)
     M = offsets_host[-1]
     offsets = torch.tensor(offsets_host, dtype=torch.int32, device=dev)
     n = sum(counts)

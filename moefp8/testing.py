@@ -33,14 +33,6 @@ def rel_err(out: Tensor, ref: Tensor) -> float:
     return float((out - ref).norm() / n) if n > 0 else float((out - ref).norm())
 
 
-def segment_offsets(counts: list[int], align: int = 128) -> list[int]:
-    """Grouped-GEMM offsets [E+1] for per-expert token counts, each segment padded to `align` rows."""
-    off = [0]
-    for c in counts:
-        off.append(off[-1] + -(-c // align) * align)
-    return off
-
-
 def sqnr(x: Tensor, ref: Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB of x against ref."""
     ref = ref.detach().double()

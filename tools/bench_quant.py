@@ -116,8 +116,9 @@ def main() -> None:
     w_shapes = [tuple(int(v) for v in s.split("x")) for s in args.weight_shapes.split(",")]
     fmts = args.fmts.split(",")
     only = set(args.only.split(",")) if args.only else None
+    repeat = max(args.repeat, 1)
 
-    copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26, repeat=max(args.repeat, 1))
+    copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26, repeat=repeat)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (bytes read + written)")
 
     sweep_log = []
@@ -145,13 +146,13 @@ def main() -> None:
             for name, (inp, fn, ref, nb) in cases(M, K, ws, dev).items():
                 if only and name not in only:
                     continue
-                runs = [bench(lambda: fn(inp, fmt)) for _ in range(max(args.repeat, 1))]
+                runs = [bench(lambda: fn(inp, fmt)) for _ in range(repeat)]
                 ms = min(runs)
                 ref_ms = bench(lambda: ref(inp, fmt))
                 gbs = nb / ms / 1e6
                 # a copy moving the same bytes (nb / 2 read + nb / 2 written): the speed of light at this size,
                 # where launch and tail cost more per byte than in the 1 GiB copy of the headline ratio
-                copy_same = copy_bandwidth_gbs(nb // 2, repeat=max(args.repeat, 1))
+                copy_same = copy_bandwidth_gbs(nb // 2, repeat=repeat)
                 shape = "x".join(map(str, ws)) if name == "weight" else f"{M}x{K}"
                 rows.append({
                     "case": f"{name} {shape} {fmt}", "impl": "moefp8 triton" if gpu else "moefp8 reference (cpu)",
@@ -172,7 +173,7 @@ def main() -> None:
     print_table(rows, ["case", "ms", "value", "ratio", "ratio_vs_same_bytes_copy", "unfused_ms", "ref_ms",
                        "speedup_vs_ref", "bit_exact_vs_ref"])
     print(f"speed-of-light: copy {copy_gbs:.0f} GB/s; ratio = kernel GB/s / copy GB/s (ratio_vs_same_bytes_copy: "
-          f"against a copy of the kernel's own byte count); best of {args.repeat} medians. saved {path}")
+          f"against a copy of the kernel's own byte count); best of {repeat} medians. saved {path}")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ from moefp8.kernels.gemm import (fp8_gemm, fp8_gemm_dgrad, fp8_gemm_dgrad_ref, f
 from moefp8.kernels import grouped_gemm
 from moefp8.kernels.grouped_gemm import (fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad,
                                          fp8_grouped_gemm_wgrad_ref, launch_mgrouped, prepare_offsets)
+from moefp8.kernels.permute import segment_offsets
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
-from moefp8.testing import rel_err, segment_offsets
+from moefp8.testing import rel_err
 
 FP32_TOL = 1e-5
 GPU_FP32_TOL = 1e-3

@@ -15,8 +15,9 @@ import torch
 
 from moefp8.kernels import grouped_gemm, grouped_gemm_ws as ws
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, launch_kgrouped, launch_mgrouped
+from moefp8.kernels.permute import segment_offsets
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
-from moefp8.testing import rel_err, segment_offsets
+from moefp8.testing import rel_err
 
 BF16_TOL = 4e-3  # BF16 output rounding (2^-9 relative per element) dominates, as test_gemm.py
 FP32_TOL = 1e-3  # fp32 out vs float64: the tensor cores' FP8 partial sums (measured 3.5-4.1e-4), as test_gemm.py
