@@ -193,8 +193,6 @@ def test_fp8_dense_false_keeps_dense_linears_in_bf16():
         validate(c)
 
 
-
-
 def test_attention_backward_writes_d_qkv_once():
     """q, k, v come out of the wqkv output by `unbind`: its backward stacks the three gradients in
     one kernel. Three `qkv[:, :, i]` views would each zero-fill a full-size d(qkv) and autograd would
@@ -207,3 +205,17 @@ def test_attention_backward_writes_d_qkv_once():
     full = [e.key for e in prof.key_averages(group_by_input_shape=True) if e.input_shapes and e.input_shapes[0] == qkv]
     assert "aten::stack" in {e.key for e in prof.key_averages()}  # the unbind's backward ran
     assert not {"aten::zero_", "aten::fill_", "aten::add_", "aten::add"} & set(full), full
+
+
+def test_rms_norm_rounds_once_to_bf16():
+    """RMSNorm takes and returns BF16 (no fp32 copies of the activation either way) and computes in
+    fp32 with the weight's BF16 copy, rounding once: equal to the fp32 computation rounded at the end."""
+    from moefp8.model import RMSNorm
+
+    norm = RMSNorm(256, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(8, 256) * 3).bfloat16()
+    ref = torch.nn.functional.rms_norm(x.float(), (256,), norm.weight.bfloat16().float(), 1e-6).bfloat16()
+    y = norm(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
