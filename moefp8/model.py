@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from moefp8.config import ModelConfig
 from moefp8.dispatch import Dispatcher, build_dispatcher
-from moefp8.kernels.quant import swiglu_ref
+from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_bf16
 from moefp8.kernels.rope import rope, rope_tables
 from moefp8.linear import Fp8Linear
 from moefp8.moe import MoELayer
@@ -90,6 +90,22 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of h [..., 2I] BF16 -> [..., I] BF16, fp32 inside: the fused kernels the BF16
+    experts use, one pass each way, h saved (the composite of fp32 ops with autograd took ~10
+    elementwise kernels over fp32 copies of h)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        ctx.save_for_backward(h)
+        return swiglu_bf16(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, da: Tensor) -> Tensor:
+        (h,) = ctx.saved_tensors
+        return swiglu_backward_bf16(h.reshape(-1, h.shape[-1]), da.reshape(-1, da.shape[-1])).view(h.shape)
+
+
 class DenseMLP(nn.Module):
     """SwiGLU: w1 [2I, H] (gate rows, then up rows) -> silu(gate) * up -> w2 [H, I]."""
 
@@ -99,7 +115,7 @@ class DenseMLP(nn.Module):
         self.w2 = make_linear(inter, hidden, recipe, scale_fmt)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(swiglu_ref(self.w1(x)).to(BF16))
+        return self.w2(_SwiGLU.apply(self.w1(x)))
 
 
 class Block(nn.Module):
