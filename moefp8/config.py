@@ -72,10 +72,10 @@ class RecipeConfig:
 class DispatchConfig:
     backend: str = "local"
     ep_size: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
-    overlap: bool = False  # two micro-batches per MoE layer, communication overlapped (moefp8.overlap)
+    overlap: bool = False  # two micro-batches per block (MoE layers), communication overlapped (moefp8.overlap)
     # all_to_all: "exact" (count exchange + host sync), "capacity" (fixed blocks, no sync) or "auto"
     # (capacity on GPUs when ep_size <= model.topk); capacity: the most tokens a rank passes to one
-    # dispatch, 0: train.micro_batch * train.seq_len (half of it, rounded up, with overlap)
+    # dispatch, 0: train.micro_batch * train.seq_len (with overlap: the larger micro-batch's tokens)
     mode: str = "auto"
     capacity: int = 0
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the

@@ -139,6 +139,13 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
         bool tensor per sub-layer: its output holds a NaN/Inf."""
+        if self.is_moe and self.mlp.overlap and x.shape[0] > 1:
+            # two micro-batches (the batch halves): attention and experts overlap the exchanges
+            from moefp8.overlap import OverlappedBlock, mean_over_halves
+
+            out, aux_2, load, nf_attn, nf_mlp = OverlappedBlock.apply(x, cos, sin, self, *self.parameters())
+            flags += [nf_attn, nf_mlp]
+            return out, mean_over_halves(aux_2, x.shape[0]), load
         a = self.attn(self.attn_norm(x), cos, sin)
         flags.append(_nonfinite(a))
         x = x + a

@@ -1,6 +1,15 @@
-"""Two micro-batch overlap for the MoE layer (DESIGN.md §4).
+"""Two micro-batch overlap (DESIGN.md §4): one micro-batch's dispatch or combine runs while the
+other computes, in forward and backward.
 
-The layer's tokens are split in two micro-batches A (first half) and B. Their stages (moefp8.moe:
+Two schedules, the same stages:
+* `OverlappedBlock`, what training runs (moefp8.model.Block with overlap on and at least two
+  sequences): a transformer block over the halves of its batch; the other micro-batch's
+  attention hides A's dispatch and B's gradient combine, the experts hide the rest (its
+  docstring has the order).
+* `OverlappedMoE`, the MoE layer alone (a lone sequence, or `MoELayer(overlap=True)` used by
+  itself), below: only the shared experts are there to hide A's dispatch and B's combine.
+
+The MoE layer's tokens are split in two micro-batches A (first half) and B. Their stages (moefp8.moe:
 dispatch, layout, experts, combine; the shared experts of each half) run in an explicit order on
 three streams (compute, communication, layouts), so that one micro-batch's communication runs
 while something else computes:
@@ -105,13 +114,136 @@ class _Streams:
                 self.hand_to(stream, *o)
 
 
-def _halves(T: int) -> list[slice]:
-    h = (T + 1) // 2
-    return [slice(0, h), slice(h, T)]
+def _halves(n: int) -> list[slice]:
+    h = (n + 1) // 2
+    return [slice(0, h), slice(h, n)]
+
+
+class _MoEForward:
+    """The MoE layer's forward stages for two micro-batches: each call enqueues one stage of
+    micro-batch i on its stream; the caller writes the order. xs[i] [T_i, H], idx[i], w[i]: the
+    micro-batch's MoE input and routes (no autograd history); `inputs_ready(i)` marks the point of
+    the compute stream after which they exist (its dispatch waits for that point only)."""
+
+    def __init__(self, layer, st: _Streams, xs, idx, w, w1, w2, sw1, sw2, want_dw: bool):
+        self.layer, self.st, self.xs, self.idx, self.w = layer, st, xs, idx, w
+        self.w1, self.w2, self.sw1, self.sw2, self.want_dw = w1, w2, sw1, sw2, want_dw
+        self.ev_in, self.d, self.L, self.z, self.saves, self.out, self.s_out, self.s_saved = ([None] * 2
+                                                                                              for _ in range(8))
+        self.ev_s, self.ev_d, self.ev_z, self.ev_c = ([None] * 2 for _ in range(4))
+
+    def inputs_ready(self, i: int) -> None:
+        self.ev_in[i] = self.st.mark(self.st.compute)
+        self.st.hand_to(self.st.comm, self.xs[i], self.idx[i], self.w[i])
+
+    def send(self, i: int) -> None:  # no host sync in capacity mode; exact mode reads its counts
+        st = self.st
+        with st.on_comm():
+            st.wait(st.comm, self.ev_in[i])
+            self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
+            self.ev_s[i] = st.mark(st.comm)
+        st.hand_to(st.layout, self.d[i].topk_idx)
+
+    def layout(self, i: int) -> None:  # the host waits for this micro-batch's rows (the layout stream only)
+        st, d = self.st, self.d[i]
+        with st.on(st.layout):
+            st.wait(st.layout, self.ev_s[i])
+            self.L[i] = L = fwd_layout(self.layer, d)
+            self.ev_d[i] = st.mark(st.layout)
+        st.hand_to(st.compute, d.x, d.topk_idx, d.topk_w, L.row_TK, L.src_M, L.offsets)
+
+    def experts(self, i: int) -> None:
+        st = self.st
+        st.wait(st.compute, self.ev_d[i])  # implies ev_s[i]: the layout stream waited for the dispatch first
+        self.z[i], self.saves[i] = fwd_experts(self.layer, self.d[i], self.L[i], self.w1, self.w2, self.want_dw)
+        self.ev_z[i] = st.mark(st.compute)
+        st.hand_to(st.comm, self.z[i])
+
+    def combine(self, i: int) -> None:
+        st = self.st
+        with st.on_comm():
+            st.wait(st.comm, self.ev_z[i])
+            self.out[i] = self.layer.dispatcher.combine(self.z[i], self.d[i].handle)
+            self.ev_c[i] = st.mark(st.comm)
+        st.hand_to(st.compute, self.out[i])
+
+    def shared(self, i: int) -> None:  # no communication: fills the compute stream while the comm stream works
+        if self.layer.shared is not None:
+            self.s_out[i], self.s_saved[i] = shared_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2)
+
+    def routed(self, i: int) -> Tensor:
+        """Micro-batch i's combined routed output, once the compute stream may read it."""
+        self.st.wait(self.st.compute, self.ev_c[i])
+        return self.out[i]
+
+    def save(self, ctx, *extra) -> None:
+        """What the backward needs on ctx (moefp8.moe.save), `extra` tensors after the weights."""
+        sh = self.layer.shared is not None
+        save(ctx, self.saves, self.w1, self.w2,
+             *((self.sw1, self.sw2, *self.s_saved[0], *self.s_saved[1]) if sh else ()), *extra)
+
+
+class _MoEBackward:
+    """The MoE layer's backward stages for two micro-batches (as `_MoEForward`). douts[i] [T_i, H]:
+    micro-batch i's gradient of the MoE output, contiguous, ready at construction; params: what
+    `_MoEForward.save` saved after the Saved of each micro-batch (moefp8.moe.restore)."""
+
+    def __init__(self, layer, st: _Streams, douts, saves, params, want_dx: bool):
+        self.layer, self.st, self.douts, self.saves, self.want_dx = layer, st, douts, saves, want_dx
+        self.w1, self.w2 = params[:2]
+        self.has_shared = layer.shared is not None
+        self.sparams = params[2:12] if self.has_shared else None  # sw1, sw2, saved A (4), saved B (4)
+        self.ev_in = st.mark(st.compute)
+        self.dz, self.ev_dz, self.res, self.ev_res, self.comb, self.ev_comb, self.sh = ([None] * 2 for _ in range(7))
+
+    def send(self, i: int) -> None:
+        st = self.st
+        with st.on_comm():
+            st.wait(st.comm, self.ev_in)
+            self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
+            self.ev_dz[i] = st.mark(st.comm)
+        st.hand_to(st.compute, self.dz[i])
+
+    def experts(self, i: int) -> None:
+        st = self.st
+        st.wait(st.compute, self.ev_dz[i])
+        self.res[i] = bwd_experts(self.layer, self.dz[i], self.douts[i], self.saves[i], self.w1, self.w2,
+                                  self.want_dx)
+        self.ev_res[i] = st.mark(st.compute)
+        st.hand_to(st.comm, self.res[i][:2])
+
+    def combine(self, i: int) -> None:
+        st = self.st
+        with st.on_comm():
+            st.wait(st.comm, self.ev_res[i])
+            self.comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
+                                       self.douts[i].dtype)
+            self.ev_comb[i] = st.mark(st.comm)
+        st.hand_to(st.compute, self.comb[i])
+
+    def shared(self, i: int) -> None:
+        if self.has_shared:
+            sw1, sw2, saved = self.sparams[0], self.sparams[1], self.sparams[2 + 4 * i:6 + 4 * i]
+            self.sh[i] = shared_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx)
+
+    def routed(self, i: int) -> tuple:
+        """(dx [T_i, H] or None, d topk_w [T_i, K] or None) of micro-batch i's routed path, once the
+        compute stream may read them."""
+        self.st.wait(self.st.compute, self.ev_comb[i])
+        return self.comb[i]
+
+    def weight_grads(self) -> tuple:
+        """(dW1, dW2, shared dW1, shared dW2) summed over the micro-batches (A + B), in the weights' dtypes."""
+        dw1 = (self.res[0][2] + self.res[1][2]).to(self.w1.dtype)
+        dw2 = (self.res[0][3] + self.res[1][3]).to(self.w2.dtype)
+        if not self.has_shared:
+            return dw1, dw2, None, None
+        sw1, sw2 = self.sparams[:2]
+        return dw1, dw2, (self.sh[0][1] + self.sh[1][1]).to(sw1.dtype), (self.sh[0][2] + self.sh[1][2]).to(sw2.dtype)
 
 
 class OverlappedMoE(torch.autograd.Function):
-    """Routed experts of two micro-batches + the shared experts, overlapped.
+    """Routed experts of two micro-batches (token halves) + the shared experts, overlapped.
     -> routed(x) + shared(x) (shared omitted when the layer has none)."""
 
     @staticmethod
@@ -127,122 +259,52 @@ class OverlappedMoE(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
         st = _Streams(x_TH.device)
-        shared = layer.shared
-        want_dw = ctx.needs_input_grad[1]
         parts = _halves(x_TH.shape[0])
-        ev_in = st.mark(st.compute)
-        d, L, z, saves, out, s_out, s_saved = ([None] * 2 for _ in range(7))
-        ev_s, ev_d, ev_z, ev_c = [None] * 2, [None] * 2, [None] * 2, [None] * 2
-
-        def send(i):  # no host sync in capacity mode; exact mode reads its counts
-            with st.on_comm():
-                st.wait(st.comm, ev_in)
-                p = parts[i]
-                d[i] = fwd_dispatch(layer, x_TH[p], topk_idx_TK[p], topk_w_TK[p])
-                ev_s[i] = st.mark(st.comm)
-            st.hand_to(st.layout, d[i].topk_idx)
-
-        def layout(i):  # the host waits for this micro-batch's rows (the layout stream only)
-            with st.on(st.layout):
-                st.wait(st.layout, ev_s[i])
-                L[i] = fwd_layout(layer, d[i])
-                ev_d[i] = st.mark(st.layout)
-            st.hand_to(st.compute, d[i].x, d[i].topk_idx, d[i].topk_w, L[i].row_TK, L[i].src_M, L[i].offsets)
-
-        def experts(i):
-            st.wait(st.compute, ev_d[i])  # implies ev_s[i]: the layout stream waited for the dispatch first
-            z[i], saves[i] = fwd_experts(layer, d[i], L[i], w1, w2, want_dw)
-            ev_z[i] = st.mark(st.compute)
-            st.hand_to(st.comm, z[i])
-
-        def combine(i):
-            with st.on_comm():
-                st.wait(st.comm, ev_z[i])
-                out[i] = layer.dispatcher.combine(z[i], d[i].handle)
-                ev_c[i] = st.mark(st.comm)
-            st.hand_to(st.compute, out[i])
-
-        def shared_part(i):  # no communication: fills the compute stream while the comm stream works
-            if shared is not None:
-                s_out[i], s_saved[i] = shared_forward(shared, x_TH[parts[i]], sw1, sw2)
-
+        f = _MoEForward(layer, st, [x_TH[p] for p in parts], [topk_idx_TK[p] for p in parts],
+                        [topk_w_TK[p] for p in parts], w1, w2, sw1, sw2, want_dw=ctx.needs_input_grad[1])
+        f.inputs_ready(0)
+        f.inputs_ready(1)
         # Host-paced: enqueue both dispatches before the first block (a layout's count read-back),
         # and each expert stage before the communication that waits for it.
-        send(0)
-        shared_part(0)  # overlaps A's dispatch
-        send(1)  # right behind A's on the comm stream: overlaps A's experts
-        layout(0)
-        experts(0)
-        layout(1)  # the host waits for B's rows while A's experts run
-        combine(0)
-        experts(1)  # overlaps A's combine
-        combine(1)
-        shared_part(1)  # overlaps B's combine
-        st.wait(st.compute, *ev_c)
-        y = torch.cat(out)
-        if shared is not None:
-            y = y + torch.cat(s_out)
-        save(ctx, saves, w1, w2, *((sw1, sw2, *s_saved[0], *s_saved[1]) if shared is not None else ()))
-        ctx.layer, ctx.has_shared = layer, shared is not None
+        f.send(0)
+        f.shared(0)  # overlaps A's dispatch
+        f.send(1)  # right behind A's on the comm stream: overlaps A's experts
+        f.layout(0)
+        f.experts(0)
+        f.layout(1)  # the host waits for B's rows while A's experts run
+        f.combine(0)
+        f.experts(1)  # overlaps A's combine
+        f.combine(1)
+        f.shared(1)  # overlaps B's combine
+        y = torch.cat([f.routed(0), f.routed(1)])
+        if layer.shared is not None:
+            y = y + torch.cat(f.s_out)
+        f.save(ctx)
+        ctx.layer = layer
         return y
 
     @staticmethod
     def _backward(ctx, dout):
         layer = ctx.layer
         saves, params = restore(ctx)
-        w1, w2 = params[:2]
-        st = _Streams(dout.device)
         dout = dout.contiguous()
         parts = _halves(dout.shape[0])
-        want_dx = ctx.needs_input_grad[0]
-        ev_in = st.mark(st.compute)
-        dz, ev_dz, res, ev_res, comb, ev_comb, sh = ([None] * 2 for _ in range(7))
-
-        def send(i):
-            with st.on_comm():
-                st.wait(st.comm, ev_in)
-                dz[i] = bwd_dispatch(layer, dout[parts[i]], saves[i])
-                ev_dz[i] = st.mark(st.comm)
-            st.hand_to(st.compute, dz[i])
-
-        def experts(i):
-            st.wait(st.compute, ev_dz[i])
-            res[i] = bwd_experts(layer, dz[i], dout[parts[i]], saves[i], w1, w2, want_dx)
-            ev_res[i] = st.mark(st.compute)
-            st.hand_to(st.comm, res[i][:2])
-
-        def combine(i):
-            with st.on_comm():
-                st.wait(st.comm, ev_res[i])
-                comb[i] = bwd_combine(layer, res[i][0], res[i][1], saves[i], dout.dtype)
-                ev_comb[i] = st.mark(st.comm)
-            st.hand_to(st.compute, comb[i])
-
-        def shared_part(i):
-            if ctx.has_shared:
-                sh[i] = shared_backward(layer.shared, dout[parts[i]], params[4 + 4 * i:8 + 4 * i], params[2], params[3],
-                                        want_dx)
-
-        send(0)
-        shared_part(0)  # overlaps A's gradient dispatch
-        send(1)
-        experts(0)  # overlaps B's
-        combine(0)
-        experts(1)  # overlaps A's combine
-        combine(1)
-        shared_part(1)  # overlaps B's combine
-        st.wait(st.compute, *ev_comb)
-        dx = torch.cat([c[0] for c in comb]) if want_dx else None
-        if dx is not None and ctx.has_shared:
-            dx = dx + torch.cat([h[0] for h in sh])
+        b = _MoEBackward(layer, _Streams(dout.device), [dout[p] for p in parts], saves, params,
+                         want_dx=ctx.needs_input_grad[0])
+        b.send(0)
+        b.shared(0)  # overlaps A's gradient dispatch
+        b.send(1)
+        b.experts(0)  # overlaps B's
+        b.combine(0)
+        b.experts(1)  # overlaps A's combine
+        b.combine(1)
+        b.shared(1)  # overlaps B's combine
+        comb = [b.routed(0), b.routed(1)]
+        dx = torch.cat([c[0] for c in comb]) if ctx.needs_input_grad[0] else None
+        if dx is not None and b.has_shared:
+            dx = dx + torch.cat([h[0] for h in b.sh])
         dw = torch.cat([c[1] for c in comb]) if comb[0][1] is not None else None
-        dw1 = (res[0][2] + res[1][2]).to(w1.dtype)
-        dw2 = (res[0][3] + res[1][3]).to(w2.dtype)
-        dsw1 = dsw2 = None
-        if ctx.has_shared:
-            dsw1 = (sh[0][1] + sh[1][1]).to(params[2].dtype)
-            dsw2 = (sh[0][2] + sh[1][2]).to(params[3].dtype)
-        return dx, dw, dw1, dw2, dsw1, dsw2, None, None
+        return dx, dw, *b.weight_grads(), None, None
 
 
 def serialized(layer, x_TH: Tensor) -> Tensor:
@@ -254,3 +316,163 @@ def serialized(layer, x_TH: Tensor) -> Tensor:
     out = torch.cat([_RoutedExperts.apply(x_TH[p], r.topk_w_TK[p], layer.w1, layer.w2, r.topk_idx_TK[p], layer)
                      for p in parts])
     return out + torch.cat([layer.shared(x_TH[p]) for p in parts]) if layer.shared is not None else out
+
+
+class OverlappedBlock(torch.autograd.Function):
+    """A transformer block with a MoE layer (moefp8.model.Block) over two micro-batches, the halves
+    of its batch, overlapped: besides the experts, the other micro-batch's attention hides the
+    exchanges that `OverlappedMoE` can only put behind the small shared experts:
+
+      forward   comm:     dispatch A          | dispatch B | combine A | combine B
+                compute:  attn A | attn B     | experts A  | experts B | shared A, shared B
+      backward  comm:     dispatch dB, dA               | combine B | combine A
+                compute:  shared B, A bwd   | experts B | experts A | attn B bwd | attn A bwd
+
+    ("attn": the block up to the router: attention norm, attention, residual, MLP norm, router.)
+    The attention part of each micro-batch is recorded as an ordinary autograd graph (built here,
+    from a detached copy of its input) and run backward by `torch.autograd.grad` at its place in
+    the order above; the MoE stages are `_MoEForward`/`_MoEBackward`'s. Every parameter of the
+    block is an input, so their gradients come back through this node.
+
+    apply(x [B, S, H] bf16, cos, sin, block, *block.parameters()) -> (out [B, S, H], aux [2] (each
+    micro-batch's balance loss) or None, load_E int64, attention output non-finite, MLP output
+    non-finite (bool scalars)). Bit-exact against `serialized_block`."""
+
+    @staticmethod
+    def forward(ctx, x_BSH, cos, sin, block, *params):
+        with reserve_sms(GEMM_SM_RESERVE):
+            return OverlappedBlock._forward(ctx, x_BSH, cos, sin, block, params)
+
+    @staticmethod
+    def backward(ctx, dy, daux, *_):
+        with reserve_sms(GEMM_SM_RESERVE):
+            return OverlappedBlock._backward(ctx, dy, daux)
+
+    @staticmethod
+    def _forward(ctx, x, cos, sin, block, params):
+        layer, st = block.mlp, _Streams(x.device)
+        B, S, H = x.shape
+        parts = _halves(B)
+        sh = layer.shared
+        f = _MoEForward(layer, st, [None] * 2, [None] * 2, [None] * 2, layer.w1, layer.w2,
+                        sh.w1 if sh else None, sh.w2 if sh else None, want_dw=False)
+        pre, nf_a = [None] * 2, []
+
+        def attention(i):  # an autograd graph of its own, run backward in OverlappedBlock._backward
+            with torch.enable_grad():
+                xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
+                a = block.attn(block.attn_norm(xi), cos, sin)
+                h = xi + a
+                m = block.mlp_norm(h).view(-1, H)
+                r = layer.router(m, S)
+            pre[i] = (xi, h, m, r)
+            nf_a.append(~torch.isfinite(a.detach()).all())
+            f.xs[i], f.idx[i], f.w[i] = m.detach(), r.topk_idx_TK, r.topk_w_TK.detach()
+            f.want_dw = r.topk_w_TK.requires_grad
+            f.inputs_ready(i)
+
+        attention(0)
+        attention(1)  # overlaps A's dispatch (enqueued first: exact mode's dispatch blocks the host)
+        f.send(0)
+        f.layout(0)  # the host waits for A's rows while B's attention runs
+        f.experts(0)
+        f.send(1)  # overlaps A's experts
+        f.layout(1)
+        f.combine(0)
+        f.experts(1)  # overlaps A's combine
+        f.combine(1)
+        f.shared(0)  # the shared experts of both overlap B's combine
+        f.shared(1)
+        y = torch.empty_like(x)
+        nf_o = []
+        for i, p in enumerate(parts):
+            o = f.routed(i)
+            if sh is not None:
+                o = o + f.s_out[i]
+            nf_o.append(~torch.isfinite(o).all())
+            torch.add(pre[i][1].detach(), o.view(-1, S, H), out=y[p])
+        f.save(ctx)
+        ctx.block, ctx.pre = block, pre
+        r0, r1 = pre[0][3], pre[1][3]
+        aux = torch.stack([r0.aux_loss.detach(), r1.aux_loss.detach()]) if r0.aux_loss is not None else None
+        load = r0.load_E + r1.load_E
+        nf_a, nf_o = nf_a[0] | nf_a[1], nf_o[0] | nf_o[1]
+        ctx.mark_non_differentiable(load, nf_a, nf_o)
+        return y, aux, load, nf_a, nf_o
+
+    @staticmethod
+    def _backward(ctx, dy, daux):
+        block, pre = ctx.block, ctx.pre
+        layer = block.mlp
+        saves, mparams = restore(ctx)
+        st = _Streams(dy.device)
+        dy = dy.contiguous()
+        B, S, H = dy.shape
+        parts = _halves(B)
+        want_dm = pre[0][2].requires_grad  # the MoE input's gradient feeds the attention graph
+        b = _MoEBackward(layer, st, [dy[p].view(-1, H) for p in parts], saves, mparams, want_dx=want_dm)
+        grads: dict[int, Tensor] = {}
+        dx = torch.empty_like(dy) if ctx.needs_input_grad[0] else None
+
+        def attention(i):  # the attention graph of micro-batch i, once its routed gradients are back
+            xi, h, m, r = pre[i]
+            dm, dw = b.routed(i)
+            if dm is not None and b.has_shared:
+                dm = dm + b.sh[i][0]
+            roots = [(h, dy[parts[i]]), (m, dm), (r.topk_w_TK, dw)]
+            if daux is not None and r.aux_loss is not None:
+                roots.append((r.aux_loss, daux[i]))
+            roots = [(t, g) for t, g in roots if t.requires_grad and g is not None]
+            inputs = [t for t in (xi, *_attention_params(block)) if t.requires_grad]
+            if not roots or not inputs:
+                return
+            gs = torch.autograd.grad([t for t, _ in roots], inputs, [g for _, g in roots], allow_unused=True)
+            for t, g in zip(inputs, gs):
+                if t is xi:
+                    dx[parts[i]] = g
+                elif g is not None:  # A's + B's, as the serialized schedule accumulates them
+                    grads[id(t)] = g if id(t) not in grads else grads[id(t)] + g
+
+        b.send(1)  # B's gradient first: A's attention backward is the last stage
+        b.send(0)
+        b.shared(1)  # the shared experts' backward overlaps both gradient dispatches
+        b.shared(0)
+        b.experts(1)
+        b.combine(1)
+        b.experts(0)  # overlaps B's combine
+        b.combine(0)
+        attention(1)  # overlaps A's combine
+        attention(0)
+        ctx.pre = None  # the attention graphs are spent
+        dw1, dw2, dsw1, dsw2 = b.weight_grads()
+        grads[id(layer.w1)], grads[id(layer.w2)] = dw1, dw2
+        if b.has_shared:
+            grads[id(layer.shared.w1)], grads[id(layer.shared.w2)] = dsw1, dsw2
+        return dx, None, None, None, *(grads.get(id(p)) for p in block.parameters())
+
+
+def _attention_params(block) -> list:
+    """The block's parameters outside the experts: norms, attention, router."""
+    experts = {id(p) for p in block.mlp.parameters()} - {id(p) for p in block.mlp.router.parameters()}
+    return [p for p in block.parameters() if id(p) not in experts]
+
+
+def mean_over_halves(aux_2: Tensor | None, B: int) -> Tensor | None:
+    """The balance loss of the whole batch (a mean over its B sequences) from those of its two halves."""
+    if aux_2 is None:
+        return None
+    n = [p.stop - p.start for p in _halves(B)]
+    return (aux_2[0] * n[0] + aux_2[1] * n[1]) / B
+
+
+def serialized_block(block, x_BSH: Tensor, cos: Tensor, sin: Tensor) -> tuple:
+    """The serialized schedule of `OverlappedBlock`, its bit-exact reference: the block
+    (moefp8.model.Block) on batch half A, then on B, the MoE layer not overlapped.
+    -> (out [B, S, H], aux [2] or None, load_E)."""
+    ov, block.mlp.overlap = block.mlp.overlap, False
+    try:
+        outs = [block(x_BSH[p], cos, sin, []) for p in _halves(x_BSH.shape[0])]
+    finally:
+        block.mlp.overlap = ov
+    aux = torch.stack([o[1] for o in outs]) if outs[0][1] is not None else None
+    return torch.cat([o[0] for o in outs]), aux, outs[0][2] + outs[1][2]

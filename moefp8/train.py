@@ -168,11 +168,14 @@ def check_parallel(cfg: Config, world: int) -> None:
 
 def dispatch_capacity(cfg: Config) -> int:
     """The most tokens a rank passes to one dispatch (the all_to_all capacity mode's blocks):
-    dispatch.capacity, else micro_batch x seq_len, half of it (rounded up) under the overlap."""
+    dispatch.capacity, else micro_batch x seq_len; under the overlap its larger micro-batch: half
+    the sequences (rounded up; moefp8.overlap.OverlappedBlock), or half of a lone sequence."""
     if cfg.dispatch.capacity:
         return cfg.dispatch.capacity
-    T = cfg.train.micro_batch * cfg.train.seq_len
-    return -(-T // 2) if cfg.dispatch.overlap else T
+    B, S = cfg.train.micro_batch, cfg.train.seq_len
+    if not cfg.dispatch.overlap:
+        return B * S
+    return -(-B // 2) * S if B > 1 else -(-S // 2)
 
 
 def routing_config(cfg: Config, world: int, env=os.environ):

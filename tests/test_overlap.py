@@ -1,15 +1,18 @@
-"""Two micro-batch overlap (moefp8.overlap): the overlapped MoE layer equals the serialized
-schedule (the same two micro-batches, one after the other) bit for bit, forward and backward,
-at EP=1 and on real process groups (gloo on CPU; NCCL on GPUs, marker `gpu`), and the unsplit
-layer up to the fp32 order of dW_A + dW_B."""
+"""Two micro-batch overlap (moefp8.overlap): the overlapped MoE layer and the overlapped
+transformer block equal their serialized schedules (the same two micro-batches, one after the
+other) bit for bit, forward and backward, at EP=1 and on real process groups (gloo on CPU; NCCL
+on GPUs, marker `gpu`), and the unsplit MoE layer up to the fp32 order of dW_A + dW_B."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from moefp8.config import ModelConfig
 from moefp8.dispatch import build_dispatcher
+from moefp8.kernels.rope import rope_tables
+from moefp8.model import Block
 from moefp8.moe import MoELayer
-from moefp8.overlap import serialized
+from moefp8.overlap import mean_over_halves, serialized, serialized_block
 from moefp8.testing import rel_err, spawn_group
 
 H, I, E, K = 256, 128, 8, 2
@@ -49,6 +52,68 @@ def test_overlap_equals_serialized_ep1(recipe, n_shared, T):
     check(layer, x, dout, "cpu")
 
 
+def make_block(recipe, dispatcher, dev, seq_aux_alpha=1e-2):
+    """A transformer block with a MoE layer at test sizes, every weight drawn from seed 0."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden=H, n_heads=2, head_dim=128, moe_inter=I, n_experts=E, topk=K, n_dense_layers=0,
+                      seq_aux_alpha=seq_aux_alpha)
+    block = Block(cfg, 0, recipe, "pow2", dispatcher, overlap=True)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape) * 0.05 if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
+    return block.to(dev)
+
+
+def check_block(block, x, dout):
+    """Overlapped (`Block.forward` with overlap on) == serialized_block bit for bit: the output,
+    the balance loss, the load, dx and every parameter's gradient."""
+    cos, sin = rope_tables(x.shape[1], 128, 1e4, x.device)
+    names = ["out", "aux", "load", "dx"] + [n for n, _ in block.named_parameters()]
+
+    def run(fn):
+        block.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out, aux, load = fn(xi)
+        torch.autograd.backward([out, aux], [dout, torch.tensor(3.0, device=x.device)])
+        return [out, aux, load, xi.grad] + [p.grad.clone() for p in block.parameters()]
+
+    got = run(lambda xi: block(xi, cos, sin, []))
+    ref = serialized_block  # the two halves through the plain block, one after the other
+    want = run(lambda xi: (lambda o: (o[0], mean_over_halves(o[1], x.shape[0]), o[2]))(ref(block, xi, cos, sin)))
+    for n, g, w in zip(names, got, want):
+        assert torch.isfinite(g.float()).all(), n
+        assert torch.equal(g, w), f"{n}: overlapped != serialized, rel. err {rel_err(g.float(), w.float()):.2e}"
+
+
+@pytest.mark.parametrize("recipe,B", [("fp8", 2), ("fp8", 3), ("bf16", 2)])
+def test_block_overlap_equals_serialized_ep1(recipe, B):
+    block = make_block(recipe, None, "cpu")
+    g = torch.Generator().manual_seed(1)
+    x, dout = torch.randn(B, 24, H, generator=g).bfloat16(), torch.randn(B, 24, H, generator=g).bfloat16()
+    check_block(block, x, dout)
+
+
+def test_block_overlap_can_fail():
+    """The check sees a wrong gradient: micro-batch A's routed input gradient halved on its way
+    into A's attention backward (a schedule mixing up what it hands over) fails it."""
+    import moefp8.overlap as ov
+
+    block = make_block("fp8", None, "cpu")
+    x, dout = torch.randn(2, 16, H).bfloat16(), torch.randn(2, 16, H).bfloat16()
+    real = ov._MoEBackward.routed
+
+    def wrong(self, i):
+        dx, dw = real(self, i)
+        return (dx * 0.5 if i == 0 else dx), dw
+
+    ov._MoEBackward.routed = wrong
+    try:
+        with pytest.raises(AssertionError, match="overlapped != serialized"):
+            check_block(block, x, dout)
+    finally:
+        ov._MoEBackward.routed = real
+
+
 def _ep_case(rank, world, dev, cases):
     for recipe, mode in cases:
         torch.manual_seed(0)
@@ -65,6 +130,20 @@ def _ep_case(rank, world, dev, cases):
         for _ in range(3 if dev == "cpu" else 100):
             layer.zero_grad()
             layer(x).out.backward(dout)
+        dist.barrier()
+    # the transformer block: two sequences per micro-batch at most, ragged sequence counts are not
+    # allowed (every rank splits its batch the same way), ragged contents are
+    for recipe, mode in cases:
+        B, S = 3, 32
+        block = make_block(recipe, build_dispatcher("all_to_all", E, None, capacity=2 * S, mode=mode), dev)
+        g = torch.Generator().manual_seed(20 + rank)
+        x = torch.randn(B, S, H, generator=g).bfloat16().to(dev)
+        dout = torch.randn(B, S, H, generator=g).bfloat16().to(dev)
+        check_block(block, x, dout)
+        cos, sin = rope_tables(S, 128, 1e4, x.device)
+        for _ in range(3 if dev == "cpu" else 100):
+            block.zero_grad()
+            block(x, cos, sin, [])[0].backward(dout)
         dist.barrier()
 
 

@@ -4,8 +4,14 @@ overlapped schedule (moefp8.overlap) hides, on 2-4 GPUs.
     torchrun --standalone --nproc_per_node 4 tools/bench_overlap.py
     torchrun --standalone --nproc_per_node 2 tools/bench_overlap.py --smoke      # CPU, gloo
 
-Per MoE layer (fwd + bwd, FP8 recipe, all_to_all dispatch over NCCL), same inputs and routes:
-  t_off       the layer as users run it without overlap (one micro-batch);
+Two units, fwd + bwd, FP8 recipe, all_to_all dispatch over NCCL, same inputs and routes:
+  moe         the MoE layer alone (`OverlappedMoE`: the shared experts are all the compute there is
+              to hide A's dispatch and B's combine behind);
+  block       a transformer block, attention + MoE layer (`OverlappedBlock`: the other micro-batch's
+              attention hides them too, DESIGN.md §4), micro-batches = the halves of --seqs
+              sequences of --tokens / --seqs tokens. This is what a training step runs per layer.
+Per unit:
+  t_off       the unit as users run it without overlap (one micro-batch);
   t_serial    the serialized two micro-batch schedule (A then B on one stream): overlap's reference;
   t_on        the overlapped schedule;
   t_comm      its communication alone: the dispatches and combines of both micro-batches, forward
@@ -21,8 +27,8 @@ Whole step: the small training model (moefp8.model.Transformer) fwd + bwd with o
 NCCL CTA limit (ncclConfig max_ctas through ProcessGroupNCCL.Options): t_on with the
 communication group capped at --ctas CTAs, and what a running all-to-all costs an FP8 GEMM
 (alone vs. concurrent) at each cap. Speed-of-light for the comm: the NCCL all-reduce bus
-bandwidth of the same run. One overlapped layer step is traced (torch profiler, Chrome JSON)
-beside the results JSON. Timings: median of --iters, max over ranks.
+bandwidth of the same run. One overlapped step of the last unit is traced (torch profiler, Chrome
+JSON) beside the results JSON. Timings: median of --iters, max over ranks.
 """
 
 import argparse
@@ -36,12 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_dispatch import allreduce_busbw, init_torchrun, timed  # noqa: E402
 
-from moefp8.config import ModelConfig  # noqa: E402
+from moefp8.config import ModelConfig, RecipeConfig  # noqa: E402
 from moefp8.dispatch import build_dispatcher  # noqa: E402
 from moefp8.kernels.quant import quant_rowwise  # noqa: E402
-from moefp8.model import Transformer  # noqa: E402
+from moefp8.kernels.rope import rope_tables  # noqa: E402
+from moefp8.model import Block, Transformer  # noqa: E402
 from moefp8.moe import MoELayer  # noqa: E402
-from moefp8.overlap import _halves, serialized  # noqa: E402
+from moefp8.overlap import _halves, serialized, serialized_block  # noqa: E402
 from moefp8.testing import print_table, results_path, save_results  # noqa: E402
 
 
@@ -100,34 +107,75 @@ def compute_only(layer, run, disp, warmup, iters, dev, sync: bool = False, per_r
     return t
 
 
-def layer_times(layer, x, dout, warmup, iters, dev, disp_full, disp_half) -> dict:
-    """disp_full serves the one-micro-batch layer, disp_half the two-micro-batch schedules (in
-    capacity mode their capacities are T and ceil(T/2))."""
-    def step(fn):
+class MoEUnit:
+    """The MoE layer alone; micro-batches = the token halves."""
+    name = "MoE layer"
+
+    def __init__(self, layer: MoELayer, x, dout):
+        self.moe, self.x, self.dout = layer, x, dout
+
+    def step(self, how: str):
+        """fwd + bwd, how = "off" (one micro-batch), "serial" or "on" (overlapped)."""
         def run():
-            layer.zero_grad(set_to_none=True)
-            xi = x.detach().requires_grad_()
-            fn(xi).backward(dout)
+            self.moe.zero_grad(set_to_none=True)
+            xi = self.x.detach().requires_grad_()
+            self.moe.overlap = how == "on"
+            out = serialized(self.moe, xi) if how == "serial" else self.moe(xi).out
+            out.backward(self.dout)
         return run
 
-    out = {}
-    layer.overlap, layer.dispatcher = False, disp_full
-    out["t_off"] = timed(step(lambda xi: layer(xi).out), warmup, iters, dev)
+    @torch.no_grad()
+    def moe_inputs(self):
+        """(the MoE layer's input [T, H], its routes, the micro-batches' token slices)."""
+        return self.x, self.moe.router(self.x), _halves(self.x.shape[0])
+
+
+class BlockUnit:
+    """A transformer block (attention + MoE layer); micro-batches = the halves of the batch."""
+    name = "transformer block (attention + MoE)"
+
+    def __init__(self, block: Block, x_BSH, dout_BSH):
+        self.block, self.moe, self.x, self.dout = block, block.mlp, x_BSH, dout_BSH
+        self.cos, self.sin = rope_tables(x_BSH.shape[1], block.attn.head_dim, 10000.0, x_BSH.device)
+
+    def step(self, how: str):
+        def run():
+            self.block.zero_grad(set_to_none=True)
+            xi = self.x.detach().requires_grad_()
+            self.moe.overlap = how == "on"
+            out = (serialized_block(self.block, xi, self.cos, self.sin) if how == "serial"
+                   else self.block(xi, self.cos, self.sin, []))[0]
+            out.backward(self.dout)
+        return run
+
+    @torch.no_grad()
+    def moe_inputs(self):
+        b, (B, S, H) = self.block, self.x.shape
+        h = self.x + b.attn(b.attn_norm(self.x), self.cos, self.sin)
+        m = b.mlp_norm(h).view(-1, H)
+        return m, self.moe.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]
+
+
+def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
+    """disp_full serves the one-micro-batch unit, disp_half the two-micro-batch schedules (in
+    capacity mode their capacities are T and the larger half)."""
+    layer, out = unit.moe, {}
+    layer.dispatcher = disp_full
+    out["t_off"] = timed(unit.step("off"), warmup, iters, dev)
     layer.dispatcher = disp_half
-    out["t_serial"] = timed(step(lambda xi: serialized(layer, xi)), warmup, iters, dev)
-    layer.overlap = True
-    out["t_on"] = timed(step(lambda xi: layer(xi).out), warmup, iters, dev)
+    out["t_serial"] = timed(unit.step("serial"), warmup, iters, dev)
+    out["t_on"] = timed(unit.step("on"), warmup, iters, dev)
     # communication alone, with the schedule's routes: both halves, forward and backward
     disp = layer.dispatcher
-    with torch.no_grad():
-        r = layer.router(x)
+    x, r, halves = unit.moe_inputs()
     parts = []
-    for p in _halves(x.shape[0]):
-        x8, g8 = quant_rowwise(x[p]), quant_rowwise(dout[p])
-        d = disp.dispatch(x8, r.topk_idx_TK[p], r.topk_w_TK[p])
-        z = torch.zeros(d.x.data.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
-        dw = torch.zeros(d.topk_w.shape, dtype=torch.float32, device=x.device)
-        parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
+    with torch.no_grad():
+        for p in halves:
+            x8, g8 = quant_rowwise(x[p]), quant_rowwise(unit.dout.view(-1, x.shape[1])[p])
+            d = disp.dispatch(x8, r.topk_idx_TK[p], r.topk_w_TK[p])
+            z = torch.zeros(d.x.data.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+            dw = torch.zeros(d.topk_w.shape, dtype=torch.float32, device=x.device)
+            parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
 
     def comm():
         for x8, g8, idx, w, z, dw in parts:
@@ -139,15 +187,14 @@ def layer_times(layer, x, dout, warmup, iters, dev, disp_full, disp_half) -> dic
 
     out["t_comm"] = timed(comm, warmup, iters, dev)
     # the overlapped step's compute alone: its exchanges replayed from a recording
-    layer.overlap = True
     out["compute_per_rank"] = []
-    out["t_compute_on"] = compute_only(layer, step(lambda xi: layer(xi).out), disp, warmup, iters, dev,
+    out["t_compute_on"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev,
                                        per_rank=out["compute_per_rank"])
     out["exposed"] = (out["t_on"] - out["t_compute_on"]) / out["t_comm"]
     out["hidden"] = 1 - out["exposed"]
     # diagnostic: the same replay keeping each exchange's rank synchronization (no payload): what
     # of t_on - t_compute is transfer time and what is waiting for the slowest rank
-    out["t_compute_sync"] = compute_only(layer, step(lambda xi: layer(xi).out), disp, warmup, iters, dev, sync=True)
+    out["t_compute_sync"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev, sync=True)
     out["hidden_transfer"] = 1 - (out["t_on"] - out["t_compute_sync"]) / out["t_comm"]
     # the earlier estimate, kept for comparison: compute = serialized - comm
     out["hidden_est_serial_minus_comm"] = 1 - (out["t_on"] - (out["t_serial"] - out["t_comm"])) / out["t_comm"]
@@ -204,6 +251,10 @@ def main():
     p.add_argument("--experts", type=int, default=64, help="total; rounded down to a multiple of the rank count")
     p.add_argument("--ctas", default="16,8", help="NCCL max_ctas caps to measure (comma list; NCCL only)")
     p.add_argument("--modes", default="exact,capacity", help="all_to_all dispatch modes to measure (comma list)")
+    p.add_argument("--units", default="moe,block",
+                   help="what to time (comma list): moe (the MoE layer alone), block (attention + MoE layer)")
+    p.add_argument("--seqs", type=int, default=2,
+                   help="block: sequences per rank (the micro-batches are their halves; --tokens / --seqs each)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--gemm", choices=("auto", "triton"), default="auto",
@@ -222,6 +273,10 @@ def main():
         grouped_gemm.LOOP_MIN_MACS = float("inf")
     if a.smoke:
         a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
+    if a.seqs < 2 or a.tokens % a.seqs:
+        p.error(f"--seqs {a.seqs}: needs at least 2 sequences (one per micro-batch) that divide --tokens {a.tokens}")
+    if a.hidden % 128:
+        p.error(f"--hidden {a.hidden}: not a multiple of 128 (the FP8 tiles; the block's heads are 128 wide)")
 
     rank, n, dev = init_torchrun(a.bind_cpus)
     cuda = dev.type == "cuda"
@@ -244,34 +299,51 @@ def main():
     moefp8.overlap.GEMM_SM_RESERVE = a.gemm_sm_reserve
     caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
     modes = [m for m in a.modes.split(",") if m]
-    for cap, mode in [(c, m) for c in caps for m in modes]:
+    units = [u for u in a.units.split(",") if u]
+    S = a.tokens // a.seqs
+
+    def make_unit(kind, disp, overlap=False):
+        if kind == "moe":
+            return MoEUnit(MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=disp,
+                                    overlap=overlap).to(dev), x, dout)
+        cfg = ModelConfig(name="bench", hidden=a.hidden, n_layers=1, n_dense_layers=0, n_heads=a.hidden // 128,
+                          head_dim=128, moe_inter=a.inter, n_experts=E, topk=a.topk, n_shared=1)
+        block = Block(cfg, 0, "fp8", "pow2", disp, overlap, bf16_linears=frozenset(RecipeConfig().bf16_linears))
+        return BlockUnit(block.to(dev), x.view(a.seqs, S, a.hidden), dout.view(a.seqs, S, a.hidden))
+
+    def half_capacity(kind):  # the larger micro-batch's tokens
+        return (a.tokens + 1) // 2 if kind == "moe" else -(-a.seqs // 2) * S
+
+    for cap, mode, kind in [(c, m, u) for c in caps for m in modes for u in units]:
         group = comm_group(cap)
         full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode)
-                      for c in (a.tokens, (a.tokens + 1) // 2))
-        layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=full).to(dev)
-        r = layer_times(layer, x, dout, a.warmup, a.iters, dev, full, half)
+                      for c in (a.tokens, half_capacity(kind)))
+        unit = make_unit(kind, full)
+        r = unit_times(unit, a.warmup, a.iters, dev, full, half)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
                + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
                + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
-        case = f"MoE layer fwd+bwd {shape}{tag}"
+        what = shape + (f" ({a.seqs} sequences of {S}, {a.hidden // 128} heads)" if kind == "block" else "")
+        case = f"{unit.name} fwd+bwd {what}{tag}"
         add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
-            baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3))
+            baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3), unit_kind=kind)
         add(case, "overlap on", r["t_on"], baseline="overlap off", baseline_value=round(r["t_off"] * 1e3, 3),
             ratio=round(r["t_off"] / r["t_on"], 3), speedup_vs_serialized=round(r["t_serial"] / r["t_on"], 3),
             t_comm_ms=round(r["t_comm"] * 1e3, 3), t_compute_only_ms=round(r["t_compute_on"] * 1e3, 3),
             exposed_comm_share=round(r["exposed"], 3), hidden_comm_share=round(r["hidden"], 3),
             hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3),
             t_compute_sync_ms=round(r["t_compute_sync"] * 1e3, 3),
-            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3))
+            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), unit_kind=kind)
         add(case, "overlap on, compute only (exchanges replayed)", r["t_compute_on"],
-            per_rank_ms=[round(v * 1e3, 3) for v in r["compute_per_rank"]])
-        add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"])
-        add(case, "communication alone", r["t_comm"])
-        if cuda and mode == modes[0]:
+            per_rank_ms=[round(v * 1e3, 3) for v in r["compute_per_rank"]], unit_kind=kind)
+        add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"],
+            unit_kind=kind)
+        add(case, "communication alone", r["t_comm"], unit_kind=kind)
+        if cuda and mode == modes[0] and kind == units[0]:
             alone, under = gemm_under_comm(group, dev, a.warmup, a.iters)
             add("FP8 GEMM 8192x4096x7168 during all-to-all" + (f", NCCL max_ctas {cap}" if cap else ", NCCL default CTAs"), "gemm under comm",
                 under, baseline="gemm alone", baseline_value=round(alone * 1e3, 3), ratio=round(alone / under, 3))
-        del layer
+        del unit
     if not a.smoke:
         cfg = ModelConfig(name="small", hidden=1024, n_layers=8, n_dense_layers=1, n_heads=8, head_dim=128,
                           dense_inter=2816, moe_inter=512, n_experts=(32 // n) * n, topk=4, n_shared=1, n_groups=4,
@@ -281,19 +353,17 @@ def main():
         add(case, "overlap on", s["on"], baseline="overlap off", baseline_value=round(s["off"] * 1e3, 3),
             ratio=round(s["off"] / s["on"], 3))
 
-    # one overlapped layer step traced (every rank runs it: collectives); rank 0 keeps the trace
+    # one overlapped step of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
     from torch.profiler import ProfilerActivity, profile
 
-    layer = MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, overlap=True,
-                     dispatcher=build_dispatcher("all_to_all", E, None, capacity=(a.tokens + 1) // 2,
-                                                 mode=modes[-1])).to(dev)
+    unit = make_unit(units[-1], build_dispatcher("all_to_all", E, None, capacity=half_capacity(units[-1]),
+                                                 mode=modes[-1]), overlap=True)
     for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
         dist.barrier()  # every rank starts the traced step together (the profiler's start-up differs per rank)
         if cuda:
             torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            layer.zero_grad(set_to_none=True)
-            layer(x.detach().requires_grad_()).out.backward(dout)
+            unit.step("on")()
             if cuda:
                 torch.cuda.synchronize()
     out_path = Path(a.out) if a.out else results_path("overlap", ep=n)
@@ -307,7 +377,7 @@ def main():
         print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
         path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
                             hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
-                            bind_cpus=a.bind_cpus, trace=trace.name)
+                            bind_cpus=a.bind_cpus, units=units, seqs=a.seqs, trace=trace.name)
         print(f"wrote {path} and {trace}")
     dist.barrier()
     dist.destroy_process_group()

@@ -96,7 +96,10 @@ def test_train_wiring():
         check_launch(cfg, {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"})
     cfg = _cfg()
     assert dispatch_capacity(cfg) == cfg.train.micro_batch * cfg.train.seq_len
-    cfg.dispatch.overlap = True
-    assert dispatch_capacity(cfg) == -(-cfg.train.micro_batch * cfg.train.seq_len // 2)
+    cfg.dispatch.overlap = True  # the larger micro-batch: half the sequences, rounded up
+    cfg.train.micro_batch, cfg.train.seq_len = 5, 64
+    assert dispatch_capacity(cfg) == 3 * 64
+    cfg.train.micro_batch = 1  # a lone sequence is split in token halves
+    assert dispatch_capacity(cfg) == 32
     cfg.dispatch.capacity = 100
     assert dispatch_capacity(cfg) == 100
