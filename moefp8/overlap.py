@@ -323,7 +323,7 @@ class OverlappedBlock(torch.autograd.Function):
     of its batch, overlapped: besides the experts, the other micro-batch's attention hides the
     exchanges that `OverlappedMoE` can only put behind the small shared experts:
 
-      forward   comm:     dispatch A          | dispatch B | combine A | combine B
+      forward   comm:              dispatch A | dispatch B | combine A | combine B
                 compute:  attn A | attn B     | experts A  | experts B | shared A, shared B
       backward  comm:     dispatch dB, dA               | combine B | combine A
                 compute:  shared B, A bwd   | experts B | experts A | attn B bwd | attn A bwd
@@ -372,8 +372,8 @@ class OverlappedBlock(torch.autograd.Function):
             f.inputs_ready(i)
 
         attention(0)
-        attention(1)  # overlaps A's dispatch (enqueued first: exact mode's dispatch blocks the host)
-        f.send(0)
+        f.send(0)  # before B's attention is enqueued: the host takes about as long to enqueue an
+        attention(1)  # attention as the GPU to run it (exact mode: blocks the host for A's counts)
         f.layout(0)  # the host waits for A's rows while B's attention runs
         f.experts(0)
         f.send(1)  # overlaps A's experts
