@@ -44,7 +44,7 @@ all_to_all dispatch reads its counts (on the communication stream); the host wai
 streams while the compute stream keeps working.
 """
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
@@ -55,10 +55,27 @@ from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, 
                         restore, save, shared_backward, shared_forward)
 
 _SIDE_STREAMS: dict = {}
-# SMs the warp-specialized grouped GEMMs leave free while an overlapped layer runs, for the
-# concurrent all-to-alls (their persistent CTAs fill whole SMs; see grouped_gemm_ws.reserve_sms).
-# 0: all SMs. tools/bench_overlap.py --gemm-sm-reserve measures other values.
+# SMs the GEMMs leave free while an overlapped layer runs, for the concurrent all-to-alls: the
+# warp-specialized grouped GEMMs' persistent grids (grouped_gemm_ws.reserve_sms) and, where torch
+# has the knob, cuBLAS's (its SM carveout). A persistent GEMM whose CTA cannot start on an SM that
+# a communication kernel holds ends that much later. 0: all SMs. tools/bench_overlap.py
+# --gemm-sm-reserve measures other values.
 GEMM_SM_RESERVE = 0
+
+
+@contextmanager
+def _sm_reserve():
+    n = GEMM_SM_RESERVE
+    carve = getattr(torch._C, "_set_sm_carveout_experimental", None) if n else None
+    old = torch._C._get_sm_carveout_experimental() if carve else None
+    if carve:
+        carve(n)
+    try:
+        with reserve_sms(n):
+            yield
+    finally:
+        if carve:
+            carve(old)
 
 
 def side_stream(device: torch.device, role: str = "comm"):
@@ -248,12 +265,12 @@ class OverlappedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
-        with reserve_sms(GEMM_SM_RESERVE):
+        with _sm_reserve():
             return OverlappedMoE._forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer)
 
     @staticmethod
     def backward(ctx, dout):
-        with reserve_sms(GEMM_SM_RESERVE):
+        with _sm_reserve():
             return OverlappedMoE._backward(ctx, dout)
 
     @staticmethod
@@ -340,12 +357,12 @@ class OverlappedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_BSH, cos, sin, block, *params):
-        with reserve_sms(GEMM_SM_RESERVE):
+        with _sm_reserve():
             return OverlappedBlock._forward(ctx, x_BSH, cos, sin, block, params)
 
     @staticmethod
     def backward(ctx, dy, daux, *_):
-        with reserve_sms(GEMM_SM_RESERVE):
+        with _sm_reserve():
             return OverlappedBlock._backward(ctx, dy, daux)
 
     @staticmethod

@@ -265,6 +265,7 @@ def main():
                    help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
     p.add_argument("--gemm-sm-reserve", type=int, default=0,
                    help="SMs the warp-specialized grouped GEMMs leave free in the overlapped schedule")
+    p.add_argument("--no-whole-step", action="store_true", help="skip the whole-model step")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -344,7 +345,7 @@ def main():
             add("FP8 GEMM 8192x4096x7168 during all-to-all" + (f", NCCL max_ctas {cap}" if cap else ", NCCL default CTAs"), "gemm under comm",
                 under, baseline="gemm alone", baseline_value=round(alone * 1e3, 3), ratio=round(alone / under, 3))
         del unit
-    if not a.smoke:
+    if not a.smoke and not a.no_whole_step:
         cfg = ModelConfig(name="small", hidden=1024, n_layers=8, n_dense_layers=1, n_heads=8, head_dim=128,
                           dense_inter=2816, moe_inter=512, n_experts=(32 // n) * n, topk=4, n_shared=1, n_groups=4,
                           topk_groups=2)
