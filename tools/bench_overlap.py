@@ -265,6 +265,8 @@ def main():
                    help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
     p.add_argument("--gemm-sm-reserve", type=int, default=0,
                    help="SMs the warp-specialized grouped GEMMs leave free in the overlapped schedule")
+    p.add_argument("--trace-steps", type=int, default=1,
+                   help="overlapped steps in the trace, back to back (after a barrier): >1 shows the steady state")
     p.add_argument("--no-whole-step", action="store_true", help="skip the whole-model step")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
@@ -354,7 +356,7 @@ def main():
         add(case, "overlap on", s["on"], baseline="overlap off", baseline_value=round(s["off"] * 1e3, 3),
             ratio=round(s["off"] / s["on"], 3))
 
-    # one overlapped step of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
+    # overlapped steps (--trace-steps) of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
     from torch.profiler import ProfilerActivity, profile
 
     unit = make_unit(units[-1], build_dispatcher("all_to_all", E, None, capacity=half_capacity(units[-1]),
@@ -364,7 +366,8 @@ def main():
         if cuda:
             torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            unit.step("on")()
+            for _ in range(a.trace_steps):  # back to back, as the timed loop runs them
+                unit.step("on")()
             if cuda:
                 torch.cuda.synchronize()
     out_path = Path(a.out) if a.out else results_path("overlap", ep=n)
