@@ -63,11 +63,13 @@ def _mm(a8: Fp8Tensor, w8: Fp8Tensor, off: Tensor | None, off_host: list | None)
     return fp8_grouped_gemm(a8, w8, off, validate=False, host_offsets=off_host)
 
 
-def _wgrad(dy_col: Fp8Tensor, x_col: Fp8Tensor, off: Tensor | None, off_host: list | None) -> Tensor:
-    """dYᵀ · X per segment ("128x1" operands) -> FP32 [E, N, K], or [N, K] when off is None."""
+def _wgrad(dy_col: Fp8Tensor, x_col: Fp8Tensor, off: Tensor | None, off_host: list | None,
+           out: Tensor | None = None) -> Tensor:
+    """dYᵀ · X per segment ("128x1" operands) -> FP32 [E, N, K] (added into `out` when given: one
+    fp32 rounding, as `out + dYᵀ · X`), or [N, K] when off is None."""
     if off is None:
         return fp8_gemm(dy_col, x_col)
-    return fp8_grouped_gemm_wgrad(dy_col, x_col, off, validate=False, host_offsets=off_host)
+    return fp8_grouped_gemm_wgrad(dy_col, x_col, off, out, validate=False, host_offsets=off_host)
 
 
 def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
@@ -86,20 +88,23 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
 
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None, w1: Tensor, w2: Tensor,
                      cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None,
-                     dy_col: Fp8Tensor | None = None):
+                     dy_col: Fp8Tensor | None = None, dw_into: tuple | None = None):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
     x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1"; dy_col: dy8's "128x1"
-    copy if the caller made it (`quant_rowwise_colwise`), else requantized here."""
+    copy if the caller made it (`quant_rowwise_colwise`), else requantized here. dw_into: grouped
+    only, (dW1, dW2) of another micro-batch that these are added into (and returned): the two
+    micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies."""
+    into1, into2 = dw_into if dw_into is not None and off is not None else (None, None)
     with record_function("bwd_fc2"):
         da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host)
         dy_col = dy_col if dy_col is not None else requant_colwise(dy8, scale_fmt)
-        dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host)
+        dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host, into2)
         del dy_col
     with record_function("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
         SCALE_STATS.record("grad", dh8)
     with record_function("bwd_fc1"):
-        dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host)
+        dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host, into1)
         dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host) if want_dx else None
     return dx, dw1, dw2
 

@@ -131,9 +131,11 @@ def bwd_dispatch(layer, dout: Tensor, s: Saved):
         return disp.dispatch(g, handle=s.handle).x
 
 
-def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_dx: bool):
+def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_dx: bool, dw_into: tuple | None = None):
     """dz (the dispatched gradient) -> (dx rows summed per received token [T_recv, H] or None,
-    dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1."""
+    dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1.
+    dw_into: (dW1, dW2) of another micro-batch to add this one's into (FP8 recipe; returned as
+    dW1, dW2), else None."""
     fp8, fmt, disp = layer.recipe == "fp8", layer.scale_fmt, layer.dispatcher
     L, w_TK = s.layout, s.topk_w
     dw = None
@@ -149,7 +151,7 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
             dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
             x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)
         dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
-                                         want_dx=want_dx, off_host=L.offsets_host)
+                                         want_dx=want_dx, off_host=L.offsets_host, dw_into=dw_into)
     else:
         with record_function("bwd_dw"):
             dy, dw = combine_backward(dz, s.y[0], L, w_TK, want_dy=True)

@@ -212,6 +212,7 @@ class _MoEBackward:
         self.sparams = params[2:12] if self.has_shared else None  # sw1, sw2, saved A (4), saved B (4)
         self.ev_in = st.mark(st.compute)
         self.dz, self.ev_dz, self.res, self.ev_res, self.comb, self.ev_comb, self.sh = ([None] * 2 for _ in range(7))
+        self.summed = False
 
     def send(self, i: int) -> None:
         st = self.st
@@ -224,8 +225,13 @@ class _MoEBackward:
     def experts(self, i: int) -> None:
         st = self.st
         st.wait(st.compute, self.ev_dz[i])
+        # FP8: the second micro-batch's wgrad GEMMs add into the first one's dW (the same fp32 sums
+        # as dW_A + dW_B, without reading two full fp32 copies: ~2.3 ms per block at EP4)
+        first = self.res[1 - i]
+        into = first[2:] if first is not None and self.layer.recipe == "fp8" else None
         self.res[i] = bwd_experts(self.layer, self.dz[i], self.douts[i], self.saves[i], self.w1, self.w2,
-                                  self.want_dx)
+                                  self.want_dx, dw_into=into)
+        self.summed = into is not None
         self.ev_res[i] = st.mark(st.compute)
         st.hand_to(st.comm, self.res[i][:2])
 
@@ -251,8 +257,11 @@ class _MoEBackward:
 
     def weight_grads(self) -> tuple:
         """(dW1, dW2, shared dW1, shared dW2) summed over the micro-batches (A + B), in the weights' dtypes."""
-        dw1 = (self.res[0][2] + self.res[1][2]).to(self.w1.dtype)
-        dw2 = (self.res[0][3] + self.res[1][3]).to(self.w2.dtype)
+        if self.summed:  # added in place by the second micro-batch's wgrad (experts())
+            dw1, dw2 = self.res[0][2].to(self.w1.dtype), self.res[0][3].to(self.w2.dtype)
+        else:
+            dw1 = (self.res[0][2] + self.res[1][2]).to(self.w1.dtype)
+            dw2 = (self.res[0][3] + self.res[1][3]).to(self.w2.dtype)
         if not self.has_shared:
             return dw1, dw2, None, None
         sw1, sw2 = self.sparams[:2]
