@@ -3,9 +3,9 @@ other computes, in forward and backward.
 
 Two schedules, the same stages:
 * `OverlappedBlock`, what training runs (moefp8.model.Block with overlap on and at least two
-  sequences): a transformer block over the halves of its batch; the other micro-batch's
-  attention hides A's dispatch and B's gradient combine, the experts hide the rest (its
-  docstring has the order).
+  sequences): a transformer block over the halves of its batch; B's attention hides A's
+  dispatch in the forward and A's gradient combine in the backward, the experts hide the rest
+  (its docstring has the order).
 * `OverlappedMoE`, the MoE layer alone (a lone sequence, or `MoELayer(overlap=True)` used by
   itself), below: only the shared experts are there to hide A's dispatch and B's combine.
 
