@@ -136,6 +136,12 @@ class Block(nn.Module):
             self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, "bf16" if "dense_mlp" in bf16_linears else recipe,
                                 scale_fmt)
 
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The block up to its MLP: -> (attention output a, x + a, the MLP's input RMSNorm(x + a))."""
+        a = self.attn(self.attn_norm(x), cos, sin)
+        h = x + a
+        return a, h, self.mlp_norm(h)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
         bool tensor per sub-layer: its output holds a NaN/Inf."""
@@ -146,10 +152,8 @@ class Block(nn.Module):
             out, aux_2, load, nf_attn, nf_mlp = OverlappedBlock.apply(x, cos, sin, self, *self.parameters())
             flags += [nf_attn, nf_mlp]
             return out, mean_over_halves(aux_2, x.shape[0]), load
-        a = self.attn(self.attn_norm(x), cos, sin)
+        a, x, h = self.attend(x, cos, sin)
         flags.append(_nonfinite(a))
-        x = x + a
-        h = self.mlp_norm(x)
         if not self.is_moe:
             o, aux, load = self.mlp(h), None, None
         else:

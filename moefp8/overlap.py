@@ -212,7 +212,6 @@ class _MoEBackward:
         self.sparams = params[2:12] if self.has_shared else None  # sw1, sw2, saved A (4), saved B (4)
         self.ev_in = st.mark(st.compute)
         self.dz, self.ev_dz, self.res, self.ev_res, self.comb, self.ev_comb, self.sh = ([None] * 2 for _ in range(7))
-        self.summed = False
 
     def send(self, i: int) -> None:
         st = self.st
@@ -231,7 +230,6 @@ class _MoEBackward:
         into = first[2:] if first is not None and self.layer.recipe == "fp8" else None
         self.res[i] = bwd_experts(self.layer, self.dz[i], self.douts[i], self.saves[i], self.w1, self.w2,
                                   self.want_dx, dw_into=into)
-        self.summed = into is not None
         self.ev_res[i] = st.mark(st.compute)
         st.hand_to(st.comm, self.res[i][:2])
 
@@ -257,7 +255,7 @@ class _MoEBackward:
 
     def weight_grads(self) -> tuple:
         """(dW1, dW2, shared dW1, shared dW2) summed over the micro-batches (A + B), in the weights' dtypes."""
-        if self.summed:  # added in place by the second micro-batch's wgrad (experts())
+        if self.res[0][2] is self.res[1][2]:  # added in place by the second micro-batch's wgrad (experts())
             dw1, dw2 = self.res[0][2].to(self.w1.dtype), self.res[0][3].to(self.w2.dtype)
         else:
             dw1 = (self.res[0][2] + self.res[1][2]).to(self.w1.dtype)
@@ -387,9 +385,8 @@ class OverlappedBlock(torch.autograd.Function):
         def attention(i):  # an autograd graph of its own, run backward in OverlappedBlock._backward
             with torch.enable_grad():
                 xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
-                a = block.attn(block.attn_norm(xi), cos, sin)
-                h = xi + a
-                m = block.mlp_norm(h).view(-1, H)
+                a, h, m = block.attend(xi, cos, sin)
+                m = m.view(-1, H)
                 r = layer.router(m, S)
             pre[i] = (xi, h, m, r)
             nf_a.append(~torch.isfinite(a.detach()).all())
@@ -439,6 +436,7 @@ class OverlappedBlock(torch.autograd.Function):
         b = _MoEBackward(layer, st, [dy[p].view(-1, H) for p in parts], saves, mparams, want_dx=want_dm)
         grads: dict[int, Tensor] = {}
         dx = torch.empty_like(dy) if ctx.needs_input_grad[0] else None
+        params = _attention_params(block)
 
         def attention(i):  # the attention graph of micro-batch i, once its routed gradients are back
             xi, h, m, r = pre[i]
@@ -449,7 +447,7 @@ class OverlappedBlock(torch.autograd.Function):
             if daux is not None and r.aux_loss is not None:
                 roots.append((r.aux_loss, daux[i]))
             roots = [(t, g) for t, g in roots if t.requires_grad and g is not None]
-            inputs = [t for t in (xi, *_attention_params(block)) if t.requires_grad]
+            inputs = [t for t in (xi, *params) if t.requires_grad]
             if not roots or not inputs:
                 return
             gs = torch.autograd.grad([t for t, _ in roots], inputs, [g for _, g in roots], allow_unused=True)

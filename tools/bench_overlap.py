@@ -151,8 +151,7 @@ class BlockUnit:
     @torch.no_grad()
     def moe_inputs(self):
         b, (B, S, H) = self.block, self.x.shape
-        h = self.x + b.attn(b.attn_norm(self.x), self.cos, self.sin)
-        m = b.mlp_norm(h).view(-1, H)
+        m = b.attend(self.x, self.cos, self.sin)[2].view(-1, H)
         return m, self.moe.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]
 
 
