@@ -13,7 +13,8 @@ The interface (`Dispatcher`, two methods):
 
 Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.distributed
 all_to_all_single, `all_to_all.py`; an "exact" mode that exchanges counts first and a
-"capacity" mode of fixed-size blocks without a host sync, picked per dispatch); ``deepep``
+"capacity" mode of fixed-size blocks without a host sync, picked per dispatch; the capacity
+mode's blocks can also move on the copy engines, `copy_engine.py`, taking no SMs); ``deepep``
 (DeepEP's Buffer, normal intranode kernels, `deepep.py`: needs `deep_ep`, which is not on PyPI).
 `build_ep_group` makes the expert-parallel process groups; `node_limited_groups` the router's
 groups for node-limited routing.
@@ -53,12 +54,13 @@ DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.c
 
 
 def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2",
-                     capacity: int | None = None, mode: str = "auto") -> Dispatcher:
+                     capacity: int | None = None, mode: str = "auto", transport: str = "collective") -> Dispatcher:
     """The dispatcher for a backend name; ``group`` is the expert-parallel process group (None:
     the default group for the communicating backends); ``scale_fmt`` the FP8 recipe's scale format
-    (it fixes how scales travel). ``capacity`` (the most tokens any rank passes to one dispatch)
-    and ``mode`` ("auto" | "exact" | "capacity") select the all_to_all backend's mode (see
-    `all_to_all.py`); the other backends ignore them."""
+    (it fixes how scales travel). ``capacity`` (the most tokens any rank passes to one dispatch),
+    ``mode`` ("auto" | "exact" | "capacity") and ``transport`` ("collective" | "copy_engine")
+    select the all_to_all backend's mode and how its bytes move (see `all_to_all.py`); the other
+    backends ignore them."""
     if backend == "local":
         from moefp8.dispatch.local import LocalDispatcher
 
@@ -69,7 +71,7 @@ def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str 
     if backend == "all_to_all":
         from moefp8.dispatch.all_to_all import AllToAllDispatcher
 
-        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode)
+        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode, transport)
     if backend == "deepep":
         try:
             import deep_ep  # noqa: F401

@@ -55,7 +55,9 @@ dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]), exact mode:
   whose expert lives elsewhere), in the pack kernel: the receiver uses them as they arrive.
 
 Capacity mode: the same row format; one all_to_all_single of R x (cap + 1) rows
-(`kernels/pack.py:pack_capacity` packs them with the routes and the checks in one launch).
+(`kernels/pack.py:pack_capacity` packs them with the routes and the checks in one launch), or,
+with transport="copy_engine", the same exchange as NVLink peer copies (`copy_engine.py`): no
+kernel, so an overlapped GEMM keeps every SM (what NCCL's kernels cost it: bench/notes/overlap.md).
 
 combine(y [T_recv, H], handle): the reverse all_to_all of the rows (each already the weighted
 sum over this rank's local experts), then each token's rows are summed over source ranks in
@@ -69,6 +71,7 @@ hidden size, top-k and (capacity mode) capacity: the exact mode checks this in i
 the capacity mode in the headers, after the fact (a transport that refuses mismatched sizes may
 fail first).
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +86,7 @@ from moefp8.kernels.permute import PermuteLayout, unpermute_combine
 
 ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
 MODES = ("auto", "exact", "capacity")
+TRANSPORTS = ("collective", "copy_engine")
 _SCALES = {"bf16": "none", "fp8-pow2": "ue8m0", "fp8-fp32": "fp32"}  # payload -> how scales travel
 
 
@@ -191,12 +195,15 @@ class AllToAllDispatcher:
     capacity: the most tokens any rank of the group passes to one dispatch (the same on every
     rank; e.g. micro-batch x sequence length), which enables the capacity mode; None: exact only.
     mode: "exact", "capacity" (needs capacity) or "auto" (capacity on GPUs when there is one and
-    the group has at most top-k ranks, else exact; decided per dispatch, the same on every rank)."""
+    the group has at most top-k ranks, else exact; decided per dispatch, the same on every rank).
+    transport: how the bytes move: "collective" (`dist.all_to_all_single`: NCCL kernels on GPUs,
+    gloo on CPU) or "copy_engine" (`copy_engine.py`: NVLink peer copies that take no SMs, one
+    host, CUDA; the capacity mode only, so it makes "auto" capacity and refuses "exact")."""
 
     communicates = True
 
     def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2", capacity: int | None = None,
-                 mode: str = "auto"):
+                 mode: str = "auto", transport: str = "collective"):
         check_scale_fmt(scale_fmt)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -212,7 +219,20 @@ class AllToAllDispatcher:
         if mode == "capacity" and capacity is None:
             raise ValueError("AllToAllDispatcher: mode='capacity' needs a capacity (the most tokens any rank "
                              "passes to one dispatch)")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"AllToAllDispatcher: transport={transport!r}, expected one of {TRANSPORTS}")
+        if transport == "copy_engine" and (mode == "exact" or capacity is None):
+            raise ValueError(f"AllToAllDispatcher: transport='copy_engine' moves the capacity mode's equal blocks "
+                             f"only; got mode={mode!r}, capacity={capacity!r}: give a capacity and mode 'capacity' "
+                             f"or 'auto', or use transport='collective'")
         self.num_experts, self.scale_fmt, self.capacity, self.mode = num_experts, scale_fmt, capacity, mode
+        self.transport = transport
+        self._ce = None  # the CopyEngineExchange, made at the first exchange
+        # A CUDA stream for the communication (set by moefp8.overlap around its calls): the
+        # capacity mode then packs on the caller's stream and exchanges and unpacks on this one
+        # (results valid on it); the exact mode and the combine run wholly on it. None: all on
+        # the caller's stream.
+        self.exchange_stream = None
         self.num_local_experts = num_experts // self.world
 
     def mode_for(self, K: int, cuda: bool = True) -> str:
@@ -221,6 +241,8 @@ class AllToAllDispatcher:
         host sync to save and the fixed blocks would only cost bytes."""
         if self.mode != "auto":
             return self.mode
+        if self.transport == "copy_engine":
+            return "capacity"
         return "capacity" if self.capacity is not None and self.world <= K and cuda else "exact"
 
     # ------------------------------------------------------------------------------------------
@@ -291,7 +313,35 @@ class AllToAllDispatcher:
             scale = buf[:, off:off + 4 * G].view(torch.float32)
         return Fp8Tensor(data, scale, "1x128"), w, idx
 
+    @contextmanager
+    def _on_exchange_stream(self, *inputs):
+        """Run the body on `exchange_stream` (if set) after the caller's stream, `inputs` (tensors or
+        Fp8Tensors made on the caller's stream) kept alive for it."""
+        s = self.exchange_stream
+        if s is None:
+            yield
+            return
+        s.wait_stream(torch.cuda.current_stream(s.device))
+        for t in inputs:
+            for u in ((t.data, t.scale) if isinstance(t, Fp8Tensor) else (t,)):
+                if isinstance(u, Tensor) and u.is_cuda:
+                    u.record_stream(s)
+        with torch.cuda.stream(s):
+            yield
+
+    def _copy_engine(self):
+        if self._ce is None:
+            from moefp8.dispatch.copy_engine import CopyEngineExchange
+
+            self._ce = CopyEngineExchange(self.group)
+        return self._ce
+
     def _exchange(self, send: Tensor, send_splits, recv_splits) -> Tensor:
+        if self.transport == "copy_engine":  # capacity mode: equal splits
+            if not send.is_cuda:
+                raise ValueError(f"dispatch: transport='copy_engine' needs CUDA tensors, got {send.device}: use "
+                                 f"transport='collective' on CPU")
+            return self._copy_engine()(send)
         recv = torch.empty(sum(recv_splits), send.shape[1], dtype=torch.uint8, device=send.device)
         dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
         return recv
@@ -315,16 +365,20 @@ class AllToAllDispatcher:
             if isinstance(handle, CapacityHandle):
                 R, cap = self.world, handle.cap
                 send = pack_capacity_cached(x, handle.pos_TR, cap, row_bytes(H, None, payload), _SCALES[payload])
-                recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
+                with self._on_exchange_stream(send):
+                    recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
+                    xr, _, _ = self._unpack(recv, H, None, payload)
             else:
-                send = pack_rows(x, handle.send_tok, row_bytes(H, None, payload), _SCALES[payload])
-                recv = self._exchange(send, handle.send_splits, handle.recv_splits)
-            xr, _, _ = self._unpack(recv, H, None, payload)
+                with self._on_exchange_stream(x):
+                    send = pack_rows(x, handle.send_tok, row_bytes(H, None, payload), _SCALES[payload])
+                    recv = self._exchange(send, handle.send_splits, handle.recv_splits)
+                    xr, _, _ = self._unpack(recv, H, None, payload)
             return Dispatched(xr, handle.topk_idx, handle.topk_w, handle)
         self._check_topk(T, topk_idx, topk_w)
         if self.mode_for(topk_idx.shape[1], topk_idx.is_cuda) == "capacity":
             return self._dispatch_capacity(x, payload, topk_idx, topk_w)
-        return self._dispatch_exact(x, payload, topk_idx, topk_w)
+        with self._on_exchange_stream(x, topk_idx, topk_w):
+            return self._dispatch_exact(x, payload, topk_idx, topk_w)
 
     def _dispatch_exact(self, x, payload: str, topk_idx: Tensor, topk_w: Tensor) -> Dispatched:
         T, H = x.shape
@@ -369,11 +423,14 @@ class AllToAllDispatcher:
         # handle is first used (a bad input on any rank makes every rank raise there).
         send, pos_TR = pack_capacity(x, topk_idx, topk_w, self.num_experts, R, cap, nb, _SCALES[payload],
                                      check_scales=payload == "fp8-pow2")
-        recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
-        xr, w, local = self._unpack(recv, H, K, payload)
-        local = local.long()
-        hdr = recv.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * HDR_WORDS].view(torch.int64)
-        headers = _Headers(hdr, lambda h: self._raise_bad_headers(nb, payload, H, K, h))
+        if self.transport == "copy_engine":  # its buffer sized for this dispatch's combine too (BF16 rows)
+            self._copy_engine().reserve((cap + 1) * max(nb, 2 * H))
+        with self._on_exchange_stream(send):
+            recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
+            xr, w, local = self._unpack(recv, H, K, payload)
+            local = local.long()
+            hdr = recv.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * HDR_WORDS].view(torch.int64)
+            headers = _Headers(hdr, lambda h: self._raise_bad_headers(nb, payload, H, K, h))
         handle = CapacityHandle(pos_TR, cap, T, local, w, headers)
         return Dispatched(xr, local, w, handle)
 
@@ -387,12 +444,13 @@ class AllToAllDispatcher:
         if y.shape[0] != handle.num_recv:
             raise ValueError(f"combine: y has {y.shape[0]} rows, the dispatch received {handle.num_recv}")
         handle.check()
-        if isinstance(handle, CapacityHandle):
-            splits = [handle.cap + 1] * self.world
-            back = self._exchange(_as_bytes(y), splits, splits)
-        else:
-            back = self._exchange(_as_bytes(y), handle.recv_splits, handle.send_splits)
-        return sum_over_ranks(back.view(y.dtype), handle.pos_TR, y.shape[1])
+        with self._on_exchange_stream(y):
+            if isinstance(handle, CapacityHandle):
+                splits = [handle.cap + 1] * self.world
+                back = self._exchange(_as_bytes(y), splits, splits)
+            else:
+                back = self._exchange(_as_bytes(y), handle.recv_splits, handle.send_splits)
+            return sum_over_ranks(back.view(y.dtype), handle.pos_TR, y.shape[1])
 
 
 def _as_bytes(t: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ RECIPES = ("fp8", "bf16")
 SCALE_FMTS = ("pow2", "fp32")
 BACKENDS = ("local", "all_to_all", "deepep")
 DISPATCH_MODES = ("auto", "exact", "capacity")  # the all_to_all backend's modes (dispatch/all_to_all.py)
+DISPATCH_TRANSPORTS = ("collective", "copy_engine")  # how its bytes move (dispatch/all_to_all.py, copy_engine.py)
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("stop", "skip")
@@ -78,6 +79,9 @@ class DispatchConfig:
     # dispatch, 0: train.micro_batch * train.seq_len (with overlap: the larger micro-batch's tokens)
     mode: str = "auto"
     capacity: int = 0
+    # all_to_all: "collective" (torch.distributed: NCCL kernels / gloo) or "copy_engine" (NVLink peer
+    # copies, no SMs taken: one host, GPUs, the capacity mode only)
+    transport: str = "collective"
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
     # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off.
     # ranks_per_node: 0 = torchrun's LOCAL_WORLD_SIZE
@@ -196,6 +200,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.fp8_stats_every={t.fp8_stats_every}: must be >= 0 (0: off)")
     _positive("dispatch.ep_size", d.ep_size)
     _one_of("dispatch.mode", d.mode, DISPATCH_MODES)
+    _one_of("dispatch.transport", d.transport, DISPATCH_TRANSPORTS)
+    if d.transport == "copy_engine" and (d.backend != "all_to_all" or d.mode == "exact"):
+        raise ValueError(f"dispatch.transport=copy_engine moves the all_to_all backend's capacity-mode blocks only; "
+                         f"got dispatch={d.backend}, dispatch.mode={d.mode}: use dispatch=all_to_all with "
+                         f"dispatch.mode=capacity or auto, or dispatch.transport=collective")
     for key, off in (("capacity", "train.micro_batch * train.seq_len"), ("max_nodes", "off"),
                      ("ranks_per_node", "torchrun's LOCAL_WORLD_SIZE")):
         if getattr(d, key) < 0:

@@ -78,14 +78,22 @@ def _sm_reserve():
             carve(old)
 
 
+# Priority of the side streams (CUDA: lower is higher, torch.cuda.Stream.priority_range()). Their
+# kernels are short (quantize, pack, the receive side's copies and sums, the layouts the host
+# waits for); at the default priority they queue behind the compute stream's next kernel, a
+# persistent GEMM that holds every SM for milliseconds. At a higher one they take the SMs at
+# the next kernel boundary. 0: the default priority. tools/bench_overlap.py --side-priority.
+SIDE_STREAM_PRIORITY = -1
+
+
 def side_stream(device: torch.device, role: str = "comm"):
     """The side stream that `role` ("comm": communication stages, "layout": the layouts) uses on
-    `device` (None on CPU)."""
+    `device` (None on CPU), at SIDE_STREAM_PRIORITY."""
     if device.type != "cuda":
         return None
-    key = (device.index if device.index is not None else torch.cuda.current_device(), role)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), role, SIDE_STREAM_PRIORITY)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=SIDE_STREAM_PRIORITY)
     return _SIDE_STREAMS[key]
 
 
@@ -115,6 +123,25 @@ class _Streams:
         for ev in events:
             if stream is not None and ev is not None:
                 stream.wait_event(ev)
+
+    def packs_on_compute(self, layer) -> bool:
+        """Whether the layer's dispatches split: quantize and pack on the compute stream, exchange
+        and unpack on the comm stream (the all_to_all capacity mode; `exchanging`). On the comm
+        stream those two kernels wait for the compute stream's running persistent GEMM to end
+        (it holds every SM), which delays the exchange by up to a GEMM; on the compute stream,
+        enqueued right after their inputs, they run at once (~0.1 ms per dispatch at EP4)."""
+        disp = layer.dispatcher
+        return (self.comm is not None and hasattr(disp, "exchange_stream")
+                and disp.mode_for(layer.topk, True) == "capacity")
+
+    @contextmanager
+    def exchanging(self, disp):
+        """Calls of `disp` inside run their exchanges on the comm stream (results valid there)."""
+        disp.exchange_stream = self.comm
+        try:
+            yield
+        finally:
+            disp.exchange_stream = None
 
     def hand_to(self, stream, *objs) -> None:
         """Tensors made on one stream and read on `stream`: tell the caching allocator, so their
@@ -148,6 +175,7 @@ class _MoEForward:
         self.ev_in, self.d, self.L, self.z, self.saves, self.out, self.s_out, self.s_saved = ([None] * 2
                                                                                               for _ in range(8))
         self.ev_s, self.ev_d, self.ev_z, self.ev_c = ([None] * 2 for _ in range(4))
+        self.split = st.packs_on_compute(layer)
 
     def inputs_ready(self, i: int) -> None:
         self.ev_in[i] = self.st.mark(self.st.compute)
@@ -155,10 +183,14 @@ class _MoEForward:
 
     def send(self, i: int) -> None:  # no host sync in capacity mode; exact mode reads its counts
         st = self.st
-        with st.on_comm():
-            st.wait(st.comm, self.ev_in[i])
-            self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
-            self.ev_s[i] = st.mark(st.comm)
+        if self.split:  # quantize + pack here on the compute stream, the exchange on the comm stream
+            with st.exchanging(self.layer.dispatcher):
+                self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
+        else:
+            with st.on_comm():
+                st.wait(st.comm, self.ev_in[i])
+                self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
+        self.ev_s[i] = st.mark(st.comm)
         st.hand_to(st.layout, self.d[i].topk_idx)
 
     def layout(self, i: int) -> None:  # the host waits for this micro-batch's rows (the layout stream only)
@@ -212,13 +244,18 @@ class _MoEBackward:
         self.sparams = params[2:12] if self.has_shared else None  # sw1, sw2, saved A (4), saved B (4)
         self.ev_in = st.mark(st.compute)
         self.dz, self.ev_dz, self.res, self.ev_res, self.comb, self.ev_comb, self.sh = ([None] * 2 for _ in range(7))
+        self.split = st.packs_on_compute(layer)
 
     def send(self, i: int) -> None:
         st = self.st
-        with st.on_comm():
-            st.wait(st.comm, self.ev_in)
-            self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
-            self.ev_dz[i] = st.mark(st.comm)
+        if self.split:  # as _MoEForward.send
+            with st.exchanging(self.layer.dispatcher):
+                self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
+        else:
+            with st.on_comm():
+                st.wait(st.comm, self.ev_in)
+                self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
+        self.ev_dz[i] = st.mark(st.comm)
         st.hand_to(st.compute, self.dz[i])
 
     def experts(self, i: int) -> None:
@@ -291,8 +328,11 @@ class OverlappedMoE(torch.autograd.Function):
         # Host-paced: enqueue both dispatches before the first block (a layout's count read-back),
         # and each expert stage before the communication that waits for it.
         f.send(0)
+        if f.split:  # B's packing ahead of A's shared experts on the compute stream
+            f.send(1)
         f.shared(0)  # overlaps A's dispatch
-        f.send(1)  # right behind A's on the comm stream: overlaps A's experts
+        if not f.split:
+            f.send(1)  # right behind A's on the comm stream: overlaps A's experts
         f.layout(0)
         f.experts(0)
         f.layout(1)  # the host waits for B's rows while A's experts run
@@ -397,9 +437,12 @@ class OverlappedBlock(torch.autograd.Function):
         attention(0)
         f.send(0)  # before B's attention is enqueued: the host takes about as long to enqueue an
         attention(1)  # attention as the GPU to run it (exact mode: blocks the host for A's counts)
+        if f.split:  # capacity mode: B's packing right behind B's attention, ahead of A's experts
+            f.send(1)
         f.layout(0)  # the host waits for A's rows while B's attention runs
         f.experts(0)
-        f.send(1)  # overlaps A's experts
+        if not f.split:  # exact mode: B's count read-back would hold the host before A's experts
+            f.send(1)  # overlaps A's experts
         f.layout(1)
         f.combine(0)
         f.experts(1)  # overlaps A's combine

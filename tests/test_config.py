@@ -43,6 +43,10 @@ REPO = Path(__file__).resolve().parent.parent
     (["dispatch=nccl"], "dispatch=nccl: no such option in configs/dispatch/; one of: all_to_all, deepep, local"),
     (["dispatch.backend=nccl"], "dispatch.backend='nccl': expected one of 'local', 'all_to_all', 'deepep'"),
     (["dispatch.ep_size=2"], "dispatch.ep_size=2: dispatch=local is EP=1"),
+    (["dispatch=all_to_all", "dispatch.transport=nvlink"],
+     "dispatch.transport='nvlink': expected one of 'collective', 'copy_engine'"),
+    (["dispatch=all_to_all", "dispatch.mode=exact", "dispatch.transport=copy_engine"],
+     "dispatch.transport=copy_engine moves the all_to_all backend's capacity-mode blocks only"),
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),

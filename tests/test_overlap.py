@@ -115,11 +115,13 @@ def test_block_overlap_can_fail():
 
 
 def _ep_case(rank, world, dev, cases):
-    for recipe, mode in cases:
+    """cases: (recipe, mode[, transport])."""
+    for recipe, mode, *transport in cases:
         torch.manual_seed(0)
         T_max = 64 + 19 * (world - 1)
         layer = MoELayer(H, I, E, K, n_shared=1, recipe=recipe,
-                         dispatcher=build_dispatcher("all_to_all", E, None, capacity=T_max, mode=mode)).to(dev)
+                         dispatcher=build_dispatcher("all_to_all", E, None, capacity=T_max, mode=mode,
+                                                     transport=(transport or ["collective"])[0])).to(dev)
         g = torch.Generator().manual_seed(10 + rank)
         T = 64 + 19 * rank  # ragged across ranks
         x = torch.randn(T, H, generator=g).bfloat16().to(dev)
@@ -133,9 +135,10 @@ def _ep_case(rank, world, dev, cases):
         dist.barrier()
     # the transformer block: two sequences per micro-batch at most, ragged sequence counts are not
     # allowed (every rank splits its batch the same way), ragged contents are
-    for recipe, mode in cases:
+    for recipe, mode, *transport in cases:
         B, S = 3, 32
-        block = make_block(recipe, build_dispatcher("all_to_all", E, None, capacity=2 * S, mode=mode), dev)
+        block = make_block(recipe, build_dispatcher("all_to_all", E, None, capacity=2 * S, mode=mode,
+                                                    transport=(transport or ["collective"])[0]), dev)
         g = torch.Generator().manual_seed(20 + rank)
         x = torch.randn(B, S, H, generator=g).bfloat16().to(dev)
         dout = torch.randn(B, S, H, generator=g).bfloat16().to(dev)
@@ -158,6 +161,17 @@ def test_gpu_overlap_equals_serialized_nccl(world):
         pytest.skip(f"needs {world} GPUs")
     spawn_group(_ep_case, world, [("fp8", "exact"), ("bf16", "exact"), ("fp8", "capacity")], backend="nccl",
                 timeout_s=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_overlap_copy_engine(world):
+    """The capacity mode over the copy engines (dispatch/copy_engine.py): the same bit-exact checks
+    and 100 iterations of both schedules."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    spawn_group(_ep_case, world, [("fp8", "capacity", "copy_engine"), ("bf16", "capacity", "copy_engine")],
+                backend="nccl", timeout_s=300)
 
 
 def test_training_with_overlap(tmp_path, data_dir):

@@ -32,6 +32,7 @@ JSON) beside the results JSON. Timings: median of --iters, max over ranks.
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -86,8 +87,21 @@ class Replay:
         if self.sync:
             if self.tiny is None:
                 self.tiny = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
-            dist.all_reduce(self.tiny, group=getattr(self.real, "group", None))
+            s = getattr(self.real, "exchange_stream", None)  # where the real exchange would run
+            with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+                dist.all_reduce(self.tiny, group=getattr(self.real, "group", None))
         return out
+
+    def mode_for(self, *a):  # the real one's, so that the schedule splits its stages the same way
+        return self.real.mode_for(*a)
+
+    @property
+    def exchange_stream(self):
+        return self.real.exchange_stream
+
+    @exchange_stream.setter
+    def exchange_stream(self, s):
+        self.real.exchange_stream = s
 
     def dispatch(self, *a, **k):
         return self._call("dispatch", *a, **k)
@@ -200,22 +214,22 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
     return out
 
 
-def gemm_under_comm(group, dev, warmup, iters) -> tuple[float, float]:
-    """(FP8 GEMM alone, the same GEMM while all-to-alls run on another stream) in seconds."""
+def gemm_under_comm(exchange, dev, warmup, iters) -> tuple[float, float]:
+    """(FP8 GEMM alone, the same GEMM while `exchange(send) -> recv` (an all-to-all of uint8 [N, C])
+    runs on another stream) in seconds."""
     from moefp8.kernels.gemm import fp8_gemm
     from moefp8.kernels.quant import quant_weight
 
     a = quant_rowwise(torch.randn(8192, 7168, device=dev).bfloat16())
     b = quant_weight(torch.randn(4096, 7168, device=dev))
-    buf = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
-    rbuf = torch.empty_like(buf)
+    buf = torch.empty(dist.get_world_size(), 16 << 20, dtype=torch.uint8, device=dev).view(-1, 4096)
     side = torch.cuda.Stream()
     alone = timed(lambda: fp8_gemm(a, b), warmup, iters, dev)
 
     def both():
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            dist.all_to_all_single(rbuf, buf, group=group)
+            exchange(buf)
         for _ in range(4):
             fp8_gemm(a, b)
         torch.cuda.current_stream().wait_stream(side)
@@ -250,6 +264,8 @@ def main():
     p.add_argument("--experts", type=int, default=64, help="total; rounded down to a multiple of the rank count")
     p.add_argument("--ctas", default="16,8", help="NCCL max_ctas caps to measure (comma list; NCCL only)")
     p.add_argument("--modes", default="exact,capacity", help="all_to_all dispatch modes to measure (comma list)")
+    p.add_argument("--transports", default="collective",
+                   help="all_to_all transports (comma list): collective (NCCL), copy_engine (capacity mode only)")
     p.add_argument("--units", default="moe,block",
                    help="what to time (comma list): moe (the MoE layer alone), block (attention + MoE layer)")
     p.add_argument("--seqs", type=int, default=2,
@@ -264,6 +280,9 @@ def main():
                    help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
     p.add_argument("--gemm-sm-reserve", type=int, default=0,
                    help="SMs the warp-specialized grouped GEMMs leave free in the overlapped schedule")
+    p.add_argument("--side-priorities", default="-1",
+                   help="CUDA priorities of the overlap's side streams to measure (comma list; moefp8.overlap."
+                        "SIDE_STREAM_PRIORITY; lower is higher, 0 the default)")
     p.add_argument("--trace-steps", type=int, default=1,
                    help="overlapped steps in the trace, back to back (after a barrier): >1 shows the steady state")
     p.add_argument("--no-whole-step", action="store_true", help="skip the whole-model step")
@@ -316,13 +335,22 @@ def main():
     def half_capacity(kind):  # the larger micro-batch's tokens
         return (a.tokens + 1) // 2 if kind == "moe" else -(-a.seqs // 2) * S
 
-    for cap, mode, kind in [(c, m, u) for c in caps for m in modes for u in units]:
+    transports = [t for t in a.transports.split(",") if t]
+    if "copy_engine" in transports and not cuda:
+        p.error("--transports copy_engine: needs GPUs")
+    prios = [int(v) for v in a.side_priorities.split(",") if v]
+    runs = [(c, m, t, u, pr) for c in caps for m in modes for t in transports for u in units for pr in prios
+            if t == "collective" or (m == "capacity" and c is None)]  # copy engines: capacity blocks, no NCCL
+    for cap, mode, transport, kind, prio in runs:
+        moefp8.overlap.SIDE_STREAM_PRIORITY = prio
         group = comm_group(cap)
-        full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode)
+        full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport)
                       for c in (a.tokens, half_capacity(kind)))
         unit = make_unit(kind, full)
         r = unit_times(unit, a.warmup, a.iters, dev, full, half)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
+               + (", copy engines" if transport == "copy_engine" else "")
+               + (f", side streams at priority {prio}" if len(prios) > 1 else "")
                + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
                + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
         what = shape + (f" ({a.seqs} sequences of {S}, {a.hidden // 128} heads)" if kind == "block" else "")
@@ -341,9 +369,17 @@ def main():
         add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"],
             unit_kind=kind)
         add(case, "communication alone", r["t_comm"], unit_kind=kind)
-        if cuda and mode == modes[0] and kind == units[0]:
-            alone, under = gemm_under_comm(group, dev, a.warmup, a.iters)
-            add("FP8 GEMM 8192x4096x7168 during all-to-all" + (f", NCCL max_ctas {cap}" if cap else ", NCCL default CTAs"), "gemm under comm",
+        if cuda and mode == [r[1] for r in runs if (r[0], r[2]) == (cap, transport)][0] and kind == units[0] \
+                and prio == prios[0]:
+            if transport == "copy_engine":
+                exchange, how = half._copy_engine(), ", copy engines"
+            else:
+                def exchange(buf, group=group):
+                    recv = torch.empty_like(buf)
+                    dist.all_to_all_single(recv, buf, group=group)
+                how = f", NCCL max_ctas {cap}" if cap else ", NCCL default CTAs"
+            alone, under = gemm_under_comm(exchange, dev, a.warmup, a.iters)
+            add("FP8 GEMM 8192x4096x7168 during all-to-all" + how, "gemm under comm",
                 under, baseline="gemm alone", baseline_value=round(alone * 1e3, 3), ratio=round(alone / under, 3))
         del unit
     if not a.smoke and not a.no_whole_step:
@@ -358,8 +394,9 @@ def main():
     # overlapped steps (--trace-steps) of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
     from torch.profiler import ProfilerActivity, profile
 
-    unit = make_unit(units[-1], build_dispatcher("all_to_all", E, None, capacity=half_capacity(units[-1]),
-                                                 mode=modes[-1]), overlap=True)
+    _, mode, transport, kind, moefp8.overlap.SIDE_STREAM_PRIORITY = runs[-1]
+    unit = make_unit(kind, build_dispatcher("all_to_all", E, None, capacity=half_capacity(kind), mode=mode,
+                                            transport=transport), overlap=True)
     for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
         dist.barrier()  # every rank starts the traced step together (the profiler's start-up differs per rank)
         if cuda:
@@ -380,7 +417,9 @@ def main():
         print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
         path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
                             hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
-                            bind_cpus=a.bind_cpus, units=units, seqs=a.seqs, trace=trace.name)
+                            bind_cpus=a.bind_cpus, units=units, seqs=a.seqs, transports=transports,
+                            side_stream_priorities=prios,
+                            trace=trace.name)
         print(f"wrote {path} and {trace}")
     dist.barrier()
     dist.destroy_process_group()

@@ -80,12 +80,13 @@ def _expected_recv(rank, world, T_r, E, K, case, dev):
     return rows, (torch.stack(local) if local else torch.zeros(0, K, dtype=torch.long)).to(dev)
 
 
-def _dispatcher(E, mode, T_r, scale_fmt="pow2"):
+def _dispatcher(E, mode, T_r, scale_fmt="pow2", transport="collective"):
     """mode "exact" | "capacity" (capacity: the largest token count, + 1 on odd-sized groups so
-    both cap == T and cap > T run)."""
+    both cap == T and cap > T run); transport: the capacity mode's (dispatch/copy_engine.py)."""
     if mode == "exact":
         return AllToAllDispatcher(E, None, scale_fmt, mode="exact")
-    return AllToAllDispatcher(E, None, scale_fmt, capacity=max(T_r) + len(T_r) % 3, mode="capacity")
+    return AllToAllDispatcher(E, None, scale_fmt, capacity=max(T_r) + len(T_r) % 3, mode="capacity",
+                              transport=transport)
 
 
 def _sent(d):
@@ -93,8 +94,8 @@ def _sent(d):
     return (d.topk_idx >= 0).any(1)
 
 
-def _check_dispatch(rank, world, dev, T_r, E, K, case, mode):
-    disp = _dispatcher(E, mode, T_r)
+def _check_dispatch(rank, world, dev, T_r, E, K, case, mode, transport="collective"):
+    disp = _dispatcher(E, mode, T_r, transport=transport)
     x8, idx, w = _tokens(T_r, E, K, case, rank, dev)
     rows, local = _expected_recv(rank, world, T_r, E, K, case, dev)
     srcs = {s: _tokens(T_r, E, K, case, s, dev) for s in range(world)}
@@ -146,7 +147,7 @@ def _check_dispatch(rank, world, dev, T_r, E, K, case, mode):
     return d, out
 
 
-def _check_wire_formats(rank, world, dev, mode):
+def _check_wire_formats(rank, world, dev, mode, transport="collective"):
     """fp32 scales (scale_fmt='fp32') travel exactly; pow2 dispatcher refuses fp32 scales; BF16 payload."""
     E, K, T = 2 * world, 2, 33 + rank
     T_r = [33 + r for r in range(world)]
@@ -155,7 +156,7 @@ def _check_wire_formats(rank, world, dev, mode):
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
     w = torch.rand(T, K, generator=g).to(dev)
     x8 = quant_rowwise(x, "fp32")
-    disp = _dispatcher(E, mode, T_r, "fp32")
+    disp = _dispatcher(E, mode, T_r, "fp32", transport)
     d = disp.dispatch(x8, idx, w)
     # the unsent rows of capacity mode hold unwritten bytes: dequantize only the sent ones
     back = disp.combine(torch.where(_sent(d)[:, None], d.x.dequantize(torch.bfloat16), 0), d.handle)
@@ -165,8 +166,8 @@ def _check_wire_formats(rank, world, dev, mode):
     with pytest.raises(ValueError, match="scale_fmt='fp32'"):
         # exact: raised by the dispatch itself (after the count exchange); capacity: at the handle's
         # first use (here check(); the layer's combine), on every rank, before that collective
-        _dispatcher(E, mode, T_r).dispatch(x8, idx, w).handle.check()
-    disp = _dispatcher(E, mode, T_r)
+        _dispatcher(E, mode, T_r, transport=transport).dispatch(x8, idx, w).handle.check()
+    disp = _dispatcher(E, mode, T_r, transport=transport)
     d = disp.dispatch(x.bfloat16(), idx, w)
     assert d.x.dtype == torch.bfloat16
     back = disp.combine(d.x, d.handle)
@@ -420,10 +421,18 @@ def _bad_inputs(rank, world, dev):
 
 def _bad_inputs_capacity(rank):
     """Capacity mode: errors found on one rank are raised on every rank at the handle's first use."""
+    ce_only = "transport='copy_engine' moves the capacity mode's equal blocks only"
     for kw, msg in ((dict(mode="capacity"), "mode='capacity' needs a capacity"),
-                    (dict(mode="fast"), "mode='fast', expected one of"), (dict(capacity=-1), "capacity=-1")):
+                    (dict(mode="fast"), "mode='fast', expected one of"), (dict(capacity=-1), "capacity=-1"),
+                    (dict(capacity=3, transport="nvlink"), "transport='nvlink', expected one of"),
+                    (dict(capacity=3, mode="exact", transport="copy_engine"), ce_only),
+                    (dict(transport="copy_engine"), ce_only)):
         with pytest.raises(ValueError, match=msg):
             AllToAllDispatcher(4, None, **kw)
+    ce = AllToAllDispatcher(4, None, capacity=3, transport="copy_engine")
+    assert ce.mode_for(2, False) == ce.mode_for(1, True) == "capacity"  # "auto" is capacity over the copy engines
+    with pytest.raises(ValueError, match="transport='copy_engine' needs CUDA tensors, got cpu"):
+        ce.dispatch(torch.zeros(2, H, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
     auto = AllToAllDispatcher(4, None, capacity=3)
     assert [auto.mode_for(2, True), auto.mode_for(1, True), auto.mode_for(2, False)] == ["capacity", "exact", "exact"]
     assert AllToAllDispatcher(4, None).mode_for(2, True) == "exact"
