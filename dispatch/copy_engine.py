@@ -15,14 +15,15 @@ once more, quickly when the calling stream has a high priority (moefp8.overlap.S
 
 The buffer (torch symmetric memory, one per group, mapped into every peer) per rank:
 
-    | ready flags int32 [S, R], padded to 4 KiB | slots uint8 [S, R, block bytes] |
+    | ready flags int32 [S, R], padded to 4 KiB | slots uint8 [S, R * block bytes] |
 
-Exchange k uses slot s = k % S, generation g = k // S + 1 (S = 2 slots). Rank i, for each peer
-p, on one side stream per peer (the copies run on several copy engines at once), after an event
-on the calling stream: copy block p of the send buffer into p's slot s, row i (a peer write over
-NVLink), then write g into p's ready[s][i] (after the copy: stream order and the write's memory
-barrier). On the calling stream: copy its own block, then per peer p wait until its own
-ready[s][p] >= g and copy row p of slot s out into the result; finally wait for the side streams.
+Exchange k (blocks of b bytes) uses slot s = k % S, generation g = k // S + 1 (S = 2 slots), its
+R blocks dense at the slot's start. Rank i, for each peer p, on one side stream per peer (the
+copies run on several copy engines at once), after an event on the calling stream: copy block p
+of the send buffer to p's slot s at i * b (a peer write over NVLink), then write g into p's
+ready[s][i] (after the copy: stream order and the write's memory barrier). On the calling stream:
+wait until its own ready[s][p] >= g for every peer p, copy the slot's R blocks out into the
+result in one copy, then its own block over block i; finally wait for the side streams.
 
 Why no "slot free" handshake: rank i writes p's slot s at exchange k only after its calling
 stream waited for p's ready flag of exchange k - 1, which p's side stream wrote after p's event
@@ -32,8 +33,9 @@ the chain of waits the exchange has anyway. Every wait is for something every ra
 the same exchange order (all ranks call `__call__` the same number of times with the same sizes:
 capacity mode guarantees it), so no exchange waits on a later one. A rank that stops calling
 leaves its peers' streams waiting (no timeout: the host sees it at its next synchronization, as
-with a hung collective). Host cost: R - 1 stream writes and R - 1 stream waits (driver calls,
-~15-20 us each), 2R copies, no kernel.
+with a hung collective). Host cost, per exchange: R - 1 stream writes, R - 1 stream waits and
+R + 1 copies, each one driver call through ctypes (torch's copy_ and stream switches cost ~3x
+as much host time: the overlapped schedule is host-paced), no kernel.
 
 The buffer is allocated at the first exchange (collective), sized for the largest block seen or
 `reserve`d; a larger block later reallocates it after a device synchronization and a barrier.
@@ -65,6 +67,10 @@ def _driver():
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
             fn.restype = ctypes.c_int
             fns[name] = fn
+        fn = lib.cuMemcpyAsync  # (dst, src, bytes, stream): unified addresses, peer or local
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        fns["cuMemcpyAsync"] = fn
         err = lib.cuGetErrorString
         err.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         fns["error"] = err
@@ -72,14 +78,23 @@ def _driver():
     return _DRIVER
 
 
-def _call(name: str, stream: torch.cuda.Stream, addr: int, value: int, flags: int = 0) -> None:
-    d = _driver()
-    rc = d[name](stream.cuda_stream, addr, value & 0xFFFFFFFF, flags)
+def _check(name: str, rc: int) -> None:
     if rc:
         msg = ctypes.c_char_p()
-        d["error"](rc, ctypes.byref(msg))
+        _driver()["error"](rc, ctypes.byref(msg))
         raise RuntimeError(f"copy_engine transport: {name} failed with CUDA error {rc} "
                            f"({(msg.value or b'?').decode()})")
+
+
+def _call(name: str, stream: int, addr: int, value: int, flags: int = 0) -> None:
+    """A stream memory operation on the raw stream handle `stream`."""
+    _check(name, _driver()[name](stream, addr, value & 0xFFFFFFFF, flags))
+
+
+def _copy(stream: int, dst: int, src: int, nbytes: int) -> None:
+    """cudaMemcpyAsync by address (a peer or a local copy), without torch's per-op cost."""
+    if nbytes:
+        _check("cuMemcpyAsync", _driver()["cuMemcpyAsync"](dst, src, nbytes, stream))
 
 
 class CopyEngineExchange:
@@ -134,11 +149,6 @@ class CopyEngineExchange:
         self.hdl = symm_mem.rendezvous(self.buf, name)
         self.calls = 0
         self.peer_ptrs = list(self.hdl.buffer_ptrs)
-        slots = [self.hdl.get_buffer(p, (SLOTS, self.world, self.block), torch.uint8, FLAG_BYTES)
-                 for p in range(self.world)]
-        me = self.rank
-        self.to_peer = [[slots[p][s, me] for p in range(self.world)] for s in range(SLOTS)]  # my row in p's slot
-        self.from_peer = [[slots[me][s, p] for p in range(self.world)] for s in range(SLOTS)]  # p's row in mine
 
     def _flag(self, rank: int, slot: int, src: int) -> int:
         """Device address of rank `rank`'s ready[slot][src] flag."""
@@ -150,29 +160,29 @@ class CopyEngineExchange:
             raise ValueError(f"copy_engine exchange: expected CUDA uint8 [R * n, row bytes] with R = {R}, got "
                              f"{send.dtype} {tuple(send.shape)} on {send.device}")
         send = send.contiguous()
-        n = send.shape[0] // R
-        blk = n * send.shape[1]
+        blk = send.numel() // R
         if self.buf is None or blk > self.block:
             self._allocate(blk, send.device)
         k = self.calls
         self.calls += 1
         slot, gen = k % SLOTS, k // SLOTS + 1
         out = torch.empty_like(send)
-        blocks, out_blocks = send.view(R, blk), out.view(R, blk)
+        src, dst = send.data_ptr(), out.data_ptr()
+        base = FLAG_BYTES + slot * R * self.block  # this exchange's R blocks lie dense from here
         main = torch.cuda.current_stream(send.device)
         start = torch.cuda.Event()
         start.record(main)
         for i, st in enumerate(self.streams):  # peer p = me + 1 + i: each rank starts at a different peer
             p = (me + 1 + i) % R
             st.wait_event(start)
-            with torch.cuda.stream(st):
-                self.to_peer[slot][p][:blk].copy_(blocks[p])
-                _call("cuStreamWriteValue32", st, self._flag(p, slot, me), gen)
-        out_blocks[me].copy_(blocks[me])
-        for i in range(R - 1):  # in the order the peers send to this rank: p = me - 1, me - 2, ...
-            p = (me - 1 - i) % R
-            _call("cuStreamWaitValue32", main, self._flag(me, slot, p), gen, _GEQ)
-            out_blocks[p].copy_(self.from_peer[slot][p][:blk])
+            _copy(st.cuda_stream, self.peer_ptrs[p] + base + me * blk, src + p * blk, blk)
+            _call("cuStreamWriteValue32", st.cuda_stream, self._flag(p, slot, me), gen)
+        h = main.cuda_stream
+        for p in range(R):
+            if p != me:
+                _call("cuStreamWaitValue32", h, self._flag(me, slot, p), gen, _GEQ)
+        _copy(h, dst, self.peer_ptrs[me] + base, R * blk)  # all R blocks (row `me` of the slot is stale)
+        _copy(h, dst + me * blk, src + me * blk, blk)  # then the own block
         for st in self.streams:  # the send buffer is read until here
             main.wait_stream(st)
         return out
