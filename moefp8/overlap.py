@@ -30,8 +30,11 @@ starts late). The backward is one autograd node with this order written out (aut
 run the two micro-batches' nodes one after the other on one stream).
 
 On CUDA the communication stages run on a side stream and the layouts on another (one each per
-device), ordered against the compute stream by events; tensors crossing streams are handed over
-with `record_stream`. On the CPU (gloo) there are no streams: the same order runs serially.
+device, at high priority: SIDE_STREAM_PRIORITY), ordered against the compute stream by events;
+tensors crossing streams are handed over with `record_stream`. In the all_to_all capacity mode a
+dispatch's quantize and pack kernels run on the compute stream right behind its inputs and only
+its exchange and unpacking on the communication stream (`_Streams.packs_on_compute`); with
+`dispatch.transport=copy_engine` that exchange takes no SMs (dispatch/copy_engine.py). On the CPU (gloo) there are no streams: the same order runs serially.
 Either way the arithmetic is that of running the two micro-batches one after the other
 (`serialized`, the reference): outputs and gradients are bit-exact against it. Against the
 unsplit layer the weight gradients differ: their col-wise FP8 tiles (128 tokens of one expert)

@@ -4,7 +4,8 @@ overlapped schedule (moefp8.overlap) hides, on 2-4 GPUs.
     torchrun --standalone --nproc_per_node 4 tools/bench_overlap.py
     torchrun --standalone --nproc_per_node 2 tools/bench_overlap.py --smoke      # CPU, gloo
 
-Two units, fwd + bwd, FP8 recipe, all_to_all dispatch over NCCL, same inputs and routes:
+Two units, fwd + bwd, FP8 recipe, all_to_all dispatch (over NCCL; --transports copy_engine adds
+the capacity mode over the copy engines, dispatch/copy_engine.py), same inputs and routes:
   moe         the MoE layer alone (`OverlappedMoE`: the shared experts are all the compute there is
               to hide A's dispatch and B's combine behind);
   block       a transformer block, attention + MoE layer (`OverlappedBlock`: the other micro-batch's
