@@ -445,12 +445,6 @@ class AllToAllDispatcher:
             raise ValueError(f"combine: y has {y.shape[0]} rows, the dispatch received {handle.num_recv}")
         handle.check()
         with self._on_exchange_stream(y):
-            if isinstance(handle, CapacityHandle) and self.transport == "copy_engine":
-                if not y.is_cuda:
-                    raise ValueError(f"combine: transport='copy_engine' needs CUDA tensors, got {y.device}")
-                # the sum reads the peers' rows where they landed (no copy out of the exchange's buffer)
-                return self._copy_engine()(_as_bytes(y), lambda back: sum_over_ranks(back.view(y.dtype), handle.pos_TR,
-                                                                                     y.shape[1]))
             if isinstance(handle, CapacityHandle):
                 splits = [handle.cap + 1] * self.world
                 back = self._exchange(_as_bytes(y), splits, splits)

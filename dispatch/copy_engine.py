@@ -23,8 +23,7 @@ copies run on several copy engines at once), after an event on the calling strea
 of the send buffer to p's slot s at i * b (a peer write over NVLink), then write g into p's
 ready[s][i] (after the copy: stream order and the write's memory barrier). On the calling stream:
 wait until its own ready[s][p] >= g for every peer p, copy the slot's R blocks out into the
-result in one copy, then its own block over block i; finally wait for the side streams. A combine
-skips the copy out: its own block goes into the slot and its sum reads the slot in place.
+result in one copy, then its own block over block i; finally wait for the side streams.
 
 Why no "slot free" handshake: rank i writes p's slot s at exchange k only after its calling
 stream waited for p's ready flag of exchange k - 1, which p's side stream wrote after p's event
@@ -155,10 +154,7 @@ class CopyEngineExchange:
         """Device address of rank `rank`'s ready[slot][src] flag."""
         return self.peer_ptrs[rank] + 4 * (slot * self.world + src)
 
-    def __call__(self, send: Tensor, consume=None):
-        """-> the received blocks [R * n, row bytes], or, with `consume`, consume(them) read in place
-        from the slot (no copy out: the caller's reduction reads the peers' rows where they landed;
-        it must run on the current stream and keep no view of its argument)."""
+    def __call__(self, send: Tensor) -> Tensor:
         R, me = self.world, self.rank
         if not send.is_cuda or send.dtype != torch.uint8 or send.dim() != 2 or send.shape[0] % R:
             raise ValueError(f"copy_engine exchange: expected CUDA uint8 [R * n, row bytes] with R = {R}, got "
@@ -170,7 +166,8 @@ class CopyEngineExchange:
         k = self.calls
         self.calls += 1
         slot, gen = k % SLOTS, k // SLOTS + 1
-        src = send.data_ptr()
+        out = torch.empty_like(send)
+        src, dst = send.data_ptr(), out.data_ptr()
         base = FLAG_BYTES + slot * R * self.block  # this exchange's R blocks lie dense from here
         main = torch.cuda.current_stream(send.device)
         start = torch.cuda.Event()
@@ -184,14 +181,8 @@ class CopyEngineExchange:
         for p in range(R):
             if p != me:
                 _call("cuStreamWaitValue32", h, self._flag(me, slot, p), gen, _GEQ)
-        if consume is not None:  # the own block into the slot, then the caller reads all R there
-            _copy(h, self.peer_ptrs[me] + base + me * blk, src + me * blk, blk)
-            out = consume(self.buf[base:base + R * blk].view(send.shape))
-        else:
-            out = torch.empty_like(send)
-            dst = out.data_ptr()
-            _copy(h, dst, self.peer_ptrs[me] + base, R * blk)  # all R blocks (row `me` of the slot is stale)
-            _copy(h, dst + me * blk, src + me * blk, blk)  # then the own block
+        _copy(h, dst, self.peer_ptrs[me] + base, R * blk)  # all R blocks (row `me` of the slot is stale)
+        _copy(h, dst + me * blk, src + me * blk, blk)  # then the own block
         for st in self.streams:  # the send buffer is read until here
             main.wait_stream(st)
         return out
