@@ -57,7 +57,8 @@ dispatch(x [T, H], topk_idx [T, K] global ids, topk_w [T, K]), exact mode:
 Capacity mode: the same row format; one all_to_all_single of R x (cap + 1) rows
 (`kernels/pack.py:pack_capacity` packs them with the routes and the checks in one launch), or,
 with transport="copy_engine", the same exchange as NVLink peer copies (`copy_engine.py`): no
-kernel, so an overlapped GEMM keeps every SM (what NCCL's kernels cost it: bench/notes/overlap.md).
+kernel spinning on SMs while peers lag, which is what NCCL's kernels cost an overlapped
+persistent GEMM (bench/notes/overlap.md).
 
 combine(y [T_recv, H], handle): the reverse all_to_all of the rows (each already the weighted
 sum over this rank's local experts), then each token's rows are summed over source ranks in
@@ -197,8 +198,8 @@ class AllToAllDispatcher:
     mode: "exact", "capacity" (needs capacity) or "auto" (capacity on GPUs when there is one and
     the group has at most top-k ranks, else exact; decided per dispatch, the same on every rank).
     transport: how the bytes move: "collective" (`dist.all_to_all_single`: NCCL kernels on GPUs,
-    gloo on CPU) or "copy_engine" (`copy_engine.py`: NVLink peer copies that take no SMs, one
-    host, CUDA; the capacity mode only, so it makes "auto" capacity and refuses "exact")."""
+    gloo on CPU) or "copy_engine" (`copy_engine.py`: NVLink peer copies, no kernel waiting on
+    SMs; one host, CUDA; the capacity mode only, so it makes "auto" capacity and refuses "exact")."""
 
     communicates = True
 
