@@ -29,13 +29,14 @@ Why no "slot free" handshake: rank i writes p's slot s at exchange k only after 
 stream waited for p's ready flag of exchange k - 1, which p's side stream wrote after p's event
 at the start of exchange k - 1, which follows p's copies out of exchange k - 2 = the last use of
 slot s (S = 2). So every write into a slot happens after its previous contents were read, by
-the chain of waits the exchange has anyway. Every wait is for something every rank enqueues in
-the same exchange order (all ranks call `__call__` the same number of times with the same sizes:
+the chain of waits the exchange has anyway (each exchange's start also waits for the end of
+the one before, so this holds when callers switch streams between exchanges). Every wait is
+for something every rank enqueues in the same exchange order (all ranks call `__call__` the same number of times with the same sizes:
 capacity mode guarantees it), so no exchange waits on a later one. A rank that stops calling
 leaves its peers' streams waiting (no timeout: the host sees it at its next synchronization, as
 with a hung collective). Host cost, per exchange: R - 1 stream writes, R - 1 stream waits and
-R + 1 copies, each one driver call through ctypes (torch's copy_ and stream switches cost ~3x
-as much host time: the overlapped schedule is host-paced), no kernel.
+R + 1 copies, each one driver call through ctypes (no torch op or stream switch per copy: the
+overlapped schedule is host-paced), no kernel.
 
 The buffer is allocated at the first exchange (collective), sized for the largest block seen or
 `reserve`d; a larger block later reallocates it after a device synchronization and a barrier.
@@ -110,6 +111,7 @@ class CopyEngineExchange:
         self.calls = 0
         self.buf = self.hdl = None
         self.streams: list = []
+        self.done = None  # an event at the end of the last exchange, on the stream that ran it
 
     def reserve(self, block_bytes: int) -> None:
         """Size the buffer for blocks of at least this many bytes when it is (re)allocated (avoids a
@@ -118,7 +120,7 @@ class CopyEngineExchange:
 
     # ------------------------------------------------------------------------------------------
 
-    def _check_one_host(self, device: torch.device) -> None:
+    def _check_one_host(self) -> None:
         hosts = [None] * self.world
         dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         if len(set(hosts)) > 1:
@@ -130,7 +132,7 @@ class CopyEngineExchange:
         import torch.distributed._symmetric_memory as symm_mem
 
         if self.buf is None:
-            self._check_one_host(device)
+            self._check_one_host()
             self.streams = [torch.cuda.Stream(device) for _ in range(self.world - 1)]
         else:  # every rank reaches this exchange: nothing of the old buffer may be in flight anywhere
             torch.cuda.synchronize(device)
@@ -147,7 +149,7 @@ class CopyEngineExchange:
         self.buf[:FLAG_BYTES].zero_()
         torch.cuda.synchronize(device)  # the flags are zero before any peer can write them
         self.hdl = symm_mem.rendezvous(self.buf, name)
-        self.calls = 0
+        self.calls, self.done = 0, None
         self.peer_ptrs = list(self.hdl.buffer_ptrs)
 
     def _flag(self, rank: int, slot: int, src: int) -> int:
@@ -170,6 +172,8 @@ class CopyEngineExchange:
         src, dst = send.data_ptr(), out.data_ptr()
         base = FLAG_BYTES + slot * R * self.block  # this exchange's R blocks lie dense from here
         main = torch.cuda.current_stream(send.device)
+        if self.done is not None:  # the ordering argument needs exchange k - 1 done, whatever stream ran it
+            main.wait_event(self.done)
         start = torch.cuda.Event()
         start.record(main)
         for i, st in enumerate(self.streams):  # peer p = me + 1 + i: each rank starts at a different peer
@@ -185,4 +189,6 @@ class CopyEngineExchange:
         _copy(h, dst + me * blk, src + me * blk, blk)  # then the own block
         for st in self.streams:  # the send buffer is read until here
             main.wait_stream(st)
+        self.done = torch.cuda.Event()
+        self.done.record(main)
         return out

@@ -1,6 +1,6 @@
 """The copy-engine transport (dispatch/copy_engine.py) on 2 and 4 GPUs (marker `gpu`, NCCL groups
 for the reference): its exchange equals `dist.all_to_all_single` byte for byte over 200 exchanges
-of random sizes enqueued back to back with random per-rank delays (the slots are reused while peers
+of random sizes enqueued back to back on two streams with random per-rank delays (the slots are reused while peers
 lag behind, the buffer grows, empty blocks pass), and the all_to_all backend's capacity mode over it
 passes every data-movement check of the NCCL transport (test_all_to_all's `_check_dispatch`)."""
 
@@ -24,14 +24,16 @@ def _exchanges(rank, world, dev):
     sizes = [(5, 64), (0, 16), (3, 7296)] + [
         (int(torch.randint(0, 70, (), generator=shapes)), 16 * int(torch.randint(1, 64, (), generator=shapes)))
         for _ in range(196)] + [(40, 16 * 1024)]  # the last one grows the buffer after 199 exchanges
-    with torch.cuda.stream(side):
-        for n, nb in sizes:
+    main = torch.cuda.current_stream()
+    for i, (n, nb) in enumerate(sizes):
+        st = main if i % 10 == 9 else side  # now and then another stream, unsynchronized (all tensors stay alive)
+        with torch.cuda.stream(st):
             send = torch.randint(0, 256, (world * n, nb), dtype=torch.uint8, device=dev, generator=data)
             if torch.rand((), generator=delays) < 0.3:
                 torch.cuda._sleep(int(torch.randint(0, 2_000_000, (), generator=delays)))  # ~0-1 ms
             sends.append(send)
             outs.append(ce(send))
-    torch.cuda.current_stream().wait_stream(side)
+    main.wait_stream(side)
     for i, (send, out) in enumerate(zip(sends, outs)):
         want = torch.empty_like(send)
         dist.all_to_all_single(want, send)
