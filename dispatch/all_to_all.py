@@ -337,6 +337,23 @@ class AllToAllDispatcher:
             self._ce = CopyEngineExchange(self.group)
         return self._ce
 
+    def _send_buffer(self, rows: int, nb: int, device) -> Tensor | None:
+        """Where the capacity mode's pack writes its send buffer: the copy engines' send slot (then
+        nothing is staged), else None (a new tensor)."""
+        if self.transport != "copy_engine" or device.type != "cuda":
+            return None
+        return self._copy_engine().send_buffer(rows, nb, device)
+
+    def combine_buffer(self, handle, C: int, device) -> Tensor | None:
+        """A bf16 [T_recv, C] to write the next combine's input y into (`unpermute_combine(out=)`),
+        or None (then y is any tensor). With transport='copy_engine' it is the exchange's send
+        slot: the combine then moves y without staging it. Call it right before making y, and
+        pass y to the next combine on every rank (the slots are reserved in call order)."""
+        if not isinstance(handle, CapacityHandle):
+            return None
+        buf = self._send_buffer(handle.num_recv, 2 * C, device)
+        return None if buf is None else buf.view(torch.bfloat16)
+
     def _exchange(self, send: Tensor, send_splits, recv_splits) -> Tensor:
         if self.transport == "copy_engine":  # capacity mode: equal splits
             if not send.is_cuda:
@@ -365,7 +382,9 @@ class AllToAllDispatcher:
             handle.check()
             if isinstance(handle, CapacityHandle):
                 R, cap = self.world, handle.cap
-                send = pack_capacity_cached(x, handle.pos_TR, cap, row_bytes(H, None, payload), _SCALES[payload])
+                nb = row_bytes(H, None, payload)
+                send = pack_capacity_cached(x, handle.pos_TR, cap, nb, _SCALES[payload],
+                                            out=self._send_buffer(R * (cap + 1), nb, x.data.device))
                 with self._on_exchange_stream(send):
                     recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
                     xr, _, _ = self._unpack(recv, H, None, payload)
@@ -422,10 +441,11 @@ class AllToAllDispatcher:
         # One launch: routes, local ids, positions, the checks into each block's header, the send
         # buffer; then the exchange of fixed blocks. No host sync: the headers are read when the
         # handle is first used (a bad input on any rank makes every rank raise there).
-        send, pos_TR = pack_capacity(x, topk_idx, topk_w, self.num_experts, R, cap, nb, _SCALES[payload],
-                                     check_scales=payload == "fp8-pow2")
         if self.transport == "copy_engine":  # its buffer sized for this dispatch's combine too (BF16 rows)
             self._copy_engine().reserve((cap + 1) * max(nb, 2 * H))
+        send, pos_TR = pack_capacity(x, topk_idx, topk_w, self.num_experts, R, cap, nb, _SCALES[payload],
+                                     check_scales=payload == "fp8-pow2",
+                                     out=self._send_buffer(R * (cap + 1), nb, topk_idx.device))
         with self._on_exchange_stream(send):
             recv = self._exchange(send, [cap + 1] * R, [cap + 1] * R)
             xr, w, local = self._unpack(recv, H, K, payload)

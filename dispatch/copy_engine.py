@@ -8,38 +8,42 @@ tiles) that cannot place its CTA on those SMs ends that much later: at EP4 on H2
 communication stayed exposed however its SMs were capped (bench/notes/overlap.md, session 17).
 Here the bytes move by `cudaMemcpyAsync` between peer-mapped buffers (the copy engines) and the
 ranks synchronize with `cuStreamWaitValue32` / `cuStreamWriteValue32` on flags in the same
-buffers: a waiting stream holds no SM, it is parked in the GPU's front end. The local copies
-(the own block, each received block out of the slot) are the driver's device-to-device copies:
-those do run on SMs (in a trace they crawl under a persistent GEMM); they move each received byte
-once more, quickly when the calling stream has a high priority (moefp8.overlap.SIDE_STREAM_PRIORITY).
+buffers: a waiting stream holds no SM, it is parked in the GPU's front end.
+
+Pull, not push: each rank's send blocks lie in its own slot of a buffer every peer maps, and each
+receiver copies its block out of every peer's slot straight into its result (a peer read over
+NVLink, on a copy engine). The one same-device copy left is the own block (1/R of the bytes):
+same-device copies are the driver's copy kernels, which run on SMs and crawl under a persistent
+GEMM (session 18 pushed into the peers' slots and copied each slot out again on SMs, 1.25x the
+received bytes). A producer can write its send rows into the slot directly (`send_buffer`: the
+dispatch's pack kernels, the combine's input), so nothing is staged; any other tensor is copied
+into a slot first (a same-device copy of the whole send buffer).
 
 The buffer (torch symmetric memory, one per group, mapped into every peer) per rank:
 
-    | ready flags int32 [S, R], padded to 4 KiB | slots uint8 [S, R * block bytes] |
+    | ready int32 [S, R], pulled int32 [S, R] (padded to 4 KiB) | slots uint8 [S, R * block bytes] |
 
 Exchange k (blocks of b bytes) uses slot s = k % S, generation g = k // S + 1 (S = 2 slots), its
-R blocks dense at the slot's start. Rank i, for each peer p, on one side stream per peer (the
-copies run on several copy engines at once), after an event on the calling stream: copy block p
-of the send buffer to p's slot s at i * b (a peer write over NVLink), then write g into p's
-ready[s][i] (after the copy: stream order and the write's memory barrier). On the calling stream:
-wait until its own ready[s][p] >= g for every peer p, copy the slot's R blocks out into the
-result in one copy, then its own block over block i; finally wait for the side streams.
+R send blocks dense at the slot's start (block p for rank p). Rank i:
+  * before its producer writes slot s (`send_buffer`, on the producer's stream): wait until every
+    peer p's pulled[s][p] >= g - 1 (they copied exchange k - S out of the slot) and for its own
+    read of exchange k - S (an event);
+  * exchange, on the calling stream (after the producer): write g into every peer p's
+    ready[s][i]; then on one side stream per peer p (the copies run on several copy engines at
+    once): wait until its own ready[s][p] >= g, copy block i of p's slot s into row block p of
+    the result, write g into p's pulled[s][i]; on the calling stream: copy its own block, then
+    wait for the side streams.
+Every wait is for something every rank enqueues in the same exchange order (all ranks reserve
+and exchange the same number of times with the same sizes: the capacity mode guarantees it), and
+a slot is reserved again (k + S) only once exchange k was enqueued (checked: `send_buffer` raises
+otherwise), so no wait depends on a later exchange. A rank that stops calling leaves its peers'
+streams waiting (no timeout: the host sees it at its next synchronization, as with a hung
+collective). Host cost per exchange: 3(R - 1) stream memory operations, R copies, one driver
+call each through ctypes (no torch op per copy: the overlapped schedule is host-paced), no kernel.
 
-Why no "slot free" handshake: rank i writes p's slot s at exchange k only after its calling
-stream waited for p's ready flag of exchange k - 1, which p's side stream wrote after p's event
-at the start of exchange k - 1, which follows p's copies out of exchange k - 2 = the last use of
-slot s (S = 2). So every write into a slot happens after its previous contents were read, by
-the chain of waits the exchange has anyway (each exchange's start also waits for the end of
-the one before, so this holds when callers switch streams between exchanges). Every wait is
-for something every rank enqueues in the same exchange order (all ranks call `__call__` the same number of times with the same sizes:
-capacity mode guarantees it), so no exchange waits on a later one. A rank that stops calling
-leaves its peers' streams waiting (no timeout: the host sees it at its next synchronization, as
-with a hung collective). Host cost, per exchange: R - 1 stream writes, R - 1 stream waits and
-R + 1 copies, each one driver call through ctypes (no torch op or stream switch per copy: the
-overlapped schedule is host-paced), no kernel.
-
-The buffer is allocated at the first exchange (collective), sized for the largest block seen or
-`reserve`d; a larger block later reallocates it after a device synchronization and a barrier.
+The buffer is allocated at the first reservation (collective), sized for the largest block seen
+or `reserve`d; a larger block later reallocates it after a device synchronization and a barrier
+(with no reservation outstanding).
 """
 
 import ctypes
@@ -51,14 +55,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 SLOTS = 2
-FLAG_BYTES = 4096  # the ready flags, ahead of the slots (keeps the slots 4 KiB-aligned)
+FLAG_BYTES = 4096  # the flags, ahead of the slots (keeps the slots 4 KiB-aligned)
 _GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _DRIVER = None
 
 
 def _driver():
     """libcuda's stream memory operations (the _v2 entry points, always available on sm70+ since
-    CUDA 11.7) through ctypes: torch has no wait-value binding."""
+    CUDA 11.7) and cuMemcpyAsync through ctypes: torch has no wait-value binding."""
     global _DRIVER
     if _DRIVER is None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -101,17 +105,20 @@ def _copy(stream: int, dst: int, src: int, nbytes: int) -> None:
 class CopyEngineExchange:
     """``exchange(send)``: uint8 [R * n, row bytes] (block p for rank p of `group`) -> the same shape,
     block p from rank p: `dist.all_to_all_single` with equal splits, on the copy engines.
-    Enqueued on the current stream (and one side stream per peer), no host synchronization."""
+    ``send_buffer(rows, row_bytes)`` gives the next exchange's send slot to write `send` into
+    (then nothing is staged). Enqueued on the current stream (and one side stream per peer), no
+    host synchronization."""
 
     def __init__(self, group=None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.block = 0  # bytes per (slot, source rank)
+        self.block = 0  # bytes per (slot, destination rank)
         self.reserved = 0
-        self.calls = 0
+        self.calls = 0  # exchanges reserved so far (k of the next one)
+        self.pending: dict[int, tuple] = {}  # k -> (slot address, bytes) reserved, not yet exchanged
+        self.read = [None] * SLOTS  # per slot: an event after the own block's copy out of it
         self.buf = self.hdl = None
         self.streams: list = []
-        self.done = None  # an event at the end of the last exchange, on the stream that ran it
 
     def reserve(self, block_bytes: int) -> None:
         """Size the buffer for blocks of at least this many bytes when it is (re)allocated (avoids a
@@ -131,6 +138,10 @@ class CopyEngineExchange:
     def _allocate(self, block: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        if self.pending:
+            raise RuntimeError(f"copy_engine exchange: a block of {block} bytes needs a larger buffer, but send "
+                               f"buffers {sorted(self.pending)} are reserved and not exchanged yet: reserve() the "
+                               f"largest block before the first exchange")
         if self.buf is None:
             self._check_one_host()
             self.streams = [torch.cuda.Stream(device) for _ in range(self.world - 1)]
@@ -149,46 +160,80 @@ class CopyEngineExchange:
         self.buf[:FLAG_BYTES].zero_()
         torch.cuda.synchronize(device)  # the flags are zero before any peer can write them
         self.hdl = symm_mem.rendezvous(self.buf, name)
-        self.calls, self.done = 0, None
+        self.calls, self.read = 0, [None] * SLOTS
         self.peer_ptrs = list(self.hdl.buffer_ptrs)
 
-    def _flag(self, rank: int, slot: int, src: int) -> int:
-        """Device address of rank `rank`'s ready[slot][src] flag."""
-        return self.peer_ptrs[rank] + 4 * (slot * self.world + src)
+    def _flag(self, rank: int, kind: int, slot: int, src: int) -> int:
+        """Device address of rank `rank`'s flag `kind` (0 ready, 1 pulled) [slot][src]."""
+        return self.peer_ptrs[rank] + 4 * ((kind * SLOTS + slot) * self.world + src)
+
+    def _slot(self, rank: int, slot: int) -> int:
+        return self.peer_ptrs[rank] + FLAG_BYTES + slot * self.world * self.block
+
+    def _claim(self, blk: int, device: torch.device) -> int:
+        """The next exchange's index k; its slot is writable on the current stream from here."""
+        if self.buf is None or blk > self.block:
+            self._allocate(blk, device)
+        k = self.calls
+        if k - SLOTS in self.pending:
+            raise RuntimeError(f"copy_engine exchange: send buffer {k} reuses the slot of send buffer {k - SLOTS}, "
+                               f"which was reserved but never exchanged (at most {SLOTS} reservations may be "
+                               f"outstanding)")
+        self.calls += 1
+        slot, gen = k % SLOTS, k // SLOTS + 1
+        cur = torch.cuda.current_stream(device)
+        if self.read[slot] is not None:
+            cur.wait_event(self.read[slot])
+        if gen > 1:
+            for p in range(self.world):
+                if p != self.rank:
+                    _call("cuStreamWaitValue32", cur.cuda_stream, self._flag(self.rank, 1, slot, p), gen - 1, _GEQ)
+        self.pending[k] = (self._slot(self.rank, slot), self.world * blk)
+        return k
+
+    def send_buffer(self, rows: int, row_bytes: int, device: torch.device) -> Tensor:
+        """uint8 [rows, row_bytes] (rows a multiple of R): the next exchange's send slot, writable on
+        the current stream. Write the send buffer into it and pass it to the exchange (in the same
+        order on every rank); the slot is reused two reservations later."""
+        if rows % self.world:
+            raise ValueError(f"copy_engine send_buffer: {rows} rows do not split into {self.world} equal blocks")
+        k = self._claim(rows // self.world * row_bytes, device)
+        off = self.pending[k][0] - self.peer_ptrs[self.rank]
+        return self.buf[off:off + rows * row_bytes].view(rows, row_bytes)
 
     def __call__(self, send: Tensor) -> Tensor:
         R, me = self.world, self.rank
         if not send.is_cuda or send.dtype != torch.uint8 or send.dim() != 2 or send.shape[0] % R:
             raise ValueError(f"copy_engine exchange: expected CUDA uint8 [R * n, row bytes] with R = {R}, got "
                              f"{send.dtype} {tuple(send.shape)} on {send.device}")
-        send = send.contiguous()
         blk = send.numel() // R
-        if self.buf is None or blk > self.block:
-            self._allocate(blk, send.device)
-        k = self.calls
-        self.calls += 1
+        k = next((k for k, (ptr, n) in self.pending.items()  # an empty view's data_ptr() is 0: any empty slot
+                  if n == send.numel() and (n == 0 or ptr == send.data_ptr())), None)
+        if k is None:  # not written into a slot: stage it
+            send = send.contiguous()
+            k = self._claim(blk, send.device)
+            _copy(torch.cuda.current_stream(send.device).cuda_stream, self.pending[k][0], send.data_ptr(), R * blk)
+        del self.pending[k]
         slot, gen = k % SLOTS, k // SLOTS + 1
         out = torch.empty_like(send)
-        src, dst = send.data_ptr(), out.data_ptr()
-        base = FLAG_BYTES + slot * R * self.block  # this exchange's R blocks lie dense from here
+        dst = out.data_ptr()
         main = torch.cuda.current_stream(send.device)
-        if self.done is not None:  # the ordering argument needs exchange k - 1 done, whatever stream ran it
-            main.wait_event(self.done)
-        start = torch.cuda.Event()
+        h = main.cuda_stream
+        for i in range(1, R):  # the send blocks are written: tell every peer
+            p = (me + i) % R
+            _call("cuStreamWriteValue32", h, self._flag(p, 0, slot, me), gen)
+        start = torch.cuda.Event()  # `out` is the calling stream's from here
         start.record(main)
         for i, st in enumerate(self.streams):  # peer p = me + 1 + i: each rank starts at a different peer
             p = (me + 1 + i) % R
+            s = st.cuda_stream
             st.wait_event(start)
-            _copy(st.cuda_stream, self.peer_ptrs[p] + base + me * blk, src + p * blk, blk)
-            _call("cuStreamWriteValue32", st.cuda_stream, self._flag(p, slot, me), gen)
-        h = main.cuda_stream
-        for p in range(R):
-            if p != me:
-                _call("cuStreamWaitValue32", h, self._flag(me, slot, p), gen, _GEQ)
-        _copy(h, dst, self.peer_ptrs[me] + base, R * blk)  # all R blocks (row `me` of the slot is stale)
-        _copy(h, dst + me * blk, src + me * blk, blk)  # then the own block
-        for st in self.streams:  # the send buffer is read until here
+            _call("cuStreamWaitValue32", s, self._flag(me, 0, slot, p), gen, _GEQ)
+            _copy(s, dst + p * blk, self._slot(p, slot) + me * blk, blk)
+            _call("cuStreamWriteValue32", s, self._flag(p, 1, slot, me), gen)
+        _copy(h, dst + me * blk, self._slot(me, slot) + me * blk, blk)
+        self.read[slot] = torch.cuda.Event()
+        self.read[slot].record(main)
+        for st in self.streams:
             main.wait_stream(st)
-        self.done = torch.cuda.Event()
-        self.done.record(main)
         return out

@@ -340,6 +340,16 @@ def _pack_capacity_cached_kernel(pos_ptr, x_ptr, s_ptr, out_ptr, T, CAP, R, DATA
                           stride_s, SCALES, G_PAD, BLOCK)
 
 
+def _send_out(out: Tensor | None, rows: int, row_bytes: int, dev, alloc: bool) -> Tensor | None:
+    """The send buffer to write: `out` checked, or a new one (None for the references, which make their own)."""
+    if out is None:
+        return torch.empty(rows, row_bytes, dtype=torch.uint8, device=dev) if alloc else None
+    if out.shape != (rows, row_bytes) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"pack: out must be a contiguous uint8 [{rows}, {row_bytes}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out
+
+
 def _payload_args(x):
     """(int32 words [T, W] of the data, fp32 scales [T, G] or the words again, G)."""
     fp8 = isinstance(x, Fp8Tensor)
@@ -354,7 +364,8 @@ def _payload_args(x):
 
 
 def pack_capacity(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: int, cap: int, row_bytes: int,
-                  scales: str, check_scales: bool = False, impl: str | None = None) -> tuple[Tensor, Tensor]:
+                  scales: str, check_scales: bool = False, impl: str | None = None,
+                  out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The fixed-capacity send buffer of one dispatch, with its routes and checks, in one launch.
 
     x "1x128" Fp8Tensor [T, H] or bf16 [T, H]; topk_idx int [T, K] global ids (-1: none); topk_w
@@ -366,12 +377,14 @@ def pack_capacity(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: 
     cap (value T; only the first cap tokens are sent), 1 an expert id outside [-1, E) (value: the
     largest), 2 (check_scales) a scale that is not a positive power of two, 0 none; the same in
     every block. pos_TR[t, r]: the row of (t, r) in the send buffer (and in the combine's return
-    buffer), -1 where t is not sent to r (and for t >= cap)."""
+    buffer), -1 where t is not sent to r (and for t >= cap). out: uint8 [R * (cap + 1), row_bytes] to
+    write the send buffer into (e.g. a transport's send slot), else a new tensor."""
     T, K = topk_idx.shape
+    out = _send_out(out, world * (cap + 1), row_bytes, topk_idx.device, use_triton(topk_idx, impl))
     if not use_triton(topk_idx, impl):
-        return pack_capacity_ref(x, topk_idx, topk_w, num_experts, world, cap, row_bytes, scales, check_scales)
+        send, pos = pack_capacity_ref(x, topk_idx, topk_w, num_experts, world, cap, row_bytes, scales, check_scales)
+        return (send if out is None else out.copy_(send)), pos
     dev = topk_idx.device
-    out = torch.empty(world * (cap + 1), row_bytes, dtype=torch.uint8, device=dev)
     # the kernel writes pos for t < cap; past cap (an error, reported in the header) they stay -1
     pos = torch.full((T, world), -1, dtype=torch.int32, device=dev) if T > cap else \
         torch.empty(T, world, dtype=torch.int32, device=dev)
@@ -385,15 +398,17 @@ def pack_capacity(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: 
     return out, pos
 
 
-def pack_capacity_cached(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: str, impl: str | None = None) -> Tensor:
+def pack_capacity_cached(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: str, impl: str | None = None,
+                         out: Tensor | None = None) -> Tensor:
     """The send buffer of a dispatch that reuses the routes of an earlier `pack_capacity`: row
     pos_TR[t, r] holds token t's data and scales (| data | scales |, no routing fields); the other
-    rows are left unwritten. -> uint8 [R * (cap + 1), row_bytes]."""
+    rows are left unwritten. -> uint8 [R * (cap + 1), row_bytes] (written into `out` if given)."""
     T, R = pos_TR.shape
     data = x.data if isinstance(x, Fp8Tensor) else x
+    out = _send_out(out, R * (cap + 1), row_bytes, data.device, use_triton(data, impl))
     if not use_triton(data, impl):
-        return pack_capacity_cached_ref(x, pos_TR, cap, row_bytes, scales)
-    out = torch.empty(R * (cap + 1), row_bytes, dtype=torch.uint8, device=data.device)
+        send = pack_capacity_cached_ref(x, pos_TR, cap, row_bytes, scales)
+        return send if out is None else out.copy_(send)
     words, sc, G = _payload_args(x)
     if min(T, cap) == 0:
         return out

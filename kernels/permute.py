@@ -266,14 +266,21 @@ def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -
     return out
 
 
-def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: str | None = None) -> Tensor:
+def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: str | None = None,
+                      out: Tensor | None = None) -> Tensor:
     """y [M, H] (bf16) -> out [T, H] bf16, out[t] = sum_k w[t, k] * y[row[t, k]] summed in fp32
-    in slot order. Padding rows are never read."""
+    in slot order. Padding rows are never read. out: a bf16 [T, H] with unit column stride to write
+    into (e.g. a transport's send slot), else a new tensor."""
     T, K = layout.row_TK.shape
     H = y_MH.shape[1]
+    if out is not None and (out.shape != (T, H) or out.dtype != torch.bfloat16 or (T and H and out.stride(1) != 1)):
+        raise ValueError(f"unpermute_combine: out must be bf16 [{T}, {H}] with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
     if not use_triton(y_MH, impl):
-        return unpermute_combine_ref(y_MH, layout, w_TK)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=y_MH.device)
+        ref = unpermute_combine_ref(y_MH, layout, w_TK)
+        return ref if out is None else out.copy_(ref)
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=y_MH.device)
     if T:
         BLOCK_H = min(1024, triton.next_power_of_2(H))
         _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y_MH, layout.row_TK, w_TK.float().contiguous(), out, H,

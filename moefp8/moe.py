@@ -87,6 +87,13 @@ def restore(ctx) -> tuple[list[Saved], tuple]:
 # Stages marked (comm) only communicate or do small bookkeeping.
 
 
+def combine_buffer(layer, handle, rows_MH: Tensor) -> Tensor | None:
+    """Where to write the next combine's bf16 input (the dispatcher's send buffer, so that its
+    transport moves it without staging it; `AllToAllDispatcher.combine_buffer`), or None."""
+    fn = getattr(layer.dispatcher, "combine_buffer", None)
+    return fn(handle, rows_MH.shape[1], rows_MH.device) if fn is not None and rows_MH.dtype == torch.bfloat16 else None
+
+
 def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
     """(comm) quantize (FP8 recipe) and dispatch -> Dispatched. The quantization is the one
     compute kernel here: it must happen before the rows leave (DESIGN.md §1)."""
@@ -119,7 +126,7 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
         y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
         saved = Saved((d.x, None), (h, None), (y if want_dw else None, None), d.topk_w, L, d.handle)
     with record_function("combine"):
-        return unpermute_combine(y, L, d.topk_w), saved
+        return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer, d.handle, y)), saved
 
 
 def bwd_dispatch(layer, dout: Tensor, s: Saved):
@@ -162,7 +169,7 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
     dx_rows = None
     if dxp is not None:  # sum each token's rows (their weights are already in dy)
         with record_function("bwd_unpermute"):
-            dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK))
+            dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK), out=combine_buffer(layer, s.handle, dxp))
     return dx_rows, dw, dw1, dw2
 
 

@@ -104,6 +104,10 @@ class Replay:
     def exchange_stream(self, s):
         self.real.exchange_stream = s
 
+    def combine_buffer(self, *a, **k):  # a send slot of the real transport while recording, else none
+        fn = getattr(self.real, "combine_buffer", None)
+        return fn(*a, **k) if self.recording and fn is not None else None
+
     def dispatch(self, *a, **k):
         return self._call("dispatch", *a, **k)
 

@@ -130,7 +130,8 @@ def _check_dispatch(rank, world, dev, T_r, E, K, case, mode, transport="collecti
         assert torch.equal(db.x[sent], want[:, None].expand(-1, H))
         # combine: each rank returns its rows times (rank + 1); token t sums them over ranks in rank order
         y = (d.x.dequantize() * (rank + 1)).bfloat16()
-        out = disp.combine(y, d.handle)
+        buf = disp.combine_buffer(d.handle, H, y.device)  # copy engines: y made in their send slot
+        out = disp.combine(y if buf is None else buf.copy_(y), d.handle)
         want = torch.zeros(T_r[rank], H, device=dev)
         for r in range(world):
             lo, hi = r * (E // world), (r + 1) * (E // world)

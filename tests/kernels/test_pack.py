@@ -142,10 +142,20 @@ def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
     on_r = ((idx[:n, None, :] >= r[None, :, None] * El) & (idx[:n, None, :] < (r[None, :, None] + 1) * El)).any(-1)
     rows = r[None, :] * (cap + 1) + torch.arange(n, device=idx.device)[:, None]
     assert torch.equal(wpos[:n].long(), torch.where(on_r, rows, -1)) and torch.all(wpos[n:] == -1)
+    # out=: the same bytes written into a given buffer (a transport's send slot), returned as is
+    out = torch.full((R * (cap + 1), nb), 0xAB, dtype=torch.uint8, device=idx.device)
+    got2, gpos2 = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl, out=out)
+    assert got2.data_ptr() == out.data_ptr() and torch.equal(gpos2, wpos)
+    assert torch.equal(got2[:, :8 * K], want[:, :8 * K]) and torch.equal(got2[sent, :used], want[sent, :used])
+    with pytest.raises(ValueError, match=r"out must be a contiguous uint8 \[%d, %d\]" % (R * (cap + 1), nb)):
+        P.pack_capacity(x, idx, w, E, R, cap, nb, scales, impl=impl, out=out[:, :-16])
     nb0 = row_bytes(H, None, payload)
     got = P.pack_capacity_cached(x, gpos, cap, nb0, scales, impl=impl)
     want = P.pack_capacity_cached_ref(x, gpos, cap, nb0, scales)
     assert torch.equal(got[sent, :used - 8 * K], want[sent, :used - 8 * K])
+    out = torch.full((R * (cap + 1), nb0), 0xAB, dtype=torch.uint8, device=idx.device)
+    got2 = P.pack_capacity_cached(x, gpos, cap, nb0, scales, impl=impl, out=out)
+    assert got2.data_ptr() == out.data_ptr() and torch.equal(got2[sent, :used - 8 * K], want[sent, :used - 8 * K])
     # input errors land in every block's header: the largest bad id, else a non-pow2 scale
     if T and payload == "fp8-pow2":
         bad_idx = idx.clone()

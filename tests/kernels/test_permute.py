@@ -166,6 +166,15 @@ def _compare_all(T, K, E, kind, H, device, exact: bool):
     assert torch.allclose(dw_a, dw_b, rtol=1e-5, atol=1e-5 * scale + 1e-30)
     _, dw_only = P.combine_backward(dz, y, L, w, want_dy=False, impl="triton")
     assert torch.equal(dw_only, dw_a)
+    # out=: written into a given buffer (a transport's send slot: a view into a larger byte buffer)
+    for impl in ("triton", None):
+        raw = torch.full((T * H * 2 + 64,), 0xAB, dtype=torch.uint8, device=device)
+        out = raw[32:32 + T * H * 2].view(torch.bfloat16).view(T, H)
+        got = P.unpermute_combine(y, L, w, impl=impl, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(got, a if impl else P.unpermute_combine(y, L, w))
+        assert torch.all(raw[:32] == 0xAB) and torch.all(raw[32 + T * H * 2:] == 0xAB)
+    with pytest.raises(ValueError, match=r"out must be bf16 \[%d, %d\]" % (T, H)):
+        P.unpermute_combine(y, L, w, impl="triton", out=torch.empty(T + 1, H, dtype=torch.bfloat16, device=device))
 
 
 @pytest.mark.interp
