@@ -16,7 +16,8 @@ Per unit:
   t_serial    the serialized two micro-batch schedule (A then B on one stream): overlap's reference;
   t_on        the overlapped schedule;
   t_comm      its communication alone: the dispatches and combines of both micro-batches, forward
-              and backward, back to back (no compute);
+              and backward, back to back (no compute; each combine's input where the step makes it,
+              i.e. in the copy engines' send slot: nothing staged);
   t_compute   the overlapped step with its exchanges replayed from a recording (`Replay`: the
               same rows and routes, no communication);
   exposed     (t_on - t_compute) / t_comm; hidden = 1 - exposed (the JSON also keeps the earlier
@@ -195,12 +196,16 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
             dw = torch.zeros(d.topk_w.shape, dtype=torch.float32, device=x.device)
             parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
 
+    def made_in_place(z, h):  # where the step's unpermute writes the combine's input (copy engines: the
+        buf = disp.combine_buffer(h, z.shape[1], z.device) if hasattr(disp, "combine_buffer") else None
+        return z if buf is None else buf  # send slot, so nothing is staged; its contents do not matter here)
+
     def comm():
         for x8, g8, idx, w, z, dw in parts:
             h = disp.dispatch(x8, idx, w).handle
-            disp.combine(z, h)
+            disp.combine(made_in_place(z, h), h)
             disp.dispatch(g8, handle=h)
-            disp.combine(z, h)
+            disp.combine(made_in_place(z, h), h)
             disp.combine(dw, h)
 
     out["t_comm"] = timed(comm, warmup, iters, dev)
