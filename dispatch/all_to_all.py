@@ -348,7 +348,7 @@ class AllToAllDispatcher:
         """A bf16 [T_recv, C] to write the next combine's input y into (`unpermute_combine(out=)`),
         or None (then y is any tensor). With transport='copy_engine' it is the exchange's send
         slot: the combine then moves y without staging it. Call it right before making y, and
-        pass y to the next combine on every rank (the slots are reserved in call order)."""
+        pass y to the next combine on every rank (the slots are claimed in call order)."""
         if not isinstance(handle, CapacityHandle):
             return None
         buf = self._send_buffer(handle.num_recv, 2 * C, device)
