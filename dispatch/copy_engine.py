@@ -33,17 +33,17 @@ R send blocks dense at the slot's start (block p for rank p). Rank i:
     once): wait until its own ready[s][p] >= g, copy block i of p's slot s into row block p of
     the result, write g into p's pulled[s][i]; on the calling stream: copy its own block, then
     wait for the side streams.
-Every wait is for something every rank enqueues in the same exchange order (all ranks reserve
+Every wait is for something every rank enqueues in the same exchange order (all ranks claim
 and exchange the same number of times with the same sizes: the capacity mode guarantees it), and
-a slot is reserved again (k + S) only once exchange k was enqueued (checked: `send_buffer` raises
+a slot is claimed again (k + S) only once exchange k was enqueued (checked: `send_buffer` raises
 otherwise), so no wait depends on a later exchange. A rank that stops calling leaves its peers'
 streams waiting (no timeout: the host sees it at its next synchronization, as with a hung
 collective). Host cost per exchange: 3(R - 1) stream memory operations, R copies, one driver
 call each through ctypes (no torch op per copy: the overlapped schedule is host-paced), no kernel.
 
-The buffer is allocated at the first reservation (collective), sized for the largest block seen
+The buffer is allocated at the first claim (collective), sized for the largest block seen
 or `reserve`d; a larger block later reallocates it after a device synchronization and a barrier
-(with no reservation outstanding).
+(with no claim outstanding).
 """
 
 import ctypes
@@ -114,8 +114,8 @@ class CopyEngineExchange:
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.block = 0  # bytes per (slot, destination rank)
         self.reserved = 0
-        self.calls = 0  # exchanges reserved so far (k of the next one)
-        self.pending: dict[int, tuple] = {}  # k -> (slot address, bytes) reserved, not yet exchanged
+        self.calls = 0  # send slots claimed so far (k of the next exchange)
+        self.pending: dict[int, tuple] = {}  # k -> (slot address, bytes) claimed, not yet exchanged
         self.read = [None] * SLOTS  # per slot: an event after the own block's copy out of it
         self.buf = self.hdl = None
         self.streams: list = []
@@ -140,7 +140,7 @@ class CopyEngineExchange:
 
         if self.pending:
             raise RuntimeError(f"copy_engine exchange: a block of {block} bytes needs a larger buffer, but send "
-                               f"buffers {sorted(self.pending)} are reserved and not exchanged yet: reserve() the "
+                               f"buffers {sorted(self.pending)} are claimed and not exchanged yet: reserve() the "
                                f"largest block before the first exchange")
         if self.buf is None:
             self._check_one_host()
@@ -177,8 +177,7 @@ class CopyEngineExchange:
         k = self.calls
         if k - SLOTS in self.pending:
             raise RuntimeError(f"copy_engine exchange: send buffer {k} reuses the slot of send buffer {k - SLOTS}, "
-                               f"which was reserved but never exchanged (at most {SLOTS} reservations may be "
-                               f"outstanding)")
+                               f"which was claimed but never exchanged (at most {SLOTS} claims may be outstanding)")
         self.calls += 1
         slot, gen = k % SLOTS, k // SLOTS + 1
         cur = torch.cuda.current_stream(device)
@@ -194,7 +193,7 @@ class CopyEngineExchange:
     def send_buffer(self, rows: int, row_bytes: int, device: torch.device) -> Tensor:
         """uint8 [rows, row_bytes] (rows a multiple of R): the next exchange's send slot, writable on
         the current stream. Write the send buffer into it and pass it to the exchange (in the same
-        order on every rank); the slot is reused two reservations later."""
+        order on every rank); the slot is claimed again two claims later."""
         if rows % self.world:
             raise ValueError(f"copy_engine send_buffer: {rows} rows do not split into {self.world} equal blocks")
         k = self._claim(rows // self.world * row_bytes, device)
