@@ -34,7 +34,8 @@ device, at high priority: SIDE_STREAM_PRIORITY), ordered against the compute str
 tensors crossing streams are handed over with `record_stream`. In the all_to_all capacity mode a
 dispatch's quantize and pack kernels run on the compute stream right behind its inputs and only
 its exchange and unpacking on the communication stream (`_Streams.packs_on_compute`); with
-`dispatch.transport=copy_engine` that exchange takes no SMs (dispatch/copy_engine.py). On the CPU (gloo) there are no streams: the same order runs serially.
+`dispatch.transport=copy_engine` that exchange's transfers take no SMs (dispatch/copy_engine.py).
+On the CPU (gloo) there are no streams: the same order runs serially.
 Either way the arithmetic is that of running the two micro-batches one after the other
 (`serialized`, the reference): outputs and gradients are bit-exact against it. Against the
 unsplit layer the weight gradients differ: their col-wise FP8 tiles (128 tokens of one expert)
