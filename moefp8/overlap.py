@@ -48,6 +48,7 @@ all_to_all dispatch reads its counts (on the communication stream); the host wai
 streams while the compute stream keeps working.
 """
 
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -101,13 +102,63 @@ def side_stream(device: torch.device, role: str = "comm"):
     return _SIDE_STREAMS[key]
 
 
+class Timeline:
+    """Where an overlapped step's time goes (tools/bench_overlap.py --timeline): marks at the
+    schedule's stage boundaries, each a CUDA timing event on the compute or the comm stream (the
+    host clock on CPU), in the order the host enqueues them. On the compute stream, the interval
+    from one mark to the next is the stage's GPU time, labels `wait ...` the stream waiting for
+    another (communication), labels `/...` what follows a stage until the host enqueues the next
+    one (nonzero: the stream ran dry, host-paced). Off unless `TIMELINE` is set; one event record
+    per mark then."""
+
+    def __init__(self):
+        self.marks: list = []  # (label, stream name, event or host seconds)
+
+    def mark(self, label: str, name: str, stream) -> None:
+        if stream is None:
+            self.marks.append((label, name, time.perf_counter()))
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        self.marks.append((label, name, ev))
+
+    def times_ms(self, since: int = 0) -> list[tuple[str, str, float]]:
+        """[(label, stream name, ms after mark `since`)] of the marks from `since` on; synchronizes."""
+        marks = self.marks[since:]
+        if not marks:
+            return []
+        t0 = marks[0][2]
+        if isinstance(t0, float):
+            return [(lab, nm, (t - t0) * 1e3) for lab, nm, t in marks]
+        marks[-1][2].synchronize()
+        torch.cuda.synchronize()
+        return [(lab, nm, t0.elapsed_time(ev)) for lab, nm, ev in marks]
+
+
+TIMELINE: Timeline | None = None  # set by tools/bench_overlap.py --timeline
+
+
 class _Streams:
-    """compute (the current stream), comm and layout; on CPU all are None and every call is a no-op."""
+    """compute (the current stream), comm and layout; on CPU all are None and every call is a no-op
+    (but `tick`, which then reads the host clock)."""
 
     def __init__(self, device: torch.device):
         self.comm = side_stream(device, "comm")
         self.layout = side_stream(device, "layout")
         self.compute = torch.cuda.current_stream(device) if self.comm is not None else None
+        self.tl = TIMELINE
+
+    def tick(self, label: str, comm: bool = False) -> None:
+        """A `Timeline` mark on the compute (or comm) stream, when one is being recorded."""
+        if self.tl is not None:
+            self.tl.mark(label, "comm" if comm else "compute", self.comm if comm else self.compute)
+
+    @contextmanager
+    def stage(self, label: str, comm: bool = False):
+        """`tick`s at the start (label) and the end ("/" + label) of the stage inside."""
+        self.tick(label, comm)
+        yield
+        self.tick("/" + label, comm)
 
     def on_comm(self):
         return self.on(self.comm)
@@ -188,13 +239,14 @@ class _MoEForward:
     def send(self, i: int) -> None:  # no host sync in capacity mode; exact mode reads its counts
         st = self.st
         if self.split:  # quantize + pack here on the compute stream, the exchange on the comm stream
-            with st.exchanging(self.layer.dispatcher):
+            with st.exchanging(self.layer.dispatcher), st.stage(f"{'AB'[i]} pack"):
                 self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
         else:
             with st.on_comm():
                 st.wait(st.comm, self.ev_in[i])
                 self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
         self.ev_s[i] = st.mark(st.comm)
+        st.tick(f"{'AB'[i]} dispatched", comm=True)
         st.hand_to(st.layout, self.d[i].topk_idx)
 
     def layout(self, i: int) -> None:  # the host waits for this micro-batch's rows (the layout stream only)
@@ -207,8 +259,10 @@ class _MoEForward:
 
     def experts(self, i: int) -> None:
         st = self.st
+        st.tick(f"wait {'AB'[i]} rows")
         st.wait(st.compute, self.ev_d[i])  # implies ev_s[i]: the layout stream waited for the dispatch first
-        self.z[i], self.saves[i] = fwd_experts(self.layer, self.d[i], self.L[i], self.w1, self.w2, self.want_dw)
+        with st.stage(f"{'AB'[i]} experts"):
+            self.z[i], self.saves[i] = fwd_experts(self.layer, self.d[i], self.L[i], self.w1, self.w2, self.want_dw)
         self.ev_z[i] = st.mark(st.compute)
         st.hand_to(st.comm, self.z[i])
 
@@ -216,17 +270,21 @@ class _MoEForward:
         st = self.st
         with st.on_comm():
             st.wait(st.comm, self.ev_z[i])
-            self.out[i] = self.layer.dispatcher.combine(self.z[i], self.d[i].handle)
+            with st.stage(f"{'AB'[i]} combine", comm=True):
+                self.out[i] = self.layer.dispatcher.combine(self.z[i], self.d[i].handle)
             self.ev_c[i] = st.mark(st.comm)
         st.hand_to(st.compute, self.out[i])
 
     def shared(self, i: int) -> None:  # no communication: fills the compute stream while the comm stream works
         if self.layer.shared is not None:
-            self.s_out[i], self.s_saved[i] = shared_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2)
+            with self.st.stage(f"{'AB'[i]} shared"):
+                self.s_out[i], self.s_saved[i] = shared_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2)
 
     def routed(self, i: int) -> Tensor:
         """Micro-batch i's combined routed output, once the compute stream may read it."""
+        self.st.tick(f"wait {'AB'[i]} combine")
         self.st.wait(self.st.compute, self.ev_c[i])
+        self.st.tick(f"{'AB'[i]} output")
         return self.out[i]
 
     def save(self, ctx, *extra) -> None:
@@ -253,24 +311,28 @@ class _MoEBackward:
     def send(self, i: int) -> None:
         st = self.st
         if self.split:  # as _MoEForward.send
-            with st.exchanging(self.layer.dispatcher):
+            with st.exchanging(self.layer.dispatcher), st.stage(f"{'AB'[i]} grad pack"):
                 self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
         else:
             with st.on_comm():
                 st.wait(st.comm, self.ev_in)
                 self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
         self.ev_dz[i] = st.mark(st.comm)
+        st.tick(f"{'AB'[i]} grad dispatched", comm=True)
         st.hand_to(st.compute, self.dz[i])
 
     def experts(self, i: int) -> None:
         st = self.st
+        st.tick(f"wait {'AB'[i]} grad rows")
         st.wait(st.compute, self.ev_dz[i])
+        st.tick(f"{'AB'[i]} experts bwd")
         # FP8: the second micro-batch's wgrad GEMMs add into the first one's dW (the same fp32 sums
         # as dW_A + dW_B, without reading two full fp32 copies: ~2.3 ms per block at EP4)
         first = self.res[1 - i]
         into = first[2:] if first is not None and self.layer.recipe == "fp8" else None
         self.res[i] = bwd_experts(self.layer, self.dz[i], self.douts[i], self.saves[i], self.w1, self.w2,
                                   self.want_dx, dw_into=into)
+        st.tick(f"/{'AB'[i]} experts bwd")
         self.ev_res[i] = st.mark(st.compute)
         st.hand_to(st.comm, self.res[i][:2])
 
@@ -278,20 +340,24 @@ class _MoEBackward:
         st = self.st
         with st.on_comm():
             st.wait(st.comm, self.ev_res[i])
-            self.comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
-                                       self.douts[i].dtype)
+            with st.stage(f"{'AB'[i]} grad combine", comm=True):
+                self.comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
+                                           self.douts[i].dtype)
             self.ev_comb[i] = st.mark(st.comm)
         st.hand_to(st.compute, self.comb[i])
 
     def shared(self, i: int) -> None:
         if self.has_shared:
             sw1, sw2, saved = self.sparams[0], self.sparams[1], self.sparams[2 + 4 * i:6 + 4 * i]
-            self.sh[i] = shared_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx)
+            with self.st.stage(f"{'AB'[i]} shared bwd"):
+                self.sh[i] = shared_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx)
 
     def routed(self, i: int) -> tuple:
         """(dx [T_i, H] or None, d topk_w [T_i, K] or None) of micro-batch i's routed path, once the
         compute stream may read them."""
+        self.st.tick(f"wait {'AB'[i]} grad combine")
         self.st.wait(self.st.compute, self.ev_comb[i])
+        self.st.tick(f"{'AB'[i]} grad output")
         return self.comb[i]
 
     def weight_grads(self) -> tuple:
@@ -327,6 +393,7 @@ class OverlappedMoE(torch.autograd.Function):
         parts = _halves(x_TH.shape[0])
         f = _MoEForward(layer, st, [x_TH[p] for p in parts], [topk_idx_TK[p] for p in parts],
                         [topk_w_TK[p] for p in parts], w1, w2, sw1, sw2, want_dw=ctx.needs_input_grad[1])
+        st.tick("forward")
         f.inputs_ready(0)
         f.inputs_ready(1)
         # Host-paced: enqueue both dispatches before the first block (a layout's count read-back),
@@ -347,6 +414,7 @@ class OverlappedMoE(torch.autograd.Function):
         y = torch.cat([f.routed(0), f.routed(1)])
         if layer.shared is not None:
             y = y + torch.cat(f.s_out)
+        st.tick("/forward")
         f.save(ctx)
         ctx.layer = layer
         return y
@@ -357,8 +425,9 @@ class OverlappedMoE(torch.autograd.Function):
         saves, params = restore(ctx)
         dout = dout.contiguous()
         parts = _halves(dout.shape[0])
-        b = _MoEBackward(layer, _Streams(dout.device), [dout[p] for p in parts], saves, params,
-                         want_dx=ctx.needs_input_grad[0])
+        st = _Streams(dout.device)
+        b = _MoEBackward(layer, st, [dout[p] for p in parts], saves, params, want_dx=ctx.needs_input_grad[0])
+        st.tick("backward")
         b.send(0)
         b.shared(0)  # overlaps A's gradient dispatch
         b.send(1)
@@ -372,7 +441,9 @@ class OverlappedMoE(torch.autograd.Function):
         if dx is not None and b.has_shared:
             dx = dx + torch.cat([h[0] for h in b.sh])
         dw = torch.cat([c[1] for c in comb]) if comb[0][1] is not None else None
-        return dx, dw, *b.weight_grads(), None, None
+        wg = b.weight_grads()
+        st.tick("/backward")
+        return dx, dw, *wg, None, None
 
 
 def serialized(layer, x_TH: Tensor) -> Tensor:
@@ -427,7 +498,7 @@ class OverlappedBlock(torch.autograd.Function):
         pre, nf_a = [None] * 2, []
 
         def attention(i):  # an autograd graph of its own, run backward in OverlappedBlock._backward
-            with torch.enable_grad():
+            with torch.enable_grad(), st.stage(f"{'AB'[i]} attn"):
                 xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
                 a, h, m = block.attend(xi, cos, sin)
                 m = m.view(-1, H)
@@ -438,6 +509,7 @@ class OverlappedBlock(torch.autograd.Function):
             f.want_dw = r.topk_w_TK.requires_grad
             f.inputs_ready(i)
 
+        st.tick("forward")
         attention(0)
         f.send(0)  # before B's attention is enqueued: the host takes about as long to enqueue an
         attention(1)  # attention as the GPU to run it (exact mode: blocks the host for A's counts)
@@ -461,6 +533,7 @@ class OverlappedBlock(torch.autograd.Function):
                 o = o + f.s_out[i]
             nf_o.append(~torch.isfinite(o).all())
             torch.add(pre[i][1].detach(), o.view(-1, S, H), out=y[p])
+        st.tick("/forward")
         f.save(ctx)
         ctx.block, ctx.pre = block, pre
         r0, r1 = pre[0][3], pre[1][3]
@@ -497,13 +570,15 @@ class OverlappedBlock(torch.autograd.Function):
             inputs = [t for t in (xi, *params) if t.requires_grad]
             if not roots or not inputs:
                 return
-            gs = torch.autograd.grad([t for t, _ in roots], inputs, [g for _, g in roots], allow_unused=True)
+            with st.stage(f"{'AB'[i]} attn bwd"):
+                gs = torch.autograd.grad([t for t, _ in roots], inputs, [g for _, g in roots], allow_unused=True)
             for t, g in zip(inputs, gs):
                 if t is xi:
                     dx[parts[i]] = g
                 elif g is not None:  # A's + B's, as the serialized schedule accumulates them
                     grads[id(t)] = g if id(t) not in grads else grads[id(t)] + g
 
+        st.tick("backward")
         b.send(1)  # B's gradient first: A's attention backward is the last stage
         b.send(0)
         b.shared(1)  # the shared experts' backward overlaps both gradient dispatches
@@ -516,6 +591,7 @@ class OverlappedBlock(torch.autograd.Function):
         attention(0)
         ctx.pre = None  # the attention graphs are spent
         dw1, dw2, dsw1, dsw2 = b.weight_grads()
+        st.tick("/backward")
         grads[id(layer.w1)], grads[id(layer.w2)] = dw1, dw2
         if b.has_shared:
             grads[id(layer.shared.w1)], grads[id(layer.shared.w2)] = dsw1, dsw2

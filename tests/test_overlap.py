@@ -204,7 +204,7 @@ def test_bench_overlap_smoke(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "overlap.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--out", str(out)], cwd=repo,
+                        "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--timeline", "2", "--out", str(out)], cwd=repo,
                        capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -218,3 +218,16 @@ def test_bench_overlap_smoke(tmp_path):
     assert all(len(row["per_rank_ms"]) == 2 for row in replay)
     assert (tmp_path / doc["trace"]).is_file()
     assert (tmp_path / doc["trace"].replace(".trace.json.gz", ".trace.rank1.json.gz")).is_file()
+    # --timeline: every unit's overlapped step in stages, per rank, real and replayed exchanges
+    assert len(doc["timelines"]) == len(on)
+    for tl in doc["timelines"]:
+        stages = {t["stage"]: t for t in tl["stages"]}
+        assert {"wait A rows", "A experts", "wait B combine", "sum: wait", "sum: host gap", "step"} <= set(stages)
+        for t in tl["stages"]:
+            if t["stage"].startswith("comm: "):  # when each exchange ended on the comm stream
+                assert len(t["on_at_ms"]) == 2
+                continue
+            assert len(t["on_ms"]) == len(t["compute_ms"]) == 2 and min(t["on_ms"] + t["compute_ms"]) >= 0
+        step = stages["step"]["on_ms"]
+        parts = [stages[f"sum: {k}"]["on_ms"] for k in ("wait", "host gap", "work")]
+        assert all(abs(sum(p[r] for p in parts) - step[r]) < 1e-2 for r in range(2))

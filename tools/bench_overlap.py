@@ -51,6 +51,7 @@ from moefp8.kernels.quant import quant_rowwise  # noqa: E402
 from moefp8.kernels.rope import rope_tables  # noqa: E402
 from moefp8.model import Block, Transformer  # noqa: E402
 from moefp8.moe import MoELayer  # noqa: E402
+import moefp8.overlap  # noqa: E402
 from moefp8.overlap import _halves, serialized, serialized_block  # noqa: E402
 from moefp8.testing import print_table, results_path, save_results  # noqa: E402
 
@@ -224,6 +225,78 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
     return out
 
 
+def step_timeline(run, dev, steps: int) -> list:
+    """moefp8.overlap.Timeline marks of the last of `steps` back-to-back calls of run() (as the timed
+    loop runs them), from a "step" mark on the compute stream to an "end" mark after the last:
+    [(label, stream, ms after "step")]."""
+    tl = moefp8.overlap.Timeline()
+    stream = torch.cuda.current_stream() if dev.type == "cuda" else None
+    dist.barrier()
+    if stream is not None:
+        torch.cuda.synchronize()
+    since = 0
+    moefp8.overlap.TIMELINE = tl
+    try:
+        for _ in range(steps):
+            since = len(tl.marks)
+            tl.mark("step", "compute", stream)
+            run()
+        tl.mark("end", "compute", stream)
+    finally:
+        moefp8.overlap.TIMELINE = None
+    return tl.times_ms(since)
+
+
+def unit_timelines(unit, disp, dev, steps: int) -> dict:
+    """Where the overlapped step's time goes, per rank: its Timeline with the real exchanges ("on")
+    and with them replayed ("compute"), gathered from every rank -> {"on": [rank 0's marks, ...],
+    "compute": [...]}."""
+    layer, out = unit.moe, {}
+    out["on"] = step_timeline(unit.step("on"), dev, steps)
+    rp = Replay(disp)
+    layer.dispatcher = rp
+    unit.step("on")()  # records one step
+    rp.recording = False
+    out["compute"] = step_timeline(unit.step("on"), dev, steps)
+    layer.dispatcher = disp
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, out)
+    return {k: [e[k] for e in every] for k in out}
+
+
+def timeline_rows(tls: dict) -> list[dict]:
+    """The compute stream's intervals (from each mark to the next, ms) per rank, "on" beside
+    "compute", plus per-rank totals of the waits (`wait ...`: the compute stream waiting for an
+    exchange), the host gaps (`/...`: it ran dry until the host enqueued the next stage) and the rest."""
+    def intervals(marks):
+        c = [(lab, t) for lab, nm, t in marks if nm == "compute"]
+        return [(lab, t1 - t0) for (lab, t0), (_, t1) in zip(c, c[1:])]
+
+    on, comp = [intervals(m) for m in tls["on"]], [intervals(m) for m in tls["compute"]]
+    rows = []
+    labels = [lab for lab, _ in on[0]]
+    same = all([lab for lab, _ in r] == labels for r in on + comp)
+    if same:
+        for j, lab in enumerate(labels):
+            rows.append({"stage": lab, "on_ms": [round(r[j][1], 3) for r in on],
+                         "compute_ms": [round(r[j][1], 3) for r in comp]})
+
+    def kind(lab):
+        return "wait" if lab.startswith("wait ") else "host gap" if lab.startswith("/") else "work"
+
+    for k in ("wait", "host gap", "work"):
+        rows.append({"stage": f"sum: {k}", "on_ms": [round(sum(d for lab, d in r if kind(lab) == k), 3) for r in on],
+                     "compute_ms": [round(sum(d for lab, d in r if kind(lab) == k), 3) for r in comp]})
+    rows.append({"stage": "step", "on_ms": [round(sum(d for _, d in r), 3) for r in on],
+                 "compute_ms": [round(sum(d for _, d in r), 3) for r in comp]})
+    # the comm stream's marks: when each exchange ended (ms after the step's start)
+    comm = [[(lab, t) for lab, nm, t in m if nm == "comm"] for m in tls["on"]]
+    if all([lab for lab, _ in r] == [lab for lab, _ in comm[0]] for r in comm):
+        for j, (lab, _) in enumerate(comm[0]):
+            rows.append({"stage": f"comm: {lab}", "on_at_ms": [round(r[j][1], 3) for r in comm]})
+    return rows
+
+
 def gemm_under_comm(exchange, dev, warmup, iters) -> tuple[float, float]:
     """(FP8 GEMM alone, the same GEMM while `exchange(send) -> recv` (an all-to-all of uint8 [N, C])
     runs on another stream) in seconds."""
@@ -295,6 +368,9 @@ def main():
                         "SIDE_STREAM_PRIORITY; lower is higher, 0 the default)")
     p.add_argument("--trace-steps", type=int, default=1,
                    help="overlapped steps in the trace, back to back (after a barrier): >1 shows the steady state")
+    p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                   help="per unit, the overlapped step's stage timeline (moefp8.overlap.Timeline) on every rank, "
+                        "real vs replayed exchanges: the last of STEPS back-to-back steps (0: off)")
     p.add_argument("--no-whole-step", action="store_true", help="skip the whole-model step")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
@@ -320,12 +396,10 @@ def main():
     shape = f"T{a.tokens} H{a.hidden} I{a.inter} top{a.topk}/E{E} EP{n}"
     peak = {"what": f"{dist.get_backend()} all-reduce bus bandwidth, 256 MB, {n} ranks", "value": round(busbw, 1),
             "unit": "GB/s"}
-    rows = []
+    rows, timelines = [], []
 
     def add(case, impl, t, **kw):
         rows.append({"case": case, "impl": impl, "value": round(t * 1e3, 3), "unit": "ms", **kw})
-
-    import moefp8.overlap
 
     moefp8.overlap.GEMM_SM_RESERVE = a.gemm_sm_reserve
     caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
@@ -379,6 +453,15 @@ def main():
         add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"],
             unit_kind=kind)
         add(case, "communication alone", r["t_comm"], unit_kind=kind)
+        if a.timeline:
+            tl_rows = timeline_rows(unit_timelines(unit, half, dev, a.timeline))
+            timelines.append({"case": case, "stages": tl_rows})
+            if rank == 0:
+                print(f"timeline of the overlapped step (compute stream, ms per rank), {case}:")
+                print_table([{"stage": t["stage"],
+                              "on": " ".join(f"{v:.2f}" for v in t.get("on_ms", t.get("on_at_ms"))),
+                              "compute only": " ".join(f"{v:.2f}" for v in t.get("compute_ms", []))}
+                             for t in tl_rows], ["stage", "on", "compute only"])
         if cuda and mode == [r[1] for r in runs if (r[0], r[2]) == (cap, transport)][0] and kind == units[0] \
                 and prio == prios[0]:
             if transport == "copy_engine":
@@ -429,7 +512,7 @@ def main():
                             hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
                             bind_cpus=a.bind_cpus, units=units, seqs=a.seqs, transports=transports,
                             side_stream_priorities=prios,
-                            trace=trace.name)
+                            trace=trace.name, **({"timelines": timelines} if timelines else {}))
         print(f"wrote {path} and {trace}")
     dist.barrier()
     dist.destroy_process_group()
