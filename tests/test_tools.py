@@ -33,3 +33,31 @@ def test_bench_quant_runs_on_cpu(tmp_path):
     for row in rows:
         assert len(row["ms_runs"]) == 2 and row["ms"] == min(row["ms_runs"])
         assert row["ratio_vs_same_bytes_copy"] > 0 and row["bit_exact_vs_ref"]
+
+
+def test_train_summary_writes_results_json(data_dir, tmp_path):
+    """tools/train_summary.py on a real (tiny, CPU) run directory: the run's figures in a §6 JSON."""
+    import json
+
+    from moefp8.hydra_config import compose_config
+    from moefp8.train import train
+
+    run = tmp_path / "run"
+    train(compose_config(["model=tiny", "train.steps=12", "train.micro_batch=2", "train.seq_len=64",
+                          "train.progress=false", "logger.mode=disabled", f"data.path={data_dir}",
+                          f"train.out_dir={run}", "train.ckpt_every=0", "train.eval_every=6", "data.val_windows=8"]))
+    out = tmp_path / "train.json"
+    tool = Path(__file__).resolve().parent.parent / "tools" / "train_summary.py"
+    r = subprocess.run([sys.executable, str(tool), str(run), "--skip", "2", "--train-command", "python -m moefp8.train",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = {row["what"]: row["value"] for row in doc["rows"]}
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows["steps"] == 12 and rows["loss, last step"] == round(metrics[-1]["loss"], 4)
+    assert rows["held-out loss, last evaluation"] == round(metrics[-1]["val_loss"], 4)
+    tps = sorted(m["tokens_per_s"] for m in metrics[2:])
+    assert rows["tokens/s, all ranks (median of steps 3-12)"] == round((tps[4] + tps[5]) / 2, 1)
+    assert doc["train_command"] == "python -m moefp8.train" and doc["model"]["name"] == "tiny"
+    r = subprocess.run([sys.executable, str(tool), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"no metrics.jsonl in {tmp_path}" in r.stderr
