@@ -51,6 +51,9 @@ def stage_times(step, iters: int = 3) -> dict:
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if torch.distributed.is_initialized():  # under EP: the profiler's start-up takes each rank a different
+            torch.distributed.barrier()  # time (the first one ~1 s), which the first dispatch would absorb
+            torch.cuda.synchronize()
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
