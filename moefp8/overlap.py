@@ -106,10 +106,12 @@ class Timeline:
     """Where an overlapped step's time goes (tools/bench_overlap.py --timeline): marks at the
     schedule's stage boundaries, each a CUDA timing event on the compute or the comm stream (the
     host clock on CPU), in the order the host enqueues them. On the compute stream, the interval
-    from one mark to the next is the stage's GPU time, labels `wait ...` the stream waiting for
-    another (communication), labels `/...` what follows a stage until the host enqueues the next
-    one (nonzero: the stream ran dry, host-paced). Off unless `TIMELINE` is set; one event record
-    per mark then."""
+    from one mark to the next is the GPU time of what was enqueued between them: a stage's work
+    under its label, `wait ...` the stream waiting for another (an exchange), `/...` the time after
+    a stage until the next mark, when nothing was enqueued in between (nonzero: the stream ran
+    dry, the host was late: host-paced), `... done` what follows the schedule in the same autograd
+    call and the engine's own work up to the next mark. Off unless `TIMELINE` is set; one event
+    record per mark then."""
 
     def __init__(self):
         self.marks: list = []  # (label, stream name, event or host seconds)
@@ -414,7 +416,7 @@ class OverlappedMoE(torch.autograd.Function):
         y = torch.cat([f.routed(0), f.routed(1)])
         if layer.shared is not None:
             y = y + torch.cat(f.s_out)
-        st.tick("/forward")
+        st.tick("forward done")
         f.save(ctx)
         ctx.layer = layer
         return y
@@ -441,8 +443,9 @@ class OverlappedMoE(torch.autograd.Function):
         if dx is not None and b.has_shared:
             dx = dx + torch.cat([h[0] for h in b.sh])
         dw = torch.cat([c[1] for c in comb]) if comb[0][1] is not None else None
+        st.tick("weight grads")
         wg = b.weight_grads()
-        st.tick("/backward")
+        st.tick("backward done")
         return dx, dw, *wg, None, None
 
 
@@ -498,13 +501,14 @@ class OverlappedBlock(torch.autograd.Function):
         pre, nf_a = [None] * 2, []
 
         def attention(i):  # an autograd graph of its own, run backward in OverlappedBlock._backward
-            with torch.enable_grad(), st.stage(f"{'AB'[i]} attn"):
-                xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
-                a, h, m = block.attend(xi, cos, sin)
-                m = m.view(-1, H)
-                r = layer.router(m, S)
+            with st.stage(f"{'AB'[i]} attn"):
+                with torch.enable_grad():
+                    xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
+                    a, h, m = block.attend(xi, cos, sin)
+                    m = m.view(-1, H)
+                    r = layer.router(m, S)
+                nf_a.append(~torch.isfinite(a.detach()).all())
             pre[i] = (xi, h, m, r)
-            nf_a.append(~torch.isfinite(a.detach()).all())
             f.xs[i], f.idx[i], f.w[i] = m.detach(), r.topk_idx_TK, r.topk_w_TK.detach()
             f.want_dw = r.topk_w_TK.requires_grad
             f.inputs_ready(i)
@@ -533,7 +537,7 @@ class OverlappedBlock(torch.autograd.Function):
                 o = o + f.s_out[i]
             nf_o.append(~torch.isfinite(o).all())
             torch.add(pre[i][1].detach(), o.view(-1, S, H), out=y[p])
-        st.tick("/forward")
+        st.tick("forward done")
         f.save(ctx)
         ctx.block, ctx.pre = block, pre
         r0, r1 = pre[0][3], pre[1][3]
@@ -572,11 +576,11 @@ class OverlappedBlock(torch.autograd.Function):
                 return
             with st.stage(f"{'AB'[i]} attn bwd"):
                 gs = torch.autograd.grad([t for t, _ in roots], inputs, [g for _, g in roots], allow_unused=True)
-            for t, g in zip(inputs, gs):
-                if t is xi:
-                    dx[parts[i]] = g
-                elif g is not None:  # A's + B's, as the serialized schedule accumulates them
-                    grads[id(t)] = g if id(t) not in grads else grads[id(t)] + g
+                for t, g in zip(inputs, gs):
+                    if t is xi:
+                        dx[parts[i]] = g
+                    elif g is not None:  # A's + B's, as the serialized schedule accumulates them
+                        grads[id(t)] = g if id(t) not in grads else grads[id(t)] + g
 
         st.tick("backward")
         b.send(1)  # B's gradient first: A's attention backward is the last stage
@@ -590,8 +594,9 @@ class OverlappedBlock(torch.autograd.Function):
         attention(1)  # overlaps A's combine
         attention(0)
         ctx.pre = None  # the attention graphs are spent
+        st.tick("weight grads")
         dw1, dw2, dsw1, dsw2 = b.weight_grads()
-        st.tick("/backward")
+        st.tick("backward done")
         grads[id(layer.w1)], grads[id(layer.w2)] = dw1, dw2
         if b.has_shared:
             grads[id(layer.shared.w1)], grads[id(layer.shared.w2)] = dsw1, dsw2
