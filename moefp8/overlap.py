@@ -192,6 +192,19 @@ class _Streams:
                 and disp.mode_for(layer.topk, True) == "capacity")
 
     @contextmanager
+    def sending(self, disp, split: bool, label: str, ev_in):
+        """Where a dispatch (forward or gradient) is enqueued: split (`packs_on_compute`), its
+        quantize and pack on the compute stream (a `Timeline` stage under `label`) and its exchange
+        on the comm stream; else all of it on the comm stream, after `ev_in` (its inputs made)."""
+        if split:
+            with self.exchanging(disp), self.stage(label):
+                yield
+        else:
+            with self.on_comm():
+                self.wait(self.comm, ev_in)
+                yield
+
+    @contextmanager
     def exchanging(self, disp):
         """Calls of `disp` inside run their exchanges on the comm stream (results valid there)."""
         disp.exchange_stream = self.comm
@@ -240,13 +253,8 @@ class _MoEForward:
 
     def send(self, i: int) -> None:  # no host sync in capacity mode; exact mode reads its counts
         st = self.st
-        if self.split:  # quantize + pack here on the compute stream, the exchange on the comm stream
-            with st.exchanging(self.layer.dispatcher), st.stage(f"{'AB'[i]} pack"):
-                self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
-        else:
-            with st.on_comm():
-                st.wait(st.comm, self.ev_in[i])
-                self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
+        with st.sending(self.layer.dispatcher, self.split, f"{'AB'[i]} pack", self.ev_in[i]):
+            self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
         self.ev_s[i] = st.mark(st.comm)
         st.tick(f"{'AB'[i]} dispatched", comm=True)
         st.hand_to(st.layout, self.d[i].topk_idx)
@@ -312,13 +320,8 @@ class _MoEBackward:
 
     def send(self, i: int) -> None:
         st = self.st
-        if self.split:  # as _MoEForward.send
-            with st.exchanging(self.layer.dispatcher), st.stage(f"{'AB'[i]} grad pack"):
-                self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
-        else:
-            with st.on_comm():
-                st.wait(st.comm, self.ev_in)
-                self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
+        with st.sending(self.layer.dispatcher, self.split, f"{'AB'[i]} grad pack", self.ev_in):
+            self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
         self.ev_dz[i] = st.mark(st.comm)
         st.tick(f"{'AB'[i]} grad dispatched", comm=True)
         st.hand_to(st.compute, self.dz[i])
