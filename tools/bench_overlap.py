@@ -225,10 +225,10 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
     return out
 
 
-def step_timeline(run, dev, steps: int) -> list:
+def step_timeline(run, dev, steps: int) -> tuple[list, list]:
     """moefp8.overlap.Timeline marks of the last of `steps` back-to-back calls of run() (as the timed
     loop runs them), from a "step" mark on the compute stream to an "end" mark after the last:
-    [(label, stream, ms after "step")]."""
+    ([(label, stream, ms after "step")], [ms of each of the steps])."""
     tl = moefp8.overlap.Timeline()
     stream = torch.cuda.current_stream() if dev.type == "cuda" else None
     dist.barrier()
@@ -244,7 +244,8 @@ def step_timeline(run, dev, steps: int) -> list:
         tl.mark("end", "compute", stream)
     finally:
         moefp8.overlap.TIMELINE = None
-    return tl.times_ms(since)
+    bounds = [t for lab, _, t in tl.times_ms() if lab in ("step", "end")]
+    return tl.times_ms(since), [round(b - a, 3) for a, b in zip(bounds, bounds[1:])]
 
 
 def unit_timelines(unit, disp, dev, steps: int) -> dict:
@@ -252,12 +253,12 @@ def unit_timelines(unit, disp, dev, steps: int) -> dict:
     and with them replayed ("compute"), gathered from every rank -> {"on": [rank 0's marks, ...],
     "compute": [...]}."""
     layer, out = unit.moe, {}
-    out["on"] = step_timeline(unit.step("on"), dev, steps)
+    out["on"], out["on_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
     rp = Replay(disp)
     layer.dispatcher = rp
     unit.step("on")()  # records one step
     rp.recording = False
-    out["compute"] = step_timeline(unit.step("on"), dev, steps)
+    out["compute"], out["compute_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
     layer.dispatcher = disp
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, out)
@@ -289,6 +290,10 @@ def timeline_rows(tls: dict) -> list[dict]:
                      "compute_ms": [round(sum(d for lab, d in r if kind(lab) == k), 3) for r in comp]})
     rows.append({"stage": "step", "on_ms": [round(sum(d for _, d in r), 3) for r in on],
                  "compute_ms": [round(sum(d for _, d in r), 3) for r in comp]})
+    # every back-to-back step's time (the last one is the one broken down above)
+    for j in range(len(tls["on_steps_ms"][0])):
+        rows.append({"stage": f"step {j + 1} of {len(tls['on_steps_ms'][0])}",
+                     "on_ms": [r[j] for r in tls["on_steps_ms"]], "compute_ms": [r[j] for r in tls["compute_steps_ms"]]})
     # the comm stream's marks: when each exchange ended (ms after the step's start)
     comm = [[(lab, t) for lab, nm, t in m if nm == "comm"] for m in tls["on"]]
     if all([lab for lab, _ in r] == [lab for lab, _ in comm[0]] for r in comm):
