@@ -87,6 +87,71 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30, repeat: int = 1) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+# nvidia-smi's clocks event ("throttle") reason bits (NVML nvmlClocksEventReasons)
+CLOCK_REASONS = {0x1: "gpu idle", 0x2: "applications clocks", 0x4: "sw power cap", 0x8: "hw slowdown",
+                 0x10: "sync boost", 0x20: "sw thermal", 0x40: "hw thermal", 0x80: "hw power brake",
+                 0x100: "display clocks"}
+_GPU_FIELDS = "index,clocks.sm,clocks.mem,power.draw,temperature.gpu,{}"
+_REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer name first
+
+
+def parse_gpu_samples(csv: str) -> dict[int, dict]:
+    """nvidia-smi --query-gpu=index,clocks.sm,clocks.mem,power.draw,temperature.gpu,<reasons>
+    --format=csv,noheader,nounits lines -> per GPU index: samples, SM clock (median, min) and memory
+    clock (median) in MHz, power (median, max) in W, the highest temperature, and the names of the
+    clock reasons seen in any sample (GPU idle left out: it only says the GPU waited)."""
+    import statistics
+
+    per: dict[int, list] = {}
+    for line in csv.strip().splitlines():
+        f = [v.strip() for v in line.split(",")]
+        if len(f) != 6 or not f[0].isdigit():
+            continue
+        try:
+            per.setdefault(int(f[0]), []).append((float(f[1]), float(f[2]), float(f[3]), float(f[4]), int(f[5], 16)))
+        except ValueError:  # "[N/A]" and the like
+            continue
+    out = {}
+    for gpu, rows in sorted(per.items()):
+        sm, mem, pw, temp, why = zip(*rows)
+        bits = 0
+        for w in why:
+            bits |= w
+        out[gpu] = {"samples": len(rows), "sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm),
+                    "mem_mhz_median": statistics.median(mem), "power_w_median": statistics.median(pw),
+                    "power_w_max": max(pw), "temp_c_max": max(temp),
+                    "clock_reasons": [n for b, n in CLOCK_REASONS.items() if bits & b and b != 0x1]}
+    return out
+
+
+class GpuSampler:
+    """Samples every GPU's clocks, power, temperature and clock reasons with nvidia-smi every `ms`
+    while the block runs: ``with GpuSampler() as s: ...`` then ``s.summary`` (parse_gpu_samples'
+    dict; {} where nvidia-smi is missing or refuses the query, e.g. on CPU)."""
+
+    def __init__(self, ms: int = 50):
+        self.ms, self.proc, self.summary = ms, None, {}
+
+    def __enter__(self):
+        import shutil
+
+        exe = shutil.which("nvidia-smi")
+        for reasons in _REASON_FIELDS if exe else ():
+            q = [exe, f"--query-gpu={_GPU_FIELDS.format(reasons)}", "--format=csv,noheader,nounits"]
+            if subprocess.run(q, capture_output=True, text=True).returncode == 0:
+                self.proc = subprocess.Popen(q + [f"--loop-ms={self.ms}"], stdout=subprocess.PIPE,
+                                             stderr=subprocess.DEVNULL, text=True)
+                break
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate()
+            self.summary = parse_gpu_samples(out)
+        return False
+
+
 def git_commit() -> str:
     """HEAD's short hash (+ "-dirty"); MOEFP8_COMMIT overrides it where the checkout has no .git
     (the device machine receives a copy of the working tree without it)."""

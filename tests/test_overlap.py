@@ -204,7 +204,8 @@ def test_bench_overlap_smoke(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "overlap.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--timeline", "2", "--out", str(out)], cwd=repo,
+                        "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--timeline", "2", "--clocks", "--aligned",
+                        "--out", str(out)], cwd=repo,
                        capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -214,6 +215,9 @@ def test_bench_overlap_smoke(tmp_path):
             "overlap on, compute only + the exchanges' rank synchronization (diagnostic)"} <= impls
     on = [row for row in doc["rows"] if row["impl"] == "overlap on"]
     assert all("hidden_transfer_share_diagnostic" in row for row in on)
+    for row in on:  # --aligned: every step started together; --clocks: nvidia-smi samples ({} without it)
+        assert row["t_on_aligned_ms"] > 0 and row["t_compute_only_aligned_ms"] > 0 and "hidden_comm_share_aligned" in row
+        assert isinstance(row["gpus_on"], dict) and isinstance(row["gpus_compute_only"], dict)
     replay = [row for row in doc["rows"] if row["impl"] == "overlap on, compute only (exchanges replayed)"]
     assert all(len(row["per_rank_ms"]) == 2 for row in replay)
     assert (tmp_path / doc["trace"]).is_file()

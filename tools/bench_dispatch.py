@@ -58,14 +58,26 @@ def init_torchrun(bind_cpus: bool = False) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), dev
 
 
-def timed(fn, warmup: int, iters: int, dev, per_rank: list | None = None) -> float:
+def timed(fn, warmup: int, iters: int, dev, per_rank: list | None = None, aligned: bool = False) -> float:
     """Median seconds of fn() on this rank, max over the ranks (every rank's median appended to
-    `per_rank` if given)."""
+    `per_rank` if given). Iterations run back to back; aligned=True starts every one on every rank
+    together instead (a barrier and a device synchronization before each), which leaves the
+    host's run-ahead and the ranks' drift between iterations out."""
     for _ in range(warmup):
         fn()
     dist.barrier()
     times = []
-    if dev.type == "cuda":
+    if dev.type == "cuda" and aligned:
+        for _ in range(iters):
+            dist.barrier()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    elif dev.type == "cuda":
         torch.cuda.synchronize()
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for a, b in ev:
@@ -76,6 +88,8 @@ def timed(fn, warmup: int, iters: int, dev, per_rank: list | None = None) -> flo
         times = [a.elapsed_time(b) / 1e3 for a, b in ev]
     else:
         for _ in range(iters):
+            if aligned:
+                dist.barrier()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

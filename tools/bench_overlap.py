@@ -25,6 +25,11 @@ Per unit:
   diagnostic  t_compute_sync: the replay with each exchange's rank synchronization kept (a
               1-element all-reduce in its place): hidden_transfer = 1 - (t_on - t_compute_sync) /
               t_comm separates the transfer time from waiting for slower ranks.
+              --timeline: the overlapped step's compute stream stage by stage, per rank, real against
+              replayed exchanges (moefp8.overlap.Timeline), and every back-to-back step's time;
+              --aligned: t_on and t_compute again with every step started on all ranks together
+              (no drift between steps); --clocks: the GPUs' clocks, power and clock reasons while
+              t_on and t_compute are timed (nvidia-smi).
 Whole step: the small training model (moefp8.model.Transformer) fwd + bwd with overlap off / on.
 NCCL CTA limit (ncclConfig max_ctas through ProcessGroupNCCL.Options): t_on with the
 communication group capped at --ctas CTAs, and what a running all-to-all costs an FP8 GEMM
@@ -53,7 +58,7 @@ from moefp8.model import Block, Transformer  # noqa: E402
 from moefp8.moe import MoELayer  # noqa: E402
 import moefp8.overlap  # noqa: E402
 from moefp8.overlap import _halves, serialized, serialized_block  # noqa: E402
-from moefp8.testing import print_table, results_path, save_results  # noqa: E402
+from moefp8.testing import GpuSampler, print_table, results_path, save_results  # noqa: E402
 
 
 def comm_group(ctas: int | None):
@@ -117,13 +122,14 @@ class Replay:
         return self._call("combine", *a, **k)
 
 
-def compute_only(layer, run, disp, warmup, iters, dev, sync: bool = False, per_rank: list | None = None) -> float:
+def compute_only(layer, run, disp, warmup, iters, dev, sync: bool = False, per_rank: list | None = None,
+                 aligned: bool = False) -> float:
     """run() timed with `disp` replaced by its replay (no communication; see Replay for sync)."""
     rp = Replay(disp, sync)
     layer.dispatcher = rp
     run()  # records one step
     rp.recording = False
-    t = timed(run, warmup, iters, dev, per_rank)
+    t = timed(run, warmup, iters, dev, per_rank, aligned=aligned)
     layer.dispatcher = disp
     return t
 
@@ -176,15 +182,20 @@ class BlockUnit:
         return m, self.moe.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]
 
 
-def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
+def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = False, aligned: bool = False) -> dict:
     """disp_full serves the one-micro-batch unit, disp_half the two-micro-batch schedules (in
-    capacity mode their capacities are T and the larger half)."""
+    capacity mode their capacities are T and the larger half). clocks: the GPUs' clocks, power and
+    clock reasons sampled (nvidia-smi, rank 0 for the node) while t_on and t_compute_on are timed.
+    aligned: t_on and t_compute_on again with every step started on all ranks together."""
     layer, out = unit.moe, {}
+    sampler = GpuSampler if clocks and dist.get_rank() == 0 else contextlib.nullcontext
     layer.dispatcher = disp_full
     out["t_off"] = timed(unit.step("off"), warmup, iters, dev)
     layer.dispatcher = disp_half
     out["t_serial"] = timed(unit.step("serial"), warmup, iters, dev)
-    out["t_on"] = timed(unit.step("on"), warmup, iters, dev)
+    with sampler() as s:
+        out["t_on"] = timed(unit.step("on"), warmup, iters, dev)
+    out["gpus_on"] = getattr(s, "summary", None)
     # communication alone, with the schedule's routes: both halves, forward and backward
     disp = layer.dispatcher
     x, r, halves = unit.moe_inputs()
@@ -212,10 +223,16 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half) -> dict:
     out["t_comm"] = timed(comm, warmup, iters, dev)
     # the overlapped step's compute alone: its exchanges replayed from a recording
     out["compute_per_rank"] = []
-    out["t_compute_on"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev,
-                                       per_rank=out["compute_per_rank"])
+    with sampler() as s:
+        out["t_compute_on"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev,
+                                           per_rank=out["compute_per_rank"])
+    out["gpus_compute"] = getattr(s, "summary", None)
     out["exposed"] = (out["t_on"] - out["t_compute_on"]) / out["t_comm"]
     out["hidden"] = 1 - out["exposed"]
+    if aligned:  # the same two, every step started on all ranks together (no run-ahead, no drift)
+        out["t_on_aligned"] = timed(unit.step("on"), warmup, iters, dev, aligned=True)
+        out["t_compute_aligned"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev, aligned=True)
+        out["hidden_aligned"] = 1 - (out["t_on_aligned"] - out["t_compute_aligned"]) / out["t_comm"]
     # diagnostic: the same replay keeping each exchange's rank synchronization (no payload): what
     # of t_on - t_compute is transfer time and what is waiting for the slowest rank
     out["t_compute_sync"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev, sync=True)
@@ -376,6 +393,11 @@ def main():
     p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
                    help="per unit, the overlapped step's stage timeline (moefp8.overlap.Timeline) on every rank, "
                         "real vs replayed exchanges: the last of STEPS back-to-back steps (0: off)")
+    p.add_argument("--clocks", action="store_true",
+                   help="sample the GPUs' clocks, power and clock reasons (nvidia-smi) while t_on and t_compute are timed")
+    p.add_argument("--aligned", action="store_true",
+                   help="also time t_on and t_compute with every step started on all ranks together (a barrier "
+                        "before each): separates rank drift between back-to-back steps from the step itself")
     p.add_argument("--no-whole-step", action="store_true", help="skip the whole-model step")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
@@ -436,7 +458,7 @@ def main():
         full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport)
                       for c in (a.tokens, half_capacity(kind)))
         unit = make_unit(kind, full)
-        r = unit_times(unit, a.warmup, a.iters, dev, full, half)
+        r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
                + (", copy engines" if transport == "copy_engine" else "")
                + (f", side streams at priority {prio}" if len(prios) > 1 else "")
@@ -452,12 +474,24 @@ def main():
             exposed_comm_share=round(r["exposed"], 3), hidden_comm_share=round(r["hidden"], 3),
             hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3),
             t_compute_sync_ms=round(r["t_compute_sync"] * 1e3, 3),
-            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), unit_kind=kind)
+            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), unit_kind=kind,
+            **({"gpus_on": r["gpus_on"], "gpus_compute_only": r["gpus_compute"]} if a.clocks else {}),
+            **({"t_on_aligned_ms": round(r["t_on_aligned"] * 1e3, 3),
+                "t_compute_only_aligned_ms": round(r["t_compute_aligned"] * 1e3, 3),
+                "hidden_comm_share_aligned": round(r["hidden_aligned"], 3)} if a.aligned else {}))
         add(case, "overlap on, compute only (exchanges replayed)", r["t_compute_on"],
             per_rank_ms=[round(v * 1e3, 3) for v in r["compute_per_rank"]], unit_kind=kind)
         add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"],
             unit_kind=kind)
         add(case, "communication alone", r["t_comm"], unit_kind=kind)
+        if rank == 0 and a.aligned:
+            print(f"{case}: every step started together: on {r['t_on_aligned'] * 1e3:.2f} ms, compute only "
+                  f"{r['t_compute_aligned'] * 1e3:.2f} ms, hidden {r['hidden_aligned']:.3f}")
+        for what, g in (("on", r["gpus_on"]), ("compute only", r["gpus_compute"])) if rank == 0 and a.clocks else ():
+            for gpu, v in (g or {}).items():
+                print(f"  {what}: GPU {gpu} SM {v['sm_mhz_median']:.0f} MHz (min {v['sm_mhz_min']:.0f}), memory "
+                      f"{v['mem_mhz_median']:.0f} MHz, {v['power_w_median']:.0f} W (max {v['power_w_max']:.0f}), "
+                      f"{v['temp_c_max']:.0f} C, {', '.join(v['clock_reasons']) or 'no clock reason'}")
         if a.timeline:
             tl_rows = timeline_rows(unit_timelines(unit, half, dev, a.timeline))
             timelines.append({"case": case, "stages": tl_rows})
