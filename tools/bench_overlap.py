@@ -268,7 +268,7 @@ def step_timeline(run, dev, steps: int) -> tuple[list, list]:
 def unit_timelines(unit, disp, dev, steps: int) -> dict:
     """Where the overlapped step's time goes, per rank: its Timeline with the real exchanges ("on")
     and with them replayed ("compute"), gathered from every rank -> {"on": [rank 0's marks, ...],
-    "compute": [...]}."""
+    "compute": [...], "on_steps_ms": [rank 0's step times, ...], "compute_steps_ms": [...]}."""
     layer, out = unit.moe, {}
     out["on"], out["on_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
     rp = Replay(disp)
@@ -285,7 +285,8 @@ def unit_timelines(unit, disp, dev, steps: int) -> dict:
 def timeline_rows(tls: dict) -> list[dict]:
     """The compute stream's intervals (from each mark to the next, ms) per rank, "on" beside
     "compute", plus per-rank totals of the waits (`wait ...`: the compute stream waiting for an
-    exchange), the host gaps (`/...`: it ran dry until the host enqueued the next stage) and the rest."""
+    exchange), the host gaps (`/...`: it ran dry until the host enqueued the next stage) and the
+    rest; then every back-to-back step's time and when each exchange ended on the comm stream."""
     def intervals(marks):
         c = [(lab, t) for lab, nm, t in marks if nm == "compute"]
         return [(lab, t1 - t0) for (lab, t0), (_, t1) in zip(c, c[1:])]
