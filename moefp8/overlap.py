@@ -124,17 +124,15 @@ class Timeline:
         ev.record(stream)
         self.marks.append((label, name, ev))
 
-    def times_ms(self, since: int = 0) -> list[tuple[str, str, float]]:
-        """[(label, stream name, ms after mark `since`)] of the marks from `since` on; synchronizes."""
-        marks = self.marks[since:]
-        if not marks:
+    def times_ms(self) -> list[tuple[str, str, float]]:
+        """[(label, stream name, ms after the first mark)]; synchronizes (marks on several streams)."""
+        if not self.marks:
             return []
-        t0 = marks[0][2]
+        t0 = self.marks[0][2]
         if isinstance(t0, float):
-            return [(lab, nm, (t - t0) * 1e3) for lab, nm, t in marks]
-        marks[-1][2].synchronize()
+            return [(lab, nm, (t - t0) * 1e3) for lab, nm, t in self.marks]
         torch.cuda.synchronize()
-        return [(lab, nm, t0.elapsed_time(ev)) for lab, nm, ev in marks]
+        return [(lab, nm, t0.elapsed_time(ev)) for lab, nm, ev in self.marks]
 
 
 TIMELINE: Timeline | None = None  # set by tools/bench_overlap.py --timeline

@@ -261,8 +261,10 @@ def step_timeline(run, dev, steps: int) -> tuple[list, list]:
         tl.mark("end", "compute", stream)
     finally:
         moefp8.overlap.TIMELINE = None
-    bounds = [t for lab, _, t in tl.times_ms() if lab in ("step", "end")]
-    return tl.times_ms(since), [round(b - a, 3) for a, b in zip(bounds, bounds[1:])]
+    marks = tl.times_ms()  # one read of every event
+    bounds = [t for lab, _, t in marks if lab in ("step", "end")]
+    t0 = marks[since][2]
+    return [(lab, nm, t - t0) for lab, nm, t in marks[since:]], [round(b - a, 3) for a, b in zip(bounds, bounds[1:])]
 
 
 def unit_timelines(unit, disp, dev, steps: int) -> dict:
