@@ -54,13 +54,14 @@ DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.c
 
 
 def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2",
-                     capacity: int | None = None, mode: str = "auto", transport: str = "collective") -> Dispatcher:
+                     capacity: int | None = None, mode: str = "auto", transport: str = "collective",
+                     slots: int = 2) -> Dispatcher:
     """The dispatcher for a backend name; ``group`` is the expert-parallel process group (None:
     the default group for the communicating backends); ``scale_fmt`` the FP8 recipe's scale format
     (it fixes how scales travel). ``capacity`` (the most tokens any rank passes to one dispatch),
-    ``mode`` ("auto" | "exact" | "capacity") and ``transport`` ("collective" | "copy_engine")
-    select the all_to_all backend's mode and how its bytes move (see `all_to_all.py`); the other
-    backends ignore them."""
+    ``mode`` ("auto" | "exact" | "capacity"), ``transport`` ("collective" | "copy_engine") and
+    ``slots`` (the copy engines' send slots) select the all_to_all backend's mode and how its bytes
+    move (see `all_to_all.py`); the other backends ignore them."""
     if backend == "local":
         from moefp8.dispatch.local import LocalDispatcher
 
@@ -71,7 +72,7 @@ def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str 
     if backend == "all_to_all":
         from moefp8.dispatch.all_to_all import AllToAllDispatcher
 
-        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode, transport)
+        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode, transport, slots)
     if backend == "deepep":
         try:
             import deep_ep  # noqa: F401

@@ -199,12 +199,14 @@ class AllToAllDispatcher:
     the group has at most top-k ranks, else exact; decided per dispatch, the same on every rank).
     transport: how the bytes move: "collective" (`dist.all_to_all_single`: NCCL kernels on GPUs,
     gloo on CPU) or "copy_engine" (`copy_engine.py`: NVLink peer copies, no kernel waiting on
-    SMs; one host, CUDA; the capacity mode only, so it makes "auto" capacity and refuses "exact")."""
+    SMs; one host, CUDA; the capacity mode only, so it makes "auto" capacity and refuses "exact").
+    slots: the copy-engine transport's ring of send slots (`copy_engine.py`: more slots, fewer
+    waits for the slowest peer on the producer's stream; each slot one send buffer of memory)."""
 
     communicates = True
 
     def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2", capacity: int | None = None,
-                 mode: str = "auto", transport: str = "collective"):
+                 mode: str = "auto", transport: str = "collective", slots: int = 2):
         check_scale_fmt(scale_fmt)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -227,7 +229,10 @@ class AllToAllDispatcher:
                              f"only; got mode={mode!r}, capacity={capacity!r}: give a capacity and mode 'capacity' "
                              f"or 'auto', or use transport='collective'")
         self.num_experts, self.scale_fmt, self.capacity, self.mode = num_experts, scale_fmt, capacity, mode
-        self.transport = transport
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 2:
+            raise ValueError(f"AllToAllDispatcher: slots={slots!r}, expected an integer >= 2 (the copy_engine "
+                             f"transport's send slots)")
+        self.transport, self.slots = transport, slots
         self._ce = None  # the CopyEngineExchange, made at the first exchange
         # A CUDA stream for the communication (set by moefp8.overlap around its calls): the
         # capacity mode then packs on the caller's stream and exchanges and unpacks on this one
@@ -334,7 +339,7 @@ class AllToAllDispatcher:
         if self._ce is None:
             from moefp8.dispatch.copy_engine import CopyEngineExchange
 
-            self._ce = CopyEngineExchange(self.group)
+            self._ce = CopyEngineExchange(self.group, self.slots)
         return self._ce
 
     def _send_buffer(self, rows: int, nb: int, device) -> Tensor | None:

@@ -23,7 +23,7 @@ The buffer (torch symmetric memory, one per group, mapped into every peer) per r
 
     | ready int32 [S, R], pulled int32 [S, R] (padded to 4 KiB) | slots uint8 [S, R * block bytes] |
 
-Exchange k (blocks of b bytes) uses slot s = k % S, generation g = k // S + 1 (S = 2 slots), its
+Exchange k (blocks of b bytes) uses slot s = k % S, generation g = k // S + 1 (S slots, default 2), its
 R send blocks dense at the slot's start (block p for rank p). Rank i:
   * before its producer writes slot s (`send_buffer`, on the producer's stream): wait until every
     peer p's pulled[s][p] >= g - 1 (they copied exchange k - S out of the slot) and for its own
@@ -41,6 +41,13 @@ streams waiting (no timeout: the host sees it at its next synchronization, as wi
 collective). Host cost per exchange: 3(R - 1) stream memory operations, R copies, one driver
 call each through ctypes (no torch op per copy: the overlapped schedule is host-paced), no kernel.
 
+More slots decouple the ranks: a producer's wait for exchange k - S to be pulled by every peer is
+a wait for the slowest peer, on the producer's stream (the compute stream, when the pack or the
+unpermute writes the slot). With S = 2 the backward's first gradient packs wait for the peers'
+pulls of the forward's last combines, and a step's first packs for the previous step's last
+exchanges; S = 4 moves those waits back to exchanges the peers finished long before. Memory:
+S x R x block bytes per rank (R x block = one exchange's send buffer).
+
 The buffer is allocated at the first claim (collective), sized for the largest block seen
 or `reserve`d; a larger block later reallocates it after a device synchronization and a barrier
 (with no claim outstanding).
@@ -54,8 +61,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SLOTS = 2
-FLAG_BYTES = 4096  # the flags, ahead of the slots (keeps the slots 4 KiB-aligned)
+SLOTS = 2  # the default ring depth
+FLAG_BYTES = 4096  # the flags, ahead of the slots (keeps the slots 4 KiB-aligned; 2 x S x R int32)
 _GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _DRIVER = None
 
@@ -109,14 +116,21 @@ class CopyEngineExchange:
     (then nothing is staged). Enqueued on the current stream (and one side stream per peer), no
     host synchronization."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, slots: int = SLOTS):
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 2:
+            raise ValueError(f"copy_engine exchange: slots={slots!r}, expected an integer >= 2 (send slots in the "
+                             f"ring; each holds one exchange's send buffer)")
+        self.slots = slots
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if 8 * slots * self.world > FLAG_BYTES:
+            raise ValueError(f"copy_engine exchange: slots={slots} x {self.world} ranks need {8 * slots * self.world} "
+                             f"bytes of flags, more than the buffer's {FLAG_BYTES}")
         self.block = 0  # bytes per (slot, destination rank)
         self.reserved = 0
         self.calls = 0  # send slots claimed so far (k of the next exchange)
         self.pending: dict[int, tuple] = {}  # k -> (slot address, bytes) claimed, not yet exchanged
-        self.read = [None] * SLOTS  # per slot: an event after the own block's copy out of it
+        self.read = [None] * slots  # per slot: an event after the own block's copy out of it
         self.buf = self.hdl = None
         self.streams: list = []
 
@@ -156,16 +170,16 @@ class CopyEngineExchange:
                 warnings.simplefilter("ignore")
                 enable(name)
         self.block = -(-max(block, self.reserved) // 4096) * 4096
-        self.buf = symm_mem.empty(FLAG_BYTES + SLOTS * self.world * self.block, dtype=torch.uint8, device=device)
+        self.buf = symm_mem.empty(FLAG_BYTES + self.slots * self.world * self.block, dtype=torch.uint8, device=device)
         self.buf[:FLAG_BYTES].zero_()
         torch.cuda.synchronize(device)  # the flags are zero before any peer can write them
         self.hdl = symm_mem.rendezvous(self.buf, name)
-        self.calls, self.read = 0, [None] * SLOTS
+        self.calls, self.read = 0, [None] * self.slots
         self.peer_ptrs = list(self.hdl.buffer_ptrs)
 
     def _flag(self, rank: int, kind: int, slot: int, src: int) -> int:
         """Device address of rank `rank`'s flag `kind` (0 ready, 1 pulled) [slot][src]."""
-        return self.peer_ptrs[rank] + 4 * ((kind * SLOTS + slot) * self.world + src)
+        return self.peer_ptrs[rank] + 4 * ((kind * self.slots + slot) * self.world + src)
 
     def _slot(self, rank: int, slot: int) -> int:
         return self.peer_ptrs[rank] + FLAG_BYTES + slot * self.world * self.block
@@ -174,12 +188,12 @@ class CopyEngineExchange:
         """The next exchange's index k; its slot is writable on the current stream from here."""
         if self.buf is None or blk > self.block:
             self._allocate(blk, device)
-        k = self.calls
-        if k - SLOTS in self.pending:
-            raise RuntimeError(f"copy_engine exchange: send buffer {k} reuses the slot of send buffer {k - SLOTS}, "
-                               f"which was claimed but never exchanged (at most {SLOTS} claims may be outstanding)")
+        k, S = self.calls, self.slots
+        if k - S in self.pending:
+            raise RuntimeError(f"copy_engine exchange: send buffer {k} reuses the slot of send buffer {k - S}, "
+                               f"which was claimed but never exchanged (at most {S} claims may be outstanding)")
         self.calls += 1
-        slot, gen = k % SLOTS, k // SLOTS + 1
+        slot, gen = k % S, k // S + 1
         cur = torch.cuda.current_stream(device)
         if self.read[slot] is not None:
             cur.wait_event(self.read[slot])
@@ -193,7 +207,7 @@ class CopyEngineExchange:
     def send_buffer(self, rows: int, row_bytes: int, device: torch.device) -> Tensor:
         """uint8 [rows, row_bytes] (rows a multiple of R): the next exchange's send slot, writable on
         the current stream. Write the send buffer into it and pass it to the exchange (in the same
-        order on every rank); the slot is claimed again two claims later."""
+        order on every rank); the slot is claimed again `slots` claims later."""
         if rows % self.world:
             raise ValueError(f"copy_engine send_buffer: {rows} rows do not split into {self.world} equal blocks")
         k = self._claim(rows // self.world * row_bytes, device)
@@ -213,7 +227,7 @@ class CopyEngineExchange:
             k = self._claim(blk, send.device)
             _copy(torch.cuda.current_stream(send.device).cuda_stream, self.pending[k][0], send.data_ptr(), R * blk)
         del self.pending[k]
-        slot, gen = k % SLOTS, k // SLOTS + 1
+        slot, gen = k % self.slots, k // self.slots + 1
         out = torch.empty_like(send)
         dst = out.data_ptr()
         main = torch.cuda.current_stream(send.device)

@@ -82,6 +82,7 @@ class DispatchConfig:
     # all_to_all: "collective" (torch.distributed: NCCL kernels / gloo) or "copy_engine" (NVLink peer
     # copies, no SMs taken: one host, GPUs, the capacity mode only)
     transport: str = "collective"
+    slots: int = 2  # copy_engine: send slots in its ring (more: fewer waits for the slowest peer, more memory)
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
     # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off.
     # ranks_per_node: 0 = torchrun's LOCAL_WORLD_SIZE
@@ -205,6 +206,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"dispatch.transport=copy_engine moves the all_to_all backend's capacity-mode blocks only; "
                          f"got dispatch={d.backend}, dispatch.mode={d.mode}: use dispatch=all_to_all with "
                          f"dispatch.mode=capacity or auto, or dispatch.transport=collective")
+    if d.slots < 2:
+        raise ValueError(f"dispatch.slots={d.slots}: must be >= 2 (the copy_engine transport's send slots)")
     for key, off in (("capacity", "train.micro_batch * train.seq_len"), ("max_nodes", "off"),
                      ("ranks_per_node", "torchrun's LOCAL_WORLD_SIZE")):
         if getattr(d, key) < 0:

@@ -364,7 +364,7 @@ def train(cfg: Config) -> dict:
         raise DataError(str(e)) from e
     dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
                                   capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode,
-                                  transport=cfg.dispatch.transport)
+                                  transport=cfg.dispatch.transport, slots=cfg.dispatch.slots)
     model = Transformer(routing_config(cfg, world), cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher, par.ep_rank,
                         t.seed, overlap=cfg.dispatch.overlap, bf16_linears=bf16_linears(cfg.recipe)).to(device)
     opt = AdamW(model.named_parameters(), o)

@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
      "dispatch.transport='nvlink': expected one of 'collective', 'copy_engine'"),
     (["dispatch=all_to_all", "dispatch.mode=exact", "dispatch.transport=copy_engine"],
      "dispatch.transport=copy_engine moves the all_to_all backend's capacity-mode blocks only"),
+    (["dispatch=all_to_all", "dispatch.slots=1"], "dispatch.slots=1: must be >= 2"),
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),

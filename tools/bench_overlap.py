@@ -374,6 +374,8 @@ def main():
     p.add_argument("--modes", default="exact,capacity", help="all_to_all dispatch modes to measure (comma list)")
     p.add_argument("--transports", default="collective",
                    help="all_to_all transports (comma list): collective (NCCL), copy_engine (capacity mode only)")
+    p.add_argument("--slots", default="2",
+                   help="copy engines: send slots in the transport's ring (comma list; dispatch.slots)")
     p.add_argument("--units", default="moe,block",
                    help="what to time (comma list): moe (the MoE layer alone), block (attention + MoE layer)")
     p.add_argument("--seqs", type=int, default=2,
@@ -453,17 +455,20 @@ def main():
     if "copy_engine" in transports and not cuda:
         p.error("--transports copy_engine: needs GPUs")
     prios = [int(v) for v in a.side_priorities.split(",") if v]
-    runs = [(c, m, t, u, pr) for c in caps for m in modes for t in transports for u in units for pr in prios
-            if t == "collective" or (m == "capacity" and c is None)]  # copy engines: capacity blocks, no NCCL
-    for cap, mode, transport, kind, prio in runs:
+    slots = [int(v) for v in a.slots.split(",") if v]
+    runs = [(c, m, t, u, pr, sl) for c in caps for m in modes for t in transports for u in units for pr in prios
+            for sl in slots  # copy engines: capacity blocks, no NCCL; slots: copy engines only
+            if (t == "collective" and sl == slots[0]) or (t == "copy_engine" and m == "capacity" and c is None)]
+    for cap, mode, transport, kind, prio, sl in runs:
         moefp8.overlap.SIDE_STREAM_PRIORITY = prio
         group = comm_group(cap)
-        full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport)
+        full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport, slots=sl)
                       for c in (a.tokens, half_capacity(kind)))
         unit = make_unit(kind, full)
         r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
-               + (", copy engines" if transport == "copy_engine" else "")
+               + ((", copy engines" + (f" ({sl} slots)" if slots != [2] else "")) if transport == "copy_engine"
+                  else "")
                + (f", side streams at priority {prio}" if len(prios) > 1 else "")
                + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
                + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
@@ -529,9 +534,9 @@ def main():
     # overlapped steps (--trace-steps) of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
     from torch.profiler import ProfilerActivity, profile
 
-    _, mode, transport, kind, moefp8.overlap.SIDE_STREAM_PRIORITY = runs[-1]
+    _, mode, transport, kind, moefp8.overlap.SIDE_STREAM_PRIORITY, sl = runs[-1]
     unit = make_unit(kind, build_dispatcher("all_to_all", E, None, capacity=half_capacity(kind), mode=mode,
-                                            transport=transport), overlap=True)
+                                            transport=transport, slots=sl), overlap=True)
     for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
         dist.barrier()  # every rank starts the traced step together (the profiler's start-up differs per rank)
         if cuda:
@@ -553,7 +558,7 @@ def main():
         path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
                             hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
                             bind_cpus=a.bind_cpus, units=units, seqs=a.seqs, transports=transports,
-                            side_stream_priorities=prios,
+                            side_stream_priorities=prios, copy_engine_slots=slots,
                             trace=trace.name, **({"timelines": timelines} if timelines else {}))
         print(f"wrote {path} and {trace}")
     dist.barrier()

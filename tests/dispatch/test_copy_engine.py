@@ -1,9 +1,10 @@
 """The copy-engine transport (dispatch/copy_engine.py) on 2 and 4 GPUs (marker `gpu`, NCCL groups
 for the reference): its exchange equals `dist.all_to_all_single` byte for byte over 200 exchanges
-of random sizes enqueued back to back on two streams with random per-rank delays (the slots are reused while peers
-lag behind, the buffer grows, empty blocks pass; sends staged from plain tensors or made in the send slots, two
-slots claimed before either is exchanged), and the all_to_all backend's capacity mode over it
-passes every data-movement check of the NCCL transport (test_all_to_all's `_check_dispatch`)."""
+of random sizes enqueued back to back on two streams with random per-rank delays, with rings of
+2 and 3 send slots (the slots are reused while peers lag behind, the buffer grows, empty blocks
+pass; sends staged from plain tensors or made in the send slots, two slots claimed before either
+is exchanged), and the all_to_all backend's capacity mode over it passes every data-movement
+check of the NCCL transport (test_all_to_all's `_check_dispatch`)."""
 
 import pytest
 import torch
@@ -13,9 +14,14 @@ from test_all_to_all import CASES_2, CASES_4, _check_dispatch, _check_wire_forma
 
 
 def _exchanges(rank, world, dev):
-    from moefp8.dispatch.copy_engine import SLOTS, CopyEngineExchange
+    for slots in (2, 3):  # the default ring and an odd one
+        _exchanges_with(rank, world, dev, slots)
 
-    ce = CopyEngineExchange()
+
+def _exchanges_with(rank, world, dev, slots):
+    from moefp8.dispatch.copy_engine import CopyEngineExchange
+
+    ce = CopyEngineExchange(slots=slots)
     ce.reserve(70 * 16 * 64)  # the largest random block: one allocation up to the last exchange
     shapes = torch.Generator().manual_seed(0)  # the same sizes and kinds of call on every rank
     delays = torch.Generator().manual_seed(100 + rank)  # each rank lags at other times
@@ -59,8 +65,8 @@ def _exchanges(rank, world, dev):
         assert torch.equal(out, want), f"exchange {i} of {sizes[i]} differs from all_to_all_single"
     assert ce.block >= 40 * 16 * 1024 and not ce.pending  # the last exchange reallocated the buffer
     # a slot is not handed out again while its last reservation was not exchanged
-    bufs = [ce.send_buffer(world, 16, dev) for _ in range(SLOTS)]
-    with pytest.raises(RuntimeError, match=f"reuses the slot of send buffer {ce.calls - SLOTS}"):
+    bufs = [ce.send_buffer(world, 16, dev) for _ in range(slots)]
+    with pytest.raises(RuntimeError, match=f"reuses the slot of send buffer {ce.calls - slots}"):
         ce.send_buffer(world, 16, dev)
     for b in bufs:
         ce(b.fill_(rank))
@@ -85,3 +91,11 @@ def test_copy_engine_exchange_equals_all_to_all(world):
 def test_copy_engine_dispatch_combine(world):
     _need_gpus(world)
     spawn(_dispatch_cases, world, backend="nccl")
+
+
+def test_copy_engine_slots_checked():
+    from moefp8.dispatch.copy_engine import CopyEngineExchange
+
+    for bad in (1, 0, 2.0, True):
+        with pytest.raises(ValueError, match=f"slots={bad!r}, expected an integer >= 2"):
+            CopyEngineExchange(slots=bad)
