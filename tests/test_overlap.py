@@ -205,7 +205,7 @@ def test_bench_overlap_smoke(tmp_path):
     out = tmp_path / "overlap.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--timeline", "2", "--clocks", "--aligned",
-                        "--out", str(out)], cwd=repo,
+                        "--rounds", "3", "--out", str(out)], cwd=repo,
                        capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -218,6 +218,10 @@ def test_bench_overlap_smoke(tmp_path):
     for row in on:  # --aligned: every step started together; --clocks: nvidia-smi samples ({} without it)
         assert row["t_on_aligned_ms"] > 0 and row["t_compute_only_aligned_ms"] > 0 and "hidden_comm_share_aligned" in row
         assert isinstance(row["gpus_on"], dict) and isinstance(row["gpus_compute_only"], dict)
+    for row in on:  # --rounds 3: three (on, compute only) pairs; the headline share is their median
+        shares = sorted(row["rounds_hidden_comm_share"])
+        assert len(row["rounds_on_compute_ms"]) == 3 and abs(row["hidden_comm_share"] - shares[1]) < 2e-3
+        assert all(on_ms > 0 and comp_ms > 0 for on_ms, comp_ms in row["rounds_on_compute_ms"])
     replay = [row for row in doc["rows"] if row["impl"] == "overlap on, compute only (exchanges replayed)"]
     assert all(len(row["per_rank_ms"]) == 2 for row in replay)
     assert (tmp_path / doc["trace"]).is_file()

@@ -21,7 +21,10 @@ Per unit:
   t_compute   the overlapped step with its exchanges replayed from a recording (`Replay`: the
               same rows and routes, no communication);
   exposed     (t_on - t_compute) / t_comm; hidden = 1 - exposed (the JSON also keeps the earlier
-              estimate with t_compute = t_serial - t_comm).
+              estimate with t_compute = t_serial - t_comm). --rounds N: t_on and t_compute measured
+              N times, one after the other in pairs (the GPUs' clocks and the ranks' skew drift over
+              seconds); then hidden is the median of the N pairs' shares, t_on and t_compute the
+              medians, and every round is kept in the JSON.
   diagnostic  t_compute_sync: the replay with each exchange's rank synchronization kept (a
               1-element all-reduce in its place): hidden_transfer = 1 - (t_on - t_compute_sync) /
               t_comm separates the transfer time from waiting for slower ranks.
@@ -40,6 +43,7 @@ JSON) beside the results JSON. Timings: median of --iters, max over ranks.
 
 import argparse
 import contextlib
+import statistics
 import sys
 from pathlib import Path
 
@@ -182,11 +186,13 @@ class BlockUnit:
         return m, self.moe.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]
 
 
-def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = False, aligned: bool = False) -> dict:
+def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = False, aligned: bool = False,
+               rounds: int = 1) -> dict:
     """disp_full serves the one-micro-batch unit, disp_half the two-micro-batch schedules (in
     capacity mode their capacities are T and the larger half). clocks: the GPUs' clocks, power and
     clock reasons sampled (nvidia-smi, rank 0 for the node) while t_on and t_compute_on are timed.
-    aligned: t_on and t_compute_on again with every step started on all ranks together."""
+    aligned: t_on and t_compute_on again with every step started on all ranks together. rounds:
+    t_on and t_compute_on measured in that many pairs, one after the other (medians reported)."""
     layer, out = unit.moe, {}
     sampler = GpuSampler if clocks and dist.get_rank() == 0 else contextlib.nullcontext
     layer.dispatcher = disp_full
@@ -227,8 +233,16 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
         out["t_compute_on"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev,
                                            per_rank=out["compute_per_rank"])
     out["gpus_compute"] = getattr(s, "summary", None)
-    out["exposed"] = (out["t_on"] - out["t_compute_on"]) / out["t_comm"]
-    out["hidden"] = 1 - out["exposed"]
+    out["rounds"] = [(out["t_on"], out["t_compute_on"])]
+    for _ in range(rounds - 1):  # more pairs, each on right after compute only
+        out["rounds"].append((timed(unit.step("on"), warmup, iters, dev),
+                              compute_only(layer, unit.step("on"), disp, warmup, iters, dev)))
+    out["rounds_hidden"] = [1 - (on - comp) / out["t_comm"] for on, comp in out["rounds"]]
+    if rounds > 1:
+        out["t_on"] = statistics.median(on for on, _ in out["rounds"])
+        out["t_compute_on"] = statistics.median(comp for _, comp in out["rounds"])
+    out["hidden"] = statistics.median(out["rounds_hidden"])
+    out["exposed"] = 1 - out["hidden"]
     if aligned:  # the same two, every step started on all ranks together (no run-ahead, no drift)
         out["t_on_aligned"] = timed(unit.step("on"), warmup, iters, dev, aligned=True)
         out["t_compute_aligned"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev, aligned=True)
@@ -380,6 +394,8 @@ def main():
                    help="what to time (comma list): moe (the MoE layer alone), block (attention + MoE layer)")
     p.add_argument("--seqs", type=int, default=2,
                    help="block: sequences per rank (the micro-batches are their halves; --tokens / --seqs each)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="t_on and t_compute measured in this many pairs, one after the other; hidden = the median share")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--gemm", choices=("auto", "triton"), default="auto",
@@ -412,6 +428,8 @@ def main():
         grouped_gemm.LOOP_MIN_MACS = float("inf")
     if a.smoke:
         a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: must be >= 1")
     if a.seqs < 2 or a.tokens % a.seqs:
         p.error(f"--seqs {a.seqs}: needs at least 2 sequences (one per micro-batch) that divide --tokens {a.tokens}")
     if a.hidden % 128:
@@ -465,7 +483,7 @@ def main():
         full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport, slots=sl)
                       for c in (a.tokens, half_capacity(kind)))
         unit = make_unit(kind, full)
-        r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned)
+        r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned, rounds=a.rounds)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
                + ((", copy engines" + (f" ({sl} slots)" if slots != [2] else "")) if transport == "copy_engine"
                   else "")
@@ -483,6 +501,8 @@ def main():
             hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3),
             t_compute_sync_ms=round(r["t_compute_sync"] * 1e3, 3),
             hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), unit_kind=kind,
+            **({"rounds_on_compute_ms": [[round(on * 1e3, 3), round(c * 1e3, 3)] for on, c in r["rounds"]],
+                "rounds_hidden_comm_share": [round(h, 3) for h in r["rounds_hidden"]]} if a.rounds > 1 else {}),
             **({"gpus_on": r["gpus_on"], "gpus_compute_only": r["gpus_compute"]} if a.clocks else {}),
             **({"t_on_aligned_ms": round(r["t_on_aligned"] * 1e3, 3),
                 "t_compute_only_aligned_ms": round(r["t_compute_aligned"] * 1e3, 3),
@@ -492,6 +512,9 @@ def main():
         add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"],
             unit_kind=kind)
         add(case, "communication alone", r["t_comm"], unit_kind=kind)
+        if rank == 0 and a.rounds > 1:
+            print(f"{case}: hidden share per round {' '.join(f'{h:.3f}' for h in r['rounds_hidden'])}, median "
+                  f"{r['hidden']:.3f}")
         if rank == 0 and a.aligned:
             print(f"{case}: every step started together: on {r['t_on_aligned'] * 1e3:.2f} ms, compute only "
                   f"{r['t_compute_aligned'] * 1e3:.2f} ms, hidden {r['hidden_aligned']:.3f}")
