@@ -238,24 +238,6 @@ ERR_BAD_EXPERT, ERR_BAD_SCALE, ERR_OVER_CAPACITY = 1, 2, 3
 
 
 @triton.jit
-def _copy_payload(x_ptr, s_ptr, row, t, off, DATA_WORDS, G, stride_x, stride_s, SCALES: tl.constexpr,
-                  G_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Token t's data (int32 words) and scales (UE8M0 bytes or fp32 words) into a row at word `off`."""
-    for c in range(0, DATA_WORDS, BLOCK):
-        j = c + tl.arange(0, BLOCK)
-        tl.store(row + off + j, tl.load(x_ptr + t * stride_x + j, mask=j < DATA_WORDS), mask=j < DATA_WORDS)
-    off += DATA_WORDS
-    g = tl.arange(0, G_PAD)
-    if SCALES == 1:
-        sc = tl.load(s_ptr + t * stride_s + g, mask=g < G)
-        e8 = ((sc.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-        tl.store((row + off).to(tl.pointer_type(tl.uint8)) + g, e8, mask=g < G)
-    if SCALES == 2:
-        sc = tl.load(s_ptr + t * stride_s + g, mask=g < G)
-        tl.store(row + off + g, sc.to(tl.int32, bitcast=True), mask=g < G)
-
-
-@triton.jit
 def _input_errors(idx_ptr, s_ptr, T, K, E, G, stride_s, CHECK_SCALES: tl.constexpr, K_PAD: tl.constexpr,
                      G_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """-> (code, value) over T tokens: 1 an id outside [-1, E) (value: the largest), 2 a scale that
@@ -286,58 +268,114 @@ def _input_errors(idx_ptr, s_ptr, T, K, E, G, stride_s, CHECK_SCALES: tl.constex
 
 
 @triton.jit
-def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, T, CAP, K, E, E_LOCAL, R, DATA_WORDS, G,
-                          stride_x, stride_s, ROW_WORDS, ROW_BYTES, CHECK_SCALES: tl.constexpr, SCALES: tl.constexpr,
-                          K_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
-    # One row of the send buffer per program: the R header rows first (their programs scan all the
-    # inputs, so they start first), then block r's slot t at q = R + r * CAP + t.
+def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, err_ptr, T, CAP, K, E, E_LOCAL, R,
+                          DATA_WORDS, G, stride_x, stride_s, ROW_WORDS, ROW_BYTES, CHECK_SCALES: tl.constexpr,
+                          SCALES: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per token slot t < CAP: its row in every block r (row r * (CAP + 1) + t), the token
+    # read once; then R programs for the header rows. The input checks are spread over the token
+    # programs (atomics into err int64 [4]: bad id seen, the largest bad id, bad scale seen, token
+    # programs done); the last token program to finish writes every block's header fields (with no
+    # token to check, the header programs write them).
     q = tl.program_id(0).to(tl.int64)
-    is_hdr = q < R
-    r = tl.where(is_hdr, q, (q - R) // tl.maximum(CAP, 1))
-    t = tl.where(is_hdr, CAP, (q - R) % tl.maximum(CAP, 1))
-    s = r * (CAP + 1) + t
-    row = out_ptr + s * ROW_WORDS  # int32 words
     k = tl.arange(0, K_PAD)
     km = k < K
-    if is_hdr:  # the header row: no expert (-1 ids), then int64 fields where the data goes
+    n = tl.minimum(T, CAP)
+    if q < CAP:
+        t = q
+        live = k * 0 + t < T  # tensor-shaped masks: the interpreter refuses a scalar-broadcast one
+        ids = tl.load(idx_ptr + t * K + k, mask=km & live, other=-1).to(tl.int64)
+        w = tl.load(w_ptr + t * K + k, mask=km & live, other=0.0)
+        for r in range(R):  # the routing fields of every block's row t, and where t went
+            mine = (ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)
+            hit = tl.max(mine.to(tl.int32), axis=0) > 0  # dedupe: once per destination rank
+            row = out_ptr + (r * (CAP + 1) + t) * ROW_WORDS  # int32 words
+            tl.store(row + k, tl.where(mine.to(tl.int32) * 0 + hit.to(tl.int32) > 0, w, 0.0).to(
+                tl.int32, bitcast=True), mask=km)
+            tl.store(row + K + k, tl.where(mine, ids - r * E_LOCAL, -1).to(tl.int32), mask=km)
+            if t < T:
+                tl.store(pos_ptr + t * R + r, tl.where(hit, r * (CAP + 1) + t, -1).to(tl.int32))
+        if t < T:
+            # the payload: read once, written into each destination's row
+            for c in range(0, DATA_WORDS, BLOCK):
+                j = c + tl.arange(0, BLOCK)
+                v = tl.load(x_ptr + t * stride_x + j, mask=j < DATA_WORDS)
+                for r in range(R):
+                    if tl.max(((ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)).to(tl.int32), axis=0) > 0:
+                        tl.store(out_ptr + (r * (CAP + 1) + t) * ROW_WORDS + 2 * K + j, v, mask=j < DATA_WORDS)
+            g = tl.arange(0, G_PAD)
+            if SCALES > 0:
+                sc = tl.load(s_ptr + t * stride_s + g, mask=g < G, other=1.0)
+                bits = sc.to(tl.int32, bitcast=True)
+                for r in range(R):
+                    if tl.max(((ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)).to(tl.int32), axis=0) > 0:
+                        srow = out_ptr + (r * (CAP + 1) + t) * ROW_WORDS + 2 * K + DATA_WORDS
+                        if SCALES == 1:
+                            tl.store(srow.to(tl.pointer_type(tl.uint8)) + g, ((bits >> 23) & 0xFF).to(tl.uint8),
+                                     mask=g < G)
+                        else:
+                            tl.store(srow + g, bits, mask=g < G)
+                if CHECK_SCALES:  # a scale that is not a positive power of two
+                    if tl.max(((bits < 0) | ((bits & 0x7FFFFF) != 0)).to(tl.int32), axis=0) > 0:
+                        tl.atomic_max(err_ptr + 2, 1)
+            if t < n:
+                bad = km & ((ids < -1) | (ids >= E))
+                if tl.max(bad.to(tl.int32), axis=0) > 0:
+                    tl.atomic_max(err_ptr + 1, tl.max(tl.where(bad, ids, -(2**62)), axis=0))
+                    tl.atomic_max(err_ptr, 1)
+                if tl.atomic_add(err_ptr + 3, 1, sem="acq_rel") == n - 1:  # the last checker: every header
+                    code = tl.where(tl.atomic_add(err_ptr, 0) > 0, 1, tl.where(tl.atomic_add(err_ptr + 2, 0) > 0, 2, 0))
+                    val = tl.where(code == 1, tl.atomic_add(err_ptr + 1, 0), 0)
+                    for r in range(R):
+                        _write_header(out_ptr + (r * (CAP + 1) + CAP) * ROW_WORDS + 2 * K, T, CAP, ROW_BYTES, code,
+                                      val)
+    else:  # block r's header row: no expert (-1 ids); the fields where the data goes
+        r = q - CAP
+        row = out_ptr + (r * (CAP + 1) + CAP) * ROW_WORDS
         tl.store(row + k, tl.zeros((K_PAD,), dtype=tl.int32), mask=km)
         tl.store(row + K + k, tl.full((K_PAD,), -1, dtype=tl.int32), mask=km)
-        code, val = _input_errors(idx_ptr, s_ptr, tl.minimum(T, CAP), K, E, G, stride_s, CHECK_SCALES, K_PAD,
-                                     G_PAD, BLOCK_T)
-        over = T > CAP  # checked first: the tokens past CAP were not looked at
-        code = tl.where(over, 3, code)
-        val = tl.where(over, T, val)
-        h = tl.arange(0, 8)
-        fields = tl.where(h == 0, 0x4D6F4538, tl.where(h == 1, ROW_BYTES, tl.where(h == 2, CAP, tl.where(
-            h == 3, T, 0)))).to(tl.int64)
-        fields = tl.where(h == 4, code, tl.where(h == 5, val, fields))
-        tl.store((row + 2 * K).to(tl.pointer_type(tl.int64)) + h, fields, mask=h < 6)
-    else:
-        live = t < T
-        ids = tl.load(idx_ptr + t * K + k, mask=km & (k * 0 + t < T), other=-1).to(tl.int64)  # tensor masks:
-        # the interpreter refuses a scalar-broadcast one
-        mine = (ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)
-        n_hit = tl.max(mine.to(tl.int32), axis=0)  # dedupe: once per destination rank
-        hit = n_hit > 0
-        w = tl.load(w_ptr + t * K + k, mask=km & (k * 0 + n_hit > 0), other=0.0)
-        tl.store(row + k, w.to(tl.int32, bitcast=True), mask=km)
-        tl.store(row + K + k, tl.where(mine, ids - r * E_LOCAL, -1).to(tl.int32), mask=km)
-        if live:
-            tl.store(pos_ptr + t * R + r, tl.where(hit, s, -1).to(tl.int32))
-        if hit:
-            _copy_payload(x_ptr, s_ptr, row, t, 2 * K, DATA_WORDS, G, stride_x, stride_s, SCALES, G_PAD, BLOCK)
+        if n == 0:
+            _write_header(row + 2 * K, T, CAP, ROW_BYTES, 0, 0)
+
+
+@triton.jit
+def _write_header(ptr, T, CAP, ROW_BYTES, code, val):
+    """int64 [magic, row bytes, capacity, tokens, code, value] at ptr (int32 words); T > CAP overrides
+    the code (3, value T: the tokens past CAP were not looked at)."""
+    over = T > CAP
+    code = tl.where(over, 3, code).to(tl.int64)
+    val = tl.where(over, T, val).to(tl.int64)
+    h = tl.arange(0, 8)
+    fields = tl.where(h == 0, 0x4D6F4538, tl.where(h == 1, ROW_BYTES, tl.where(h == 2, CAP, tl.where(
+        h == 3, T, 0)))).to(tl.int64)
+    fields = tl.where(h == 4, code, tl.where(h == 5, val, fields))
+    tl.store(ptr.to(tl.pointer_type(tl.int64)) + h, fields, mask=h < 6)
 
 
 @triton.jit
 def _pack_capacity_cached_kernel(pos_ptr, x_ptr, s_ptr, out_ptr, T, CAP, R, DATA_WORDS, G, stride_x, stride_s,
-                                 ROW_WORDS, SCALES: tl.constexpr, G_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    q = tl.program_id(0).to(tl.int64)  # block r's slot t at q = r * CAP + t (no header: nothing to check)
-    r = q // CAP
-    t = q % CAP
-    if t < T:
-        if tl.load(pos_ptr + t * R + r) >= 0:
-            _copy_payload(x_ptr, s_ptr, out_ptr + (r * (CAP + 1) + t) * ROW_WORDS, t, 0, DATA_WORDS, G, stride_x,
-                          stride_s, SCALES, G_PAD, BLOCK)
+                                 ROW_WORDS, SCALES: tl.constexpr, R_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # token t < min(T, CAP), read once, written into each row pos[t, r] >= 0
+    rr = tl.arange(0, R_PAD)
+    pos = tl.load(pos_ptr + t * R + rr, mask=rr < R, other=-1).to(tl.int64)
+    for c in range(0, DATA_WORDS, BLOCK):
+        j = c + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + t * stride_x + j, mask=j < DATA_WORDS)
+        for r in range(R):
+            p = tl.max(tl.where(rr == r, pos, -1), axis=0)
+            if p >= 0:
+                tl.store(out_ptr + p * ROW_WORDS + j, v, mask=j < DATA_WORDS)
+    if SCALES > 0:
+        g = tl.arange(0, G_PAD)
+        bits = tl.load(s_ptr + t * stride_s + g, mask=g < G, other=1.0).to(tl.int32, bitcast=True)
+        for r in range(R):
+            p = tl.max(tl.where(rr == r, pos, -1), axis=0)
+            if p >= 0:
+                srow = out_ptr + p * ROW_WORDS + DATA_WORDS
+                if SCALES == 1:
+                    tl.store(srow.to(tl.pointer_type(tl.uint8)) + g, ((bits >> 23) & 0xFF).to(tl.uint8), mask=g < G)
+                else:
+                    tl.store(srow + g, bits, mask=g < G)
 
 
 def _send_out(out: Tensor | None, rows: int, row_bytes: int, dev, alloc: bool) -> Tensor | None:
@@ -389,12 +427,12 @@ def pack_capacity(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, world: 
     pos = torch.full((T, world), -1, dtype=torch.int32, device=dev) if T > cap else \
         torch.empty(T, world, dtype=torch.int32, device=dev)
     words, sc, G = _payload_args(x)
-    _pack_capacity_kernel[(world * (cap + 1),)](  # the header programs first, then the rows
-        topk_idx.contiguous(), topk_w.float().contiguous(), words, sc, out.view(torch.int32), pos, T, cap, K,
+    err = torch.zeros(4, dtype=torch.int64, device=dev)  # the token programs' checks and their count
+    _pack_capacity_kernel[(cap + world,)](  # the token programs first, then the header rows
+        topk_idx.contiguous(), topk_w.float().contiguous(), words, sc, out.view(torch.int32), pos, err, T, cap, K,
         num_experts, num_experts // world, world, words.shape[1], G, words.stride(0), sc.stride(0), row_bytes // 4,
         row_bytes, CHECK_SCALES=check_scales, SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
-        K_PAD=triton.next_power_of_2(max(K, 1)), G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, BLOCK_T=64,
-        num_warps=4)
+        K_PAD=triton.next_power_of_2(max(K, 1)), G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, num_warps=4)
     return out, pos
 
 
@@ -412,10 +450,11 @@ def pack_capacity_cached(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: st
     words, sc, G = _payload_args(x)
     if min(T, cap) == 0:
         return out
-    _pack_capacity_cached_kernel[(R * cap,)](pos_TR, words, sc, out.view(torch.int32), T, cap, R, words.shape[1], G,
-                                             words.stride(0), sc.stride(0), row_bytes // 4,
-                                             SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
-                                             G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, num_warps=4)
+    _pack_capacity_cached_kernel[(min(T, cap),)](pos_TR, words, sc, out.view(torch.int32), T, cap, R,
+                                                 words.shape[1], G, words.stride(0), sc.stride(0), row_bytes // 4,
+                                                 SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
+                                                 R_PAD=triton.next_power_of_2(R), G_PAD=triton.next_power_of_2(max(G, 1)),
+                                                 BLOCK=1024, num_warps=4)
     return out
 
 

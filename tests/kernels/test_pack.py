@@ -160,11 +160,14 @@ def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
     if T and payload == "fp8-pow2":
         bad_idx = idx.clone()
         bad_idx[-1, 0] = E + 5
+        bad_idx[(min(T, cap) - 1) // 2, K - 1] = E + 9  # the largest, on a token in the middle
         out = P.pack_capacity(x, bad_idx, w, E, R, cap, nb, scales, check_scales=True, impl=impl)[0]
         hdr = out.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * P.HDR_WORDS].contiguous().view(torch.int64)
-        assert hdr[:, 4:].tolist() == ([[3, T]] * R if T > cap else [[1, E + 5]] * R)
-        x3 = x._replace(scale=x.scale * 3)
-        out = P.pack_capacity(x3, idx, w, E, R, cap, nb, scales, check_scales=True, impl=impl)[0]
+        assert hdr[:, 4:].tolist() == ([[3, T]] * R if T > cap else [[1, E + 9]] * R)
+        scale3 = x.scale.clone()
+        scale3[(min(T, cap) - 1) // 2, -1] *= 3  # one scale of one token not a power of two
+        out = P.pack_capacity(x._replace(scale=scale3), idx, w, E, R, cap, nb, scales, check_scales=True,
+                              impl=impl)[0]
         hdr = out.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * P.HDR_WORDS].contiguous().view(torch.int64)
         assert hdr[:, 4].tolist() == [3 if T > cap else 2] * R
 
