@@ -55,7 +55,7 @@ DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.c
 
 def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2",
                      capacity: int | None = None, mode: str = "auto", transport: str = "collective",
-                     slots: int = 2) -> Dispatcher:
+                     slots: int = 4) -> Dispatcher:
     """The dispatcher for a backend name; ``group`` is the expert-parallel process group (None:
     the default group for the communicating backends); ``scale_fmt`` the FP8 recipe's scale format
     (it fixes how scales travel). ``capacity`` (the most tokens any rank passes to one dispatch),

@@ -206,7 +206,7 @@ class AllToAllDispatcher:
     communicates = True
 
     def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2", capacity: int | None = None,
-                 mode: str = "auto", transport: str = "collective", slots: int = 2):
+                 mode: str = "auto", transport: str = "collective", slots: int = 4):
         check_scale_fmt(scale_fmt)
         self.group = group
         self.rank = dist.get_rank(group)

@@ -23,7 +23,7 @@ The buffer (torch symmetric memory, one per group, mapped into every peer) per r
 
     | ready int32 [S, R], pulled int32 [S, R] (padded to 4 KiB) | slots uint8 [S, R * block bytes] |
 
-Exchange k (blocks of b bytes) uses slot s = k % S, generation g = k // S + 1 (S slots, default 2), its
+Exchange k (blocks of b bytes) uses slot s = k % S, generation g = k // S + 1 (S slots, default 4), its
 R send blocks dense at the slot's start (block p for rank p). Rank i:
   * before its producer writes slot s (`send_buffer`, on the producer's stream): wait until every
     peer p's pulled[s][p] >= g - 1 (they copied exchange k - S out of the slot) and for its own
@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-SLOTS = 2  # the default ring depth
+SLOTS = 4  # the default ring depth (bench/notes/overlap.md, session 21)
 FLAG_BYTES = 4096  # the flags, ahead of the slots (keeps the slots 4 KiB-aligned; 2 x S x R int32)
 _GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 _DRIVER = None

@@ -82,7 +82,7 @@ class DispatchConfig:
     # all_to_all: "collective" (torch.distributed: NCCL kernels / gloo) or "copy_engine" (NVLink peer
     # copies, no SMs taken: one host, GPUs, the capacity mode only)
     transport: str = "collective"
-    slots: int = 2  # copy_engine: send slots in its ring (more: fewer waits for the slowest peer, more memory)
+    slots: int = 4  # copy_engine: send slots in its ring (more: fewer waits for the slowest peer, more memory)
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
     # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off.
     # ranks_per_node: 0 = torchrun's LOCAL_WORLD_SIZE

@@ -388,7 +388,7 @@ def main():
     p.add_argument("--modes", default="exact,capacity", help="all_to_all dispatch modes to measure (comma list)")
     p.add_argument("--transports", default="collective",
                    help="all_to_all transports (comma list): collective (NCCL), copy_engine (capacity mode only)")
-    p.add_argument("--slots", default="2",
+    p.add_argument("--slots", default="4",
                    help="copy engines: send slots in the transport's ring (comma list; dispatch.slots)")
     p.add_argument("--units", default="moe,block",
                    help="what to time (comma list): moe (the MoE layer alone), block (attention + MoE layer)")
@@ -485,7 +485,7 @@ def main():
         unit = make_unit(kind, full)
         r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned, rounds=a.rounds)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
-               + ((", copy engines" + (f" ({sl} slots)" if slots != [2] else "")) if transport == "copy_engine"
+               + ((", copy engines" + (f" ({sl} slots)" if len(slots) > 1 else "")) if transport == "copy_engine"
                   else "")
                + (f", side streams at priority {prio}" if len(prios) > 1 else "")
                + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
