@@ -329,8 +329,7 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, err_pt
                         _write_header(out_ptr + (r * (CAP + 1) + CAP) * ROW_WORDS + 2 * K, T, CAP, ROW_BYTES, code,
                                       val)
     else:  # block r's header row: no expert (-1 ids); the fields where the data goes
-        r = q - CAP
-        row = out_ptr + (r * (CAP + 1) + CAP) * ROW_WORDS
+        row = out_ptr + ((q - CAP) * (CAP + 1) + CAP) * ROW_WORDS
         tl.store(row + k, tl.zeros((K_PAD,), dtype=tl.int32), mask=km)
         tl.store(row + K + k, tl.full((K_PAD,), -1, dtype=tl.int32), mask=km)
         if n == 0:
