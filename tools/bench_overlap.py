@@ -21,10 +21,10 @@ Per unit:
   t_compute   the overlapped step with its exchanges replayed from a recording (`Replay`: the
               same rows and routes, no communication);
   exposed     (t_on - t_compute) / t_comm; hidden = 1 - exposed (the JSON also keeps the earlier
-              estimate with t_compute = t_serial - t_comm). --rounds N: t_on and t_compute measured
-              N times, one after the other in pairs (the GPUs' clocks and the ranks' skew drift over
-              seconds); then hidden is the median of the N pairs' shares, t_on and t_compute the
-              medians, and every round is kept in the JSON.
+              estimate with t_compute = t_serial - t_comm). --rounds N: t_on, t_compute and t_comm
+              measured N times, one round after the other (the GPUs' clocks and the ranks' skew drift
+              over seconds); then hidden is the median of the N rounds' shares, t_on, t_compute and
+              t_comm the medians, and every round is kept in the JSON.
   diagnostic  t_compute_sync: the replay with each exchange's rank synchronization kept (a
               1-element all-reduce in its place): hidden_transfer = 1 - (t_on - t_compute_sync) /
               t_comm separates the transfer time from waiting for slower ranks.
@@ -192,7 +192,7 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
     capacity mode their capacities are T and the larger half). clocks: the GPUs' clocks, power and
     clock reasons sampled (nvidia-smi, rank 0 for the node) while t_on and t_compute_on are timed.
     aligned: t_on and t_compute_on again with every step started on all ranks together. rounds:
-    t_on and t_compute_on measured in that many pairs, one after the other (medians reported)."""
+    t_on, t_compute_on and t_comm measured in that many rounds, one after the other (medians reported)."""
     layer, out = unit.moe, {}
     sampler = GpuSampler if clocks and dist.get_rank() == 0 else contextlib.nullcontext
     layer.dispatcher = disp_full
@@ -233,14 +233,15 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
         out["t_compute_on"] = compute_only(layer, unit.step("on"), disp, warmup, iters, dev,
                                            per_rank=out["compute_per_rank"])
     out["gpus_compute"] = getattr(s, "summary", None)
-    out["rounds"] = [(out["t_on"], out["t_compute_on"])]
-    for _ in range(rounds - 1):  # more pairs, each on right after compute only
+    out["rounds"] = [(out["t_on"], out["t_compute_on"], out["t_comm"])]
+    for _ in range(rounds - 1):  # more rounds: on, compute only and comm alone one after the other
         out["rounds"].append((timed(unit.step("on"), warmup, iters, dev),
-                              compute_only(layer, unit.step("on"), disp, warmup, iters, dev)))
-    out["rounds_hidden"] = [1 - (on - comp) / out["t_comm"] for on, comp in out["rounds"]]
+                              compute_only(layer, unit.step("on"), disp, warmup, iters, dev),
+                              timed(comm, warmup, iters, dev)))
+    out["rounds_hidden"] = [1 - (on - comp) / cm for on, comp, cm in out["rounds"]]
     if rounds > 1:
-        out["t_on"] = statistics.median(on for on, _ in out["rounds"])
-        out["t_compute_on"] = statistics.median(comp for _, comp in out["rounds"])
+        out["t_on"], out["t_compute_on"], out["t_comm"] = (statistics.median(r[i] for r in out["rounds"])
+                                                           for i in range(3))
     out["hidden"] = statistics.median(out["rounds_hidden"])
     out["exposed"] = 1 - out["hidden"]
     if aligned:  # the same two, every step started on all ranks together (no run-ahead, no drift)
@@ -395,7 +396,7 @@ def main():
     p.add_argument("--seqs", type=int, default=2,
                    help="block: sequences per rank (the micro-batches are their halves; --tokens / --seqs each)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="t_on and t_compute measured in this many pairs, one after the other; hidden = the median share")
+                   help="t_on, t_compute and t_comm measured in this many rounds; hidden = the median round's share")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--gemm", choices=("auto", "triton"), default="auto",
@@ -501,7 +502,7 @@ def main():
             hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3),
             t_compute_sync_ms=round(r["t_compute_sync"] * 1e3, 3),
             hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), unit_kind=kind,
-            **({"rounds_on_compute_ms": [[round(on * 1e3, 3), round(c * 1e3, 3)] for on, c in r["rounds"]],
+            **({"rounds_on_compute_comm_ms": [[round(v * 1e3, 3) for v in rd] for rd in r["rounds"]],
                 "rounds_hidden_comm_share": [round(h, 3) for h in r["rounds_hidden"]]} if a.rounds > 1 else {}),
             **({"gpus_on": r["gpus_on"], "gpus_compute_only": r["gpus_compute"]} if a.clocks else {}),
             **({"t_on_aligned_ms": round(r["t_on_aligned"] * 1e3, 3),
