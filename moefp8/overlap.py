@@ -110,29 +110,29 @@ class Timeline:
     under its label, `wait ...` the stream waiting for another (an exchange), `/...` the time after
     a stage until the next mark, when nothing was enqueued in between (nonzero: the stream ran
     dry, the host was late: host-paced), `... done` what follows the schedule in the same autograd
-    call and the engine's own work up to the next mark. Off unless `TIMELINE` is set; one event
-    record per mark then."""
+    call and the engine's own work up to the next mark. Each mark also keeps the host clock when it
+    was enqueued. Off unless `TIMELINE` is set; one event record per mark then."""
 
     def __init__(self):
-        self.marks: list = []  # (label, stream name, event or host seconds)
+        self.marks: list = []  # (label, stream name, event or None on CPU, host seconds)
 
     def mark(self, label: str, name: str, stream) -> None:
-        if stream is None:
-            self.marks.append((label, name, time.perf_counter()))
-            return
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        self.marks.append((label, name, ev))
+        ev = None
+        if stream is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)
+        self.marks.append((label, name, ev, time.perf_counter()))
 
-    def times_ms(self) -> list[tuple[str, str, float]]:
-        """[(label, stream name, ms after the first mark)]; synchronizes (marks on several streams)."""
+    def times_ms(self) -> list[tuple[str, str, float, float]]:
+        """[(label, stream name, ms after the first mark on the GPU, ms after it on the host)]
+        (on CPU both the host's); synchronizes (marks on several streams)."""
         if not self.marks:
             return []
-        t0 = self.marks[0][2]
-        if isinstance(t0, float):
-            return [(lab, nm, (t - t0) * 1e3) for lab, nm, t in self.marks]
+        ev0, h0 = self.marks[0][2:]
+        if ev0 is None:
+            return [(lab, nm, (h - h0) * 1e3, (h - h0) * 1e3) for lab, nm, _, h in self.marks]
         torch.cuda.synchronize()
-        return [(lab, nm, t0.elapsed_time(ev)) for lab, nm, ev in self.marks]
+        return [(lab, nm, ev0.elapsed_time(ev), (h - h0) * 1e3) for lab, nm, ev, h in self.marks]
 
 
 TIMELINE: Timeline | None = None  # set by tools/bench_overlap.py --timeline

@@ -260,7 +260,9 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
 def step_timeline(run, dev, steps: int) -> tuple[list, list]:
     """moefp8.overlap.Timeline marks of the last of `steps` back-to-back calls of run() (as the timed
     loop runs them), from a "step" mark on the compute stream to an "end" mark after the last:
-    ([(label, stream, ms after "step")], [ms of each of the steps])."""
+    ([(label, stream, ms after "step", queue ms)], [ms of each of the steps]). queue: how long after
+    the host enqueued the mark the GPU reached it (the first step starts on an idle GPU, so its first
+    mark is the calibration); near 0, the GPU was waiting for the host there."""
     tl = moefp8.overlap.Timeline()
     stream = torch.cuda.current_stream() if dev.type == "cuda" else None
     dist.barrier()
@@ -277,9 +279,10 @@ def step_timeline(run, dev, steps: int) -> tuple[list, list]:
     finally:
         moefp8.overlap.TIMELINE = None
     marks = tl.times_ms()  # one read of every event
-    bounds = [t for lab, _, t in marks if lab in ("step", "end")]
+    bounds = [t for lab, _, t, _ in marks if lab in ("step", "end")]
     t0 = marks[since][2]
-    return [(lab, nm, t - t0) for lab, nm, t in marks[since:]], [round(b - a, 3) for a, b in zip(bounds, bounds[1:])]
+    return ([(lab, nm, t - t0, t - h) for lab, nm, t, h in marks[since:]],
+            [round(b - a, 3) for a, b in zip(bounds, bounds[1:])])
 
 
 def unit_timelines(unit, disp, dev, steps: int) -> dict:
@@ -303,34 +306,39 @@ def timeline_rows(tls: dict) -> list[dict]:
     """The compute stream's intervals (from each mark to the next, ms) per rank, "on" beside
     "compute", plus per-rank totals of the waits (`wait ...`: the compute stream waiting for an
     exchange), the host gaps (`/...`: it ran dry until the host enqueued the next stage) and the
-    rest; then every back-to-back step's time and when each exchange ended on the comm stream."""
+    rest, and the queue at each stage's start (how long the GPU reached it after the host enqueued
+    it; ~0: host-paced there); then every back-to-back step's time and when each exchange ended on
+    the comm stream."""
     def intervals(marks):
-        c = [(lab, t) for lab, nm, t in marks if nm == "compute"]
-        return [(lab, t1 - t0) for (lab, t0), (_, t1) in zip(c, c[1:])]
+        c = [(lab, t, q) for lab, nm, t, q in marks if nm == "compute"]
+        return [(lab, t1 - t0, q) for (lab, t0, q), (_, t1, _) in zip(c, c[1:])]
 
     on, comp = [intervals(m) for m in tls["on"]], [intervals(m) for m in tls["compute"]]
     rows = []
-    labels = [lab for lab, _ in on[0]]
-    same = all([lab for lab, _ in r] == labels for r in on + comp)
+    labels = [lab for lab, _, _ in on[0]]
+    same = all([lab for lab, _, _ in r] == labels for r in on + comp)
     if same:
         for j, lab in enumerate(labels):
             rows.append({"stage": lab, "on_ms": [round(r[j][1], 3) for r in on],
-                         "compute_ms": [round(r[j][1], 3) for r in comp]})
+                         "compute_ms": [round(r[j][1], 3) for r in comp],
+                         "on_queue_ms": [round(r[j][2], 3) for r in on],
+                         "compute_queue_ms": [round(r[j][2], 3) for r in comp]})
 
     def kind(lab):
         return "wait" if lab.startswith("wait ") else "host gap" if lab.startswith("/") else "work"
 
     for k in ("wait", "host gap", "work"):
-        rows.append({"stage": f"sum: {k}", "on_ms": [round(sum(d for lab, d in r if kind(lab) == k), 3) for r in on],
-                     "compute_ms": [round(sum(d for lab, d in r if kind(lab) == k), 3) for r in comp]})
-    rows.append({"stage": "step", "on_ms": [round(sum(d for _, d in r), 3) for r in on],
-                 "compute_ms": [round(sum(d for _, d in r), 3) for r in comp]})
+        rows.append({"stage": f"sum: {k}",
+                     "on_ms": [round(sum(d for lab, d, _ in r if kind(lab) == k), 3) for r in on],
+                     "compute_ms": [round(sum(d for lab, d, _ in r if kind(lab) == k), 3) for r in comp]})
+    rows.append({"stage": "step", "on_ms": [round(sum(d for _, d, _ in r), 3) for r in on],
+                 "compute_ms": [round(sum(d for _, d, _ in r), 3) for r in comp]})
     # every back-to-back step's time (the last one is the one broken down above)
     for j in range(len(tls["on_steps_ms"][0])):
         rows.append({"stage": f"step {j + 1} of {len(tls['on_steps_ms'][0])}",
                      "on_ms": [r[j] for r in tls["on_steps_ms"]], "compute_ms": [r[j] for r in tls["compute_steps_ms"]]})
     # the comm stream's marks: when each exchange ended (ms after the step's start)
-    comm = [[(lab, t) for lab, nm, t in m if nm == "comm"] for m in tls["on"]]
+    comm = [[(lab, t) for lab, nm, t, _ in m if nm == "comm"] for m in tls["on"]]
     if all([lab for lab, _ in r] == [lab for lab, _ in comm[0]] for r in comm):
         for j, (lab, _) in enumerate(comm[0]):
             rows.append({"stage": f"comm: {lab}", "on_at_ms": [round(r[j][1], 3) for r in comm]})
@@ -531,8 +539,9 @@ def main():
                 print(f"timeline of the overlapped step (compute stream, ms per rank), {case}:")
                 print_table([{"stage": t["stage"],
                               "on": " ".join(f"{v:.2f}" for v in t.get("on_ms", t.get("on_at_ms"))),
-                              "compute only": " ".join(f"{v:.2f}" for v in t.get("compute_ms", []))}
-                             for t in tl_rows], ["stage", "on", "compute only"])
+                              "compute only": " ".join(f"{v:.2f}" for v in t.get("compute_ms", [])),
+                              "queue at start, on": " ".join(f"{v:.2f}" for v in t.get("on_queue_ms", []))}
+                             for t in tl_rows], ["stage", "on", "compute only", "queue at start, on"])
         if cuda and mode == [r[1] for r in runs if (r[0], r[2]) == (cap, transport)][0] and kind == units[0] \
                 and prio == prios[0]:
             if transport == "copy_engine":
