@@ -5,6 +5,7 @@ and keeps its last good checkpoint."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -242,7 +243,8 @@ def test_resume_continues_the_same_wandb_run(data_dir, tmp_path):
         train(compose_config(base(data_dir, run, **{"train.steps": steps, "train.ckpt_every": 2,
                                                     "logger.mode": "offline"})))
     dirs = sorted((run / "wandb").glob("offline-run-*"))
-    ids = {d.name.rsplit("-", 1)[1] for d in dirs}
+    # offline-run-<YYYYmmdd_HHMMSS>-<id>, with "-1" appended when both runs started in the same second
+    ids = {re.fullmatch(r"offline-run-\d{8}_\d{6}-([^-]+)(-\d+)?", d.name).group(1) for d in dirs}
     assert len(dirs) == 2 and ids == {(run / "wandb_run_id").read_text().strip()}, [d.name for d in dirs]
 
 
