@@ -287,10 +287,9 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, err_pt
         w = tl.load(w_ptr + t * K + k, mask=km & live, other=0.0)
         for r in range(R):  # the routing fields of every block's row t, and where t went
             mine = (ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)
-            hit = tl.max(mine.to(tl.int32), axis=0) > 0  # dedupe: once per destination rank
+            hit = _sends_to(ids, r, E_LOCAL)
             row = out_ptr + (r * (CAP + 1) + t) * ROW_WORDS  # int32 words
-            tl.store(row + k, tl.where(mine.to(tl.int32) * 0 + hit.to(tl.int32) > 0, w, 0.0).to(
-                tl.int32, bitcast=True), mask=km)
+            tl.store(row + k, tl.where(hit, w, 0.0).to(tl.int32, bitcast=True), mask=km)
             tl.store(row + K + k, tl.where(mine, ids - r * E_LOCAL, -1).to(tl.int32), mask=km)
             if t < T:
                 tl.store(pos_ptr + t * R + r, tl.where(hit, r * (CAP + 1) + t, -1).to(tl.int32))
@@ -300,14 +299,14 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, err_pt
                 j = c + tl.arange(0, BLOCK)
                 v = tl.load(x_ptr + t * stride_x + j, mask=j < DATA_WORDS)
                 for r in range(R):
-                    if tl.max(((ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)).to(tl.int32), axis=0) > 0:
+                    if _sends_to(ids, r, E_LOCAL):
                         tl.store(out_ptr + (r * (CAP + 1) + t) * ROW_WORDS + 2 * K + j, v, mask=j < DATA_WORDS)
             g = tl.arange(0, G_PAD)
             if SCALES > 0:
                 sc = tl.load(s_ptr + t * stride_s + g, mask=g < G, other=1.0)
                 bits = sc.to(tl.int32, bitcast=True)
                 for r in range(R):
-                    if tl.max(((ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)).to(tl.int32), axis=0) > 0:
+                    if _sends_to(ids, r, E_LOCAL):
                         srow = out_ptr + (r * (CAP + 1) + t) * ROW_WORDS + 2 * K + DATA_WORDS
                         if SCALES == 1:
                             tl.store(srow.to(tl.pointer_type(tl.uint8)) + g, ((bits >> 23) & 0xFF).to(tl.uint8),
@@ -323,8 +322,9 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, err_pt
                     tl.atomic_max(err_ptr + 1, tl.max(tl.where(bad, ids, -(2**62)), axis=0))
                     tl.atomic_max(err_ptr, 1)
                 if tl.atomic_add(err_ptr + 3, 1, sem="acq_rel") == n - 1:  # the last checker: every header
-                    code = tl.where(tl.atomic_add(err_ptr, 0) > 0, 1, tl.where(tl.atomic_add(err_ptr + 2, 0) > 0, 2, 0))
-                    val = tl.where(code == 1, tl.atomic_add(err_ptr + 1, 0), 0)
+                    bad_id, bad_scale = tl.atomic_add(err_ptr, 0) > 0, tl.atomic_add(err_ptr + 2, 0) > 0
+                    code = tl.where(bad_id, 1, tl.where(bad_scale, 2, 0))
+                    val = tl.where(bad_id, tl.atomic_add(err_ptr + 1, 0), 0)
                     for r in range(R):
                         _write_header(out_ptr + (r * (CAP + 1) + CAP) * ROW_WORDS + 2 * K, T, CAP, ROW_BYTES, code,
                                       val)
@@ -334,6 +334,12 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, err_pt
         tl.store(row + K + k, tl.full((K_PAD,), -1, dtype=tl.int32), mask=km)
         if n == 0:
             _write_header(row + 2 * K, T, CAP, ROW_BYTES, 0, 0)
+
+
+@triton.jit
+def _sends_to(ids, r, E_LOCAL):
+    """Whether a token with these expert ids goes to rank r (once, however many of its experts are there)."""
+    return tl.max(((ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)).to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -449,11 +455,10 @@ def pack_capacity_cached(x, pos_TR: Tensor, cap: int, row_bytes: int, scales: st
     words, sc, G = _payload_args(x)
     if min(T, cap) == 0:
         return out
-    _pack_capacity_cached_kernel[(min(T, cap),)](pos_TR, words, sc, out.view(torch.int32), T, cap, R,
-                                                 words.shape[1], G, words.stride(0), sc.stride(0), row_bytes // 4,
-                                                 SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales],
-                                                 R_PAD=triton.next_power_of_2(R), G_PAD=triton.next_power_of_2(max(G, 1)),
-                                                 BLOCK=1024, num_warps=4)
+    _pack_capacity_cached_kernel[(min(T, cap),)](  # one program per token
+        pos_TR, words, sc, out.view(torch.int32), T, cap, R, words.shape[1], G, words.stride(0), sc.stride(0),
+        row_bytes // 4, SCALES={"none": 0, "ue8m0": 1, "fp32": 2}[scales], R_PAD=triton.next_power_of_2(R),
+        G_PAD=triton.next_power_of_2(max(G, 1)), BLOCK=1024, num_warps=4)
     return out
 
 
