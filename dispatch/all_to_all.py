@@ -80,6 +80,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moefp8.dispatch import Dispatched
+from moefp8.dispatch.copy_engine import check_slots
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, unpack_ue8m0
 from moefp8.kernels.pack import (ERR_BAD_EXPERT, ERR_BAD_SCALE, ERR_OVER_CAPACITY, HDR_MAGIC, HDR_WORDS,
                                  dispatch_layout, pack_capacity, pack_capacity_cached, pack_rows)
@@ -229,9 +230,7 @@ class AllToAllDispatcher:
                              f"only; got mode={mode!r}, capacity={capacity!r}: give a capacity and mode 'capacity' "
                              f"or 'auto', or use transport='collective'")
         self.num_experts, self.scale_fmt, self.capacity, self.mode = num_experts, scale_fmt, capacity, mode
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 2:
-            raise ValueError(f"AllToAllDispatcher: slots={slots!r}, expected an integer >= 2 (the copy_engine "
-                             f"transport's send slots)")
+        check_slots(slots, "AllToAllDispatcher")  # here, not at the first exchange
         self.transport, self.slots = transport, slots
         self._ce = None  # the CopyEngineExchange, made at the first exchange
         # A CUDA stream for the communication (set by moefp8.overlap around its calls): the

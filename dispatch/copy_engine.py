@@ -109,6 +109,13 @@ def _copy(stream: int, dst: int, src: int, nbytes: int) -> None:
         _check("cuMemcpyAsync", _driver()["cuMemcpyAsync"](dst, src, nbytes, stream))
 
 
+def check_slots(slots, who: str) -> None:
+    """Raises unless `slots` is a ring depth the exchange takes (an integer >= 2)."""
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 2:
+        raise ValueError(f"{who}: slots={slots!r}, expected an integer >= 2 (send slots in the copy_engine "
+                         f"transport's ring; each holds one exchange's send buffer)")
+
+
 class CopyEngineExchange:
     """``exchange(send)``: uint8 [R * n, row bytes] (block p for rank p of `group`) -> the same shape,
     block p from rank p: `dist.all_to_all_single` with equal splits, on the copy engines.
@@ -117,9 +124,7 @@ class CopyEngineExchange:
     host synchronization."""
 
     def __init__(self, group=None, slots: int = SLOTS):
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 2:
-            raise ValueError(f"copy_engine exchange: slots={slots!r}, expected an integer >= 2 (send slots in the "
-                             f"ring; each holds one exchange's send buffer)")
+        check_slots(slots, "copy_engine exchange")
         self.slots = slots
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
