@@ -59,7 +59,7 @@ from moefp8.dispatch import build_dispatcher  # noqa: E402
 from moefp8.kernels.quant import quant_rowwise  # noqa: E402
 from moefp8.kernels.rope import rope_tables  # noqa: E402
 from moefp8.model import Block, Transformer  # noqa: E402
-from moefp8.moe import MoELayer  # noqa: E402
+from moefp8.moe import MoELayer, combine_buffer  # noqa: E402
 import moefp8.overlap  # noqa: E402
 from moefp8.overlap import _halves, serialized, serialized_block  # noqa: E402
 from moefp8.testing import GpuSampler, print_table, results_path, save_results  # noqa: E402
@@ -126,16 +126,24 @@ class Replay:
         return self._call("combine", *a, **k)
 
 
+@contextlib.contextmanager
+def replaying(layer, run, disp, sync: bool = False):
+    """Inside, `layer` dispatches through a Replay of `disp` that has recorded one run()."""
+    rp = Replay(disp, sync)
+    layer.dispatcher = rp
+    try:
+        run()  # records one step
+        rp.recording = False
+        yield
+    finally:
+        layer.dispatcher = disp
+
+
 def compute_only(layer, run, disp, warmup, iters, dev, sync: bool = False, per_rank: list | None = None,
                  aligned: bool = False) -> float:
     """run() timed with `disp` replaced by its replay (no communication; see Replay for sync)."""
-    rp = Replay(disp, sync)
-    layer.dispatcher = rp
-    run()  # records one step
-    rp.recording = False
-    t = timed(run, warmup, iters, dev, per_rank, aligned=aligned)
-    layer.dispatcher = disp
-    return t
+    with replaying(layer, run, disp, sync):
+        return timed(run, warmup, iters, dev, per_rank, aligned=aligned)
 
 
 class MoEUnit:
@@ -215,8 +223,8 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
             parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
 
     def made_in_place(z, h):  # where the step's unpermute writes the combine's input (copy engines: the
-        buf = disp.combine_buffer(h, z.shape[1], z.device) if hasattr(disp, "combine_buffer") else None
-        return z if buf is None else buf  # send slot, so nothing is staged; its contents do not matter here)
+        buf = combine_buffer(layer, h, z)  # send slot, so nothing is staged; its contents do not matter here)
+        return z if buf is None else buf
 
     def comm():
         for x8, g8, idx, w, z, dw in parts:
@@ -291,12 +299,8 @@ def unit_timelines(unit, disp, dev, steps: int) -> dict:
     "compute": [...], "on_steps_ms": [rank 0's step times, ...], "compute_steps_ms": [...]}."""
     layer, out = unit.moe, {}
     out["on"], out["on_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
-    rp = Replay(disp)
-    layer.dispatcher = rp
-    unit.step("on")()  # records one step
-    rp.recording = False
-    out["compute"], out["compute_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
-    layer.dispatcher = disp
+    with replaying(layer, unit.step("on"), disp):
+        out["compute"], out["compute_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, out)
     return {k: [e[k] for e in every] for k in out}
