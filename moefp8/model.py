@@ -27,6 +27,7 @@ from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_bf16
 from moefp8.kernels.rope import rope, rope_tables
 from moefp8.linear import Fp8Linear
 from moefp8.moe import MoELayer
+from moefp8.overlap import Handoff, OverlappedBlock, mean_over_halves
 
 BF16 = torch.bfloat16
 
@@ -142,16 +143,19 @@ class Block(nn.Module):
         h = x + a
         return a, h, self.mlp_norm(h)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list):
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list, handoff: Handoff | None = None):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
-        bool tensor per sub-layer: its output holds a NaN/Inf."""
+        bool tensor per sub-layer: its output holds a NaN/Inf. handoff: passed along consecutive
+        blocks (moefp8.overlap.Handoff): x's second half may still be pending from the previous
+        block, and an overlapped block leaves its own output's second half pending; None: x and
+        the output are whole on return."""
         if self.is_moe and self.mlp.overlap and x.shape[0] > 1:
             # two micro-batches (the batch halves): attention and experts overlap the exchanges
-            from moefp8.overlap import OverlappedBlock, mean_over_halves
-
-            out, aux_2, load, nf_attn, nf_mlp = OverlappedBlock.apply(x, cos, sin, self, *self.parameters())
+            out, aux_2, load, nf_attn, nf_mlp = OverlappedBlock.apply(x, cos, sin, self, handoff, *self.parameters())
             flags += [nf_attn, nf_mlp]
             return out, mean_over_halves(aux_2, x.shape[0]), load
+        if handoff is not None:
+            handoff.wait()
         a, x, h = self.attend(x, cos, sin)
         flags.append(_nonfinite(a))
         if not self.is_moe:
@@ -220,12 +224,14 @@ class Transformer(nn.Module):
         flags = [_nonfinite(x)]
         aux = torch.zeros((), device=idx_BS.device)
         loads = []
+        handoff = Handoff()  # an overlapped block's output half B may finish behind the next block's attention
         for layer in self.layers:
-            x, a, load = layer(x, cos, sin, flags)
+            x, a, load = layer(x, cos, sin, flags, handoff)
             if a is not None:
                 aux = aux + a
             if load is not None:
                 loads.append(load)
+        handoff.wait()
         logits = F.linear(self.norm(x), self.head.weight.to(BF16)).float()  # [B, S, V]
         flags.append(_nonfinite(logits))
         load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64,

@@ -231,6 +231,26 @@ def _halves(n: int) -> list[slice]:
     return [slice(0, h), slice(h, n)]
 
 
+class Handoff:
+    """What an overlapped block hands the next one (moefp8.model.Transformer's loop passes one
+    along its blocks): the block's output half B (its second micro-batch) is finished on the
+    communication stream behind B's combine, so the compute stream does not wait there and the
+    next block's micro-batch A attention hides B's combine (DeepSeek-V3's cross-layer overlap).
+    `event`: the point of the communication stream after which that half is written (None: the
+    whole output is ready on the compute stream). Whoever reads the B half next calls `wait()`
+    first: the next overlapped block before B's attention, a plain block at its start, the model
+    after its last block."""
+
+    def __init__(self):
+        self.event = None
+
+    def wait(self) -> None:
+        """The current stream waits for the pending half (no-op when none); clears it."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+            self.event = None
+
+
 class _MoEForward:
     """The MoE layer's forward stages for two micro-batches: each call enqueues one stage of
     micro-batch i on its stream; the caller writes the order. xs[i] [T_i, H], idx[i], w[i]: the
@@ -466,25 +486,33 @@ class OverlappedBlock(torch.autograd.Function):
     of its batch, overlapped: besides the experts, the other micro-batch's attention hides the
     exchanges that `OverlappedMoE` can only put behind the small shared experts:
 
-      forward   comm:              dispatch A | dispatch B | combine A | combine B
-                compute:  attn A | attn B     | experts A  | experts B | shared A, shared B
+      forward   comm:              dispatch A | dispatch B | combine A | combine B, out B ->
+                compute:  attn A | attn B     | experts A  | experts B | shared A, shared B, out A
+                next block (with a `Handoff`):                         | attn A  | attn B ...
       backward  comm:     dispatch dB, dA               | combine B | combine A
                 compute:  shared B, A bwd   | experts B | experts A | attn B bwd | attn A bwd
 
-    ("attn": the block up to the router: attention norm, attention, residual, MLP norm, router.)
+    ("attn": the block up to the router: attention norm, attention, residual, MLP norm, router;
+    "out": the block's output half, residual + routed + shared.) Without a handoff, B's combine is
+    exposed behind the shared experts; between blocks of a model, the next block's A attention
+    runs meanwhile.
     The attention part of each micro-batch is recorded as an ordinary autograd graph (built here,
     from a detached copy of its input) and run backward by `torch.autograd.grad` at its place in
     the order above; the MoE stages are `_MoEForward`/`_MoEBackward`'s. Every parameter of the
     block is an input, so their gradients come back through this node.
 
-    apply(x [B, S, H] bf16, cos, sin, block, *block.parameters()) -> (out [B, S, H], aux [2] (each
-    micro-batch's balance loss) or None, load_E int64, attention output non-finite, MLP output
-    non-finite (bool scalars)). Bit-exact against `serialized_block`."""
+    apply(x [B, S, H] bf16, cos, sin, block, handoff, *block.parameters()) -> (out [B, S, H], aux
+    [2] (each micro-batch's balance loss) or None, load_E int64, attention output non-finite, MLP
+    output non-finite (bool scalars)). Bit-exact against `serialized_block`.
+    handoff: None, or the `Handoff` between consecutive blocks: the input's B half is read only
+    after the previous block's pending event, and this block's output B half (and the MLP
+    non-finite flag) is finished on the communication stream, its event left in `handoff` (on
+    CPU there are no streams: everything is ready on return either way)."""
 
     @staticmethod
-    def forward(ctx, x_BSH, cos, sin, block, *params):
+    def forward(ctx, x_BSH, cos, sin, block, handoff, *params):
         with _sm_reserve():
-            return OverlappedBlock._forward(ctx, x_BSH, cos, sin, block, params)
+            return OverlappedBlock._forward(ctx, x_BSH, cos, sin, block, handoff, params)
 
     @staticmethod
     def backward(ctx, dy, daux, *_):
@@ -492,7 +520,7 @@ class OverlappedBlock(torch.autograd.Function):
             return OverlappedBlock._backward(ctx, dy, daux)
 
     @staticmethod
-    def _forward(ctx, x, cos, sin, block, params):
+    def _forward(ctx, x, cos, sin, block, handoff, params):
         layer, st = block.mlp, _Streams(x.device)
         B, S, H = x.shape
         parts = _halves(B)
@@ -517,7 +545,10 @@ class OverlappedBlock(torch.autograd.Function):
         st.tick("forward")
         attention(0)
         f.send(0)  # before B's attention is enqueued: the host takes about as long to enqueue an
-        attention(1)  # attention as the GPU to run it (exact mode: blocks the host for A's counts)
+        if handoff is not None and handoff.event is not None:  # attention as the GPU to run it (exact
+            st.tick("wait B input")  # mode: blocks the host for A's counts); the previous block's B
+            handoff.wait()  # half: its combine ran behind A's attention
+        attention(1)
         if f.split:  # capacity mode: B's packing right behind B's attention, ahead of A's experts
             f.send(1)
         f.layout(0)  # the host waits for A's rows while B's attention runs
@@ -532,19 +563,35 @@ class OverlappedBlock(torch.autograd.Function):
         f.shared(1)
         y = torch.empty_like(x)
         nf_o = []
-        for i, p in enumerate(parts):
-            o = f.routed(i)
+
+        def output(i, o):  # y = h + routed (+ shared) on the current stream
             if sh is not None:
                 o = o + f.s_out[i]
             nf_o.append(~torch.isfinite(o).all())
-            torch.add(pre[i][1].detach(), o.view(-1, S, H), out=y[p])
+            torch.add(pre[i][1].detach(), o.view(-1, S, H), out=y[parts[i]])
+
+        output(0, f.routed(0))
+        defer = handoff is not None and st.comm is not None
+        if defer:  # B's half behind B's combine on the comm stream; the next block waits for it
+            ev_sh = st.mark(st.compute)  # shared B's output, h_B and A's flag made
+            st.hand_to(st.comm, y, pre[1][1], f.s_out[1], nf_o[0])
+            with st.on_comm():
+                st.wait(st.comm, ev_sh)
+                with st.stage("B output", comm=True):
+                    output(1, f.out[1])
+                    nf_o = nf_o[0] | nf_o[1]
+                handoff.event = st.mark(st.comm)
+            st.hand_to(st.compute, nf_o)
+        else:
+            output(1, f.routed(1))
+            nf_o = nf_o[0] | nf_o[1]
         st.tick("forward done")
         f.save(ctx)
         ctx.block, ctx.pre = block, pre
         r0, r1 = pre[0][3], pre[1][3]
         aux = torch.stack([r0.aux_loss.detach(), r1.aux_loss.detach()]) if r0.aux_loss is not None else None
         load = r0.load_E + r1.load_E
-        nf_a, nf_o = nf_a[0] | nf_a[1], nf_o[0] | nf_o[1]
+        nf_a = nf_a[0] | nf_a[1]
         ctx.mark_non_differentiable(load, nf_a, nf_o)
         return y, aux, load, nf_a, nf_o
 
@@ -601,7 +648,7 @@ class OverlappedBlock(torch.autograd.Function):
         grads[id(layer.w1)], grads[id(layer.w2)] = dw1, dw2
         if b.has_shared:
             grads[id(layer.shared.w1)], grads[id(layer.shared.w2)] = dsw1, dsw2
-        return dx, None, None, None, *(grads.get(id(p)) for p in block.parameters())
+        return dx, None, None, None, None, *(grads.get(id(p)) for p in block.parameters())
 
 
 def _attention_params(block) -> list:

@@ -12,7 +12,7 @@ from moefp8.dispatch import build_dispatcher
 from moefp8.kernels.rope import rope_tables
 from moefp8.model import Block
 from moefp8.moe import MoELayer
-from moefp8.overlap import mean_over_halves, serialized, serialized_block
+from moefp8.overlap import Handoff, mean_over_halves, serialized, serialized_block
 from moefp8.testing import rel_err, spawn_group
 
 H, I, E, K = 256, 128, 8, 2
@@ -85,12 +85,84 @@ def check_block(block, x, dout):
         assert torch.equal(g, w), f"{n}: overlapped != serialized, rel. err {rel_err(g.float(), w.float()):.2e}"
 
 
+def check_chain(blocks, x, dout):
+    """Consecutive overlapped blocks passing a `Handoff` (each block's output half B finished
+    behind its combine, read by the next block after the handoff's event, as the model's loop
+    runs them) == the blocks' serialized schedules one after the other, bit for bit: the output,
+    dx and every parameter's gradient."""
+    cos, sin = rope_tables(x.shape[1], 128, 1e4, x.device)
+    params = [p for b in blocks for p in b.parameters()]
+
+    def run(step):
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out = xi
+        handoff = Handoff()
+        for b in blocks:
+            out = step(b, out, handoff)
+        handoff.wait()
+        out.backward(dout)
+        return [out, xi.grad] + [p.grad.clone() for p in params]
+
+    got = run(lambda b, xi, h: b(xi, cos, sin, [], h)[0])
+    want = run(lambda b, xi, h: serialized_block(b, xi, cos, sin)[0])
+    names = ["out", "dx"] + [f"{i}.{n}" for i, b in enumerate(blocks) for n, _ in b.named_parameters()]
+    for n, g, w in zip(names, got, want):
+        assert torch.isfinite(g.float()).all(), n
+        assert torch.equal(g, w), f"{n}: overlapped != serialized, rel. err {rel_err(g.float(), w.float()):.2e}"
+
+
 @pytest.mark.parametrize("recipe,B", [("fp8", 2), ("fp8", 3), ("bf16", 2)])
 def test_block_overlap_equals_serialized_ep1(recipe, B):
     block = make_block(recipe, None, "cpu")
     g = torch.Generator().manual_seed(1)
     x, dout = torch.randn(B, 24, H, generator=g).bfloat16(), torch.randn(B, 24, H, generator=g).bfloat16()
     check_block(block, x, dout)
+
+
+def _two_blocks(recipe, dispatcher, dev):
+    blocks = [make_block(recipe, dispatcher, dev) for _ in range(2)]
+    with torch.no_grad():  # the second block's weights differ from the first's
+        for p in blocks[1].parameters():
+            p.mul_(0.9)
+    return blocks
+
+
+def test_consecutive_blocks_with_handoff_equal_serialized_ep1():
+    g = torch.Generator().manual_seed(2)
+    x, dout = torch.randn(2, 24, H, generator=g).bfloat16(), torch.randn(2, 24, H, generator=g).bfloat16()
+    check_chain(_two_blocks("fp8", None, "cpu"), x, dout)
+
+
+@pytest.mark.gpu
+def test_gpu_handoff_equals_serialized_and_can_fail():
+    """On a GPU the handoff is a real cross-stream dependency: two blocks at EP=1 equal their
+    serialized chain; and with `Handoff.wait` disabled and B's combine delayed on the comm
+    stream (a sleep kernel), the next block reads its input's B half unwritten and the check fails."""
+    import moefp8.overlap as ov
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(3)
+    x, dout = (torch.randn(2, 64, H, generator=g).bfloat16().cuda() for _ in range(2))
+    blocks = _two_blocks("fp8", None, "cuda")
+    check_chain(blocks, x, dout)
+    real_wait, real_combine = Handoff.wait, ov._MoEForward.combine
+
+    def slow_combine(self, i):
+        with self.st.on_comm():
+            torch.cuda._sleep(200_000_000)  # ~0.1 s on the comm stream
+        real_combine(self, i)
+
+    Handoff.wait = lambda self: None
+    ov._MoEForward.combine = slow_combine
+    try:  # other inputs: memory reused from the runs above must not hold the right values by chance
+        with pytest.raises(AssertionError, match="overlapped != serialized"):
+            check_chain(blocks, 2 * x, dout)
+    finally:
+        Handoff.wait, ov._MoEForward.combine = real_wait, real_combine
+    torch.cuda.synchronize()
 
 
 def test_block_overlap_can_fail():
@@ -143,6 +215,7 @@ def _ep_case(rank, world, dev, cases):
         x = torch.randn(B, S, H, generator=g).bfloat16().to(dev)
         dout = torch.randn(B, S, H, generator=g).bfloat16().to(dev)
         check_block(block, x, dout)
+        check_chain(_two_blocks(recipe, block.mlp.dispatcher, dev), x, dout)
         cos, sin = rope_tables(S, 128, 1e4, x.device)
         for _ in range(3 if dev == "cpu" else 100):
             block.zero_grad()
@@ -205,7 +278,7 @@ def test_bench_overlap_smoke(tmp_path):
     out = tmp_path / "overlap.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "tools/bench_overlap.py", "--smoke", "--trace-all-ranks", "--timeline", "2", "--clocks", "--aligned",
-                        "--rounds", "3", "--out", str(out)], cwd=repo,
+                        "--rounds", "3", "--blocks", "1,2", "--out", str(out)], cwd=repo,
                        capture_output=True,
                        text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -224,6 +297,8 @@ def test_bench_overlap_smoke(tmp_path):
         assert all(min(rd) > 0 for rd in row["rounds_on_compute_comm_ms"])
         for (on_ms, comp_ms, comm_ms), share in zip(row["rounds_on_compute_comm_ms"], row["rounds_hidden_comm_share"]):
             assert abs(1 - (on_ms - comp_ms) / comm_ms - share) < 2e-3
+    blocks = {row["blocks"] for row in on if row["unit_kind"] == "block"}  # --blocks 1,2: two block units
+    assert blocks == {1, 2} and all(row["per_block_on_off_serial_ms"][0] > 0 for row in on)
     replay = [row for row in doc["rows"] if row["impl"] == "overlap on, compute only (exchanges replayed)"]
     assert all(len(row["per_rank_ms"]) == 2 for row in replay)
     assert (tmp_path / doc["trace"]).is_file()

@@ -11,6 +11,9 @@ the capacity mode over the copy engines, dispatch/copy_engine.py), same inputs a
   block       a transformer block, attention + MoE layer (`OverlappedBlock`: the other micro-batch's
               attention hides them too, DESIGN.md §4), micro-batches = the halves of --seqs
               sequences of --tokens / --seqs tokens. This is what a training step runs per layer.
+              --blocks N: N such blocks in a row, as the model's loop runs them (`Handoff`: with
+              overlap on, a block's B combine runs behind the next block's A attention; the last
+              block's is exposed); figures for the stack, per block beside.
 Per unit:
   t_off       the unit as users run it without overlap (one micro-batch);
   t_serial    the serialized two micro-batch schedule (A then B on one stream): overlap's reference;
@@ -61,7 +64,7 @@ from moefp8.kernels.rope import rope_tables  # noqa: E402
 from moefp8.model import Block, Transformer  # noqa: E402
 from moefp8.moe import MoELayer, combine_buffer  # noqa: E402
 import moefp8.overlap  # noqa: E402
-from moefp8.overlap import _halves, serialized, serialized_block  # noqa: E402
+from moefp8.overlap import Handoff, _halves, serialized, serialized_block  # noqa: E402
 from moefp8.testing import GpuSampler, print_table, results_path, save_results  # noqa: E402
 
 
@@ -165,33 +168,62 @@ class MoEUnit:
 
     @torch.no_grad()
     def moe_inputs(self):
-        """(the MoE layer's input [T, H], its routes, the micro-batches' token slices)."""
-        return self.x, self.moe.router(self.x), _halves(self.x.shape[0])
+        """[(the MoE layer's input [T, H], its routes, the micro-batches' token slices)]."""
+        return [(self.x, self.moe.router(self.x), _halves(self.x.shape[0]))]
+
+
+class MoELayers:
+    """The MoE layers of a stack of blocks as one for `unit_times`: setting an attribute
+    (`dispatcher`, `overlap`) sets every layer's; reading one reads the first layer's."""
+
+    def __init__(self, layers):
+        self.__dict__["layers"] = list(layers)
+
+    def __getattr__(self, k):
+        return getattr(self.layers[0], k)
+
+    def __setattr__(self, k, v):
+        for layer in self.layers:
+            setattr(layer, k, v)
 
 
 class BlockUnit:
-    """A transformer block (attention + MoE layer); micro-batches = the halves of the batch."""
-    name = "transformer block (attention + MoE)"
+    """Transformer blocks (attention + MoE layer), one or several in a row as a model runs them
+    (moefp8.model.Transformer's loop: with overlap on, each block's output half B is finished
+    behind its combine while the next block's A attention runs, `moefp8.overlap.Handoff`; the
+    last block's is waited for before the backward); micro-batches = the halves of the batch."""
 
-    def __init__(self, block: Block, x_BSH, dout_BSH):
-        self.block, self.moe, self.x, self.dout = block, block.mlp, x_BSH, dout_BSH
-        self.cos, self.sin = rope_tables(x_BSH.shape[1], block.attn.head_dim, 10000.0, x_BSH.device)
+    def __init__(self, blocks: list[Block], x_BSH, dout_BSH):
+        self.blocks, self.moe, self.x, self.dout = blocks, MoELayers(b.mlp for b in blocks), x_BSH, dout_BSH
+        self.cos, self.sin = rope_tables(x_BSH.shape[1], blocks[0].attn.head_dim, 10000.0, x_BSH.device)
+        n = len(blocks)
+        self.name = "transformer block (attention + MoE)" if n == 1 else f"{n} transformer blocks (attention + MoE) in a row"
 
     def step(self, how: str):
         def run():
-            self.block.zero_grad(set_to_none=True)
+            for b in self.blocks:
+                b.zero_grad(set_to_none=True)
             xi = self.x.detach().requires_grad_()
             self.moe.overlap = how == "on"
-            out = (serialized_block(self.block, xi, self.cos, self.sin) if how == "serial"
-                   else self.block(xi, self.cos, self.sin, []))[0]
+            out, handoff = xi, Handoff()
+            for b in self.blocks:
+                out = (serialized_block(b, out, self.cos, self.sin) if how == "serial"
+                       else b(out, self.cos, self.sin, [], handoff))[0]
+            handoff.wait()
             out.backward(self.dout)
         return run
 
     @torch.no_grad()
     def moe_inputs(self):
-        b, (B, S, H) = self.block, self.x.shape
-        m = b.attend(self.x, self.cos, self.sin)[2].view(-1, H)
-        return m, self.moe.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]
+        """[(block i's MoE input [T, H], its routes, the micro-batches' token slices)] for each
+        block, each block's input from the previous one (the serialized schedule: it fits the
+        micro-batches' dispatchers)."""
+        (B, S, H), x, out = self.x.shape, self.x, []
+        for b in self.blocks:
+            m = b.attend(x, self.cos, self.sin)[2].view(-1, H)
+            out.append((m, b.mlp.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]))
+            x = serialized_block(b, x, self.cos, self.sin)[0]
+        return out
 
 
 def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = False, aligned: bool = False,
@@ -212,15 +244,15 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
     out["gpus_on"] = getattr(s, "summary", None)
     # communication alone, with the schedule's routes: both halves, forward and backward
     disp = layer.dispatcher
-    x, r, halves = unit.moe_inputs()
     parts = []
     with torch.no_grad():
-        for p in halves:
-            x8, g8 = quant_rowwise(x[p]), quant_rowwise(unit.dout.view(-1, x.shape[1])[p])
-            d = disp.dispatch(x8, r.topk_idx_TK[p], r.topk_w_TK[p])
-            z = torch.zeros(d.x.data.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
-            dw = torch.zeros(d.topk_w.shape, dtype=torch.float32, device=x.device)
-            parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
+        for x, r, halves in unit.moe_inputs():  # each MoE layer of the unit
+            for p in halves:
+                x8, g8 = quant_rowwise(x[p]), quant_rowwise(unit.dout.view(-1, x.shape[1])[p])
+                d = disp.dispatch(x8, r.topk_idx_TK[p], r.topk_w_TK[p])
+                z = torch.zeros(d.x.data.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+                dw = torch.zeros(d.topk_w.shape, dtype=torch.float32, device=x.device)
+                parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
 
     def made_in_place(z, h):  # where the step's unpermute writes the combine's input (copy engines: the
         buf = combine_buffer(layer, h, z)  # send slot, so nothing is staged; its contents do not matter here)
@@ -405,6 +437,9 @@ def main():
                    help="copy engines: send slots in the transport's ring (comma list; dispatch.slots)")
     p.add_argument("--units", default="moe,block",
                    help="what to time (comma list): moe (the MoE layer alone), block (attention + MoE layer)")
+    p.add_argument("--blocks", default="1",
+                   help="block: blocks in a row per step (comma list; each one unit, per-block figures beside): "
+                        "with overlap, one block's B combine runs behind the next one's A attention")
     p.add_argument("--seqs", type=int, default=2,
                    help="block: sequences per rank (the micro-batches are their halves; --tokens / --seqs each)")
     p.add_argument("--rounds", type=int, default=1,
@@ -467,17 +502,23 @@ def main():
     moefp8.overlap.GEMM_SM_RESERVE = a.gemm_sm_reserve
     caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
     modes = [m for m in a.modes.split(",") if m]
-    units = [u for u in a.units.split(",") if u]
+    n_blocks = [int(v) for v in a.blocks.split(",") if v]
+    if not n_blocks or min(n_blocks) < 1:
+        p.error(f"--blocks {a.blocks}: block counts must be >= 1")
+    # "block:N": N blocks in a row
+    units = [v for u in a.units.split(",") if u for v in ([f"block:{nb}" for nb in n_blocks] if u == "block" else [u])]
     S = a.tokens // a.seqs
 
     def make_unit(kind, disp, overlap=False):
         if kind == "moe":
             return MoEUnit(MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=disp,
                                     overlap=overlap).to(dev), x, dout)
-        cfg = ModelConfig(name="bench", hidden=a.hidden, n_layers=1, n_dense_layers=0, n_heads=a.hidden // 128,
-                          head_dim=128, moe_inter=a.inter, n_experts=E, topk=a.topk, n_shared=1)
-        block = Block(cfg, 0, "fp8", "pow2", disp, overlap, bf16_linears=frozenset(RecipeConfig().bf16_linears))
-        return BlockUnit(block.to(dev), x.view(a.seqs, S, a.hidden), dout.view(a.seqs, S, a.hidden))
+        n_blocks = int(kind.split(":")[1])
+        cfg = ModelConfig(name="bench", hidden=a.hidden, n_layers=n_blocks, n_dense_layers=0,
+                          n_heads=a.hidden // 128, head_dim=128, moe_inter=a.inter, n_experts=E, topk=a.topk, n_shared=1)
+        blocks = [Block(cfg, i, "fp8", "pow2", disp, overlap, bf16_linears=frozenset(RecipeConfig().bf16_linears)).to(dev)
+                  for i in range(n_blocks)]
+        return BlockUnit(blocks, x.view(a.seqs, S, a.hidden), dout.view(a.seqs, S, a.hidden))
 
     def half_capacity(kind):  # the larger micro-batch's tokens
         return (a.tokens + 1) // 2 if kind == "moe" else -(-a.seqs // 2) * S
@@ -503,17 +544,20 @@ def main():
                + (f", side streams at priority {prio}" if len(prios) > 1 else "")
                + (", Triton grouped GEMMs" if a.gemm == "triton" else "")
                + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
-        what = shape + (f" ({a.seqs} sequences of {S}, {a.hidden // 128} heads)" if kind == "block" else "")
+        what = shape + (f" ({a.seqs} sequences of {S}, {a.hidden // 128} heads)" if kind != "moe" else "")
         case = f"{unit.name} fwd+bwd {what}{tag}"
+        nb = len(unit.blocks) if kind != "moe" else 1  # per-block figures: the stack's / nb
+        uk = {"unit_kind": kind.split(":")[0], **({"blocks": nb} if kind != "moe" else {})}
         add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
-            baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3), unit_kind=kind)
+            baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3), **uk)
         add(case, "overlap on", r["t_on"], baseline="overlap off", baseline_value=round(r["t_off"] * 1e3, 3),
             ratio=round(r["t_off"] / r["t_on"], 3), speedup_vs_serialized=round(r["t_serial"] / r["t_on"], 3),
+            per_block_on_off_serial_ms=[round(r[k] * 1e3 / nb, 3) for k in ("t_on", "t_off", "t_serial")],
             t_comm_ms=round(r["t_comm"] * 1e3, 3), t_compute_only_ms=round(r["t_compute_on"] * 1e3, 3),
             exposed_comm_share=round(r["exposed"], 3), hidden_comm_share=round(r["hidden"], 3),
             hidden_share_est_serial_minus_comm=round(r["hidden_est_serial_minus_comm"], 3),
             t_compute_sync_ms=round(r["t_compute_sync"] * 1e3, 3),
-            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), unit_kind=kind,
+            hidden_transfer_share_diagnostic=round(r["hidden_transfer"], 3), **uk,
             **({"rounds_on_compute_comm_ms": [[round(v * 1e3, 3) for v in rd] for rd in r["rounds"]],
                 "rounds_hidden_comm_share": [round(h, 3) for h in r["rounds_hidden"]]} if a.rounds > 1 else {}),
             **({"gpus_on": r["gpus_on"], "gpus_compute_only": r["gpus_compute"]} if a.clocks else {}),
@@ -521,10 +565,10 @@ def main():
                 "t_compute_only_aligned_ms": round(r["t_compute_aligned"] * 1e3, 3),
                 "hidden_comm_share_aligned": round(r["hidden_aligned"], 3)} if a.aligned else {}))
         add(case, "overlap on, compute only (exchanges replayed)", r["t_compute_on"],
-            per_rank_ms=[round(v * 1e3, 3) for v in r["compute_per_rank"]], unit_kind=kind)
+            per_rank_ms=[round(v * 1e3, 3) for v in r["compute_per_rank"]], **uk)
         add(case, "overlap on, compute only + the exchanges' rank synchronization (diagnostic)", r["t_compute_sync"],
-            unit_kind=kind)
-        add(case, "communication alone", r["t_comm"], unit_kind=kind)
+            **uk)
+        add(case, "communication alone", r["t_comm"], **uk)
         if rank == 0 and a.rounds > 1:
             print(f"{case}: hidden share per round {' '.join(f'{h:.3f}' for h in r['rounds_hidden'])}, median "
                   f"{r['hidden']:.3f}")
