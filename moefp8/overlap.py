@@ -5,7 +5,8 @@ Two schedules, the same stages:
 * `OverlappedBlock`, what training runs (moefp8.model.Block with overlap on and at least two
   sequences): a transformer block over the halves of its batch; B's attention hides A's
   dispatch in the forward and A's gradient combine in the backward, the experts hide the rest
-  (its docstring has the order).
+  (its docstring has the order); consecutive blocks pass a `Handoff`, so that a block's B combine
+  runs behind the next block's A attention.
 * `OverlappedMoE`, the MoE layer alone (a lone sequence, or `MoELayer(overlap=True)` used by
   itself), below: only the shared experts are there to hide A's dispatch and B's combine.
 
@@ -544,10 +545,12 @@ class OverlappedBlock(torch.autograd.Function):
 
         st.tick("forward")
         attention(0)
-        f.send(0)  # before B's attention is enqueued: the host takes about as long to enqueue an
-        if handoff is not None and handoff.event is not None:  # attention as the GPU to run it (exact
-            st.tick("wait B input")  # mode: blocks the host for A's counts); the previous block's B
-            handoff.wait()  # half: its combine ran behind A's attention
+        # A's dispatch before B's attention is enqueued: the host takes about as long to enqueue an
+        # attention as the GPU to run it (exact mode: blocks the host for A's counts)
+        f.send(0)
+        if handoff is not None and handoff.event is not None:  # the previous block's output half B,
+            st.tick("wait B input")  # finished behind its combine while A's attention ran
+            handoff.wait()
         attention(1)
         if f.split:  # capacity mode: B's packing right behind B's attention, ahead of A's experts
             f.send(1)
