@@ -565,29 +565,25 @@ class OverlappedBlock(torch.autograd.Function):
         f.shared(0)  # the shared experts of both overlap B's combine
         f.shared(1)
         y = torch.empty_like(x)
-        nf_o = []
 
-        def output(i, o):  # y = h + routed (+ shared) on the current stream
+        def output(i, o):  # y = h + routed (+ shared) on the current stream -> its non-finite flag
             if sh is not None:
                 o = o + f.s_out[i]
-            nf_o.append(~torch.isfinite(o).all())
             torch.add(pre[i][1].detach(), o.view(-1, S, H), out=y[parts[i]])
+            return ~torch.isfinite(o).all()
 
-        output(0, f.routed(0))
-        defer = handoff is not None and st.comm is not None
-        if defer:  # B's half behind B's combine on the comm stream; the next block waits for it
+        nf_o = output(0, f.routed(0))
+        if handoff is not None and st.comm is not None:  # B's half behind B's combine on the comm stream
             ev_sh = st.mark(st.compute)  # shared B's output, h_B and A's flag made
-            st.hand_to(st.comm, y, pre[1][1], f.s_out[1], nf_o[0])
+            st.hand_to(st.comm, y, pre[1][1], f.s_out[1], nf_o)
             with st.on_comm():
                 st.wait(st.comm, ev_sh)
                 with st.stage("B output", comm=True):
-                    output(1, f.out[1])
-                    nf_o = nf_o[0] | nf_o[1]
-                handoff.event = st.mark(st.comm)
+                    nf_o = nf_o | output(1, f.out[1])
+                handoff.event = st.mark(st.comm)  # the next block waits for it
             st.hand_to(st.compute, nf_o)
         else:
-            output(1, f.routed(1))
-            nf_o = nf_o[0] | nf_o[1]
+            nf_o = nf_o | output(1, f.routed(1))
         st.tick("forward done")
         f.save(ctx)
         ctx.block, ctx.pre = block, pre

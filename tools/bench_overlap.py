@@ -505,23 +505,23 @@ def main():
     n_blocks = [int(v) for v in a.blocks.split(",") if v]
     if not n_blocks or min(n_blocks) < 1:
         p.error(f"--blocks {a.blocks}: block counts must be >= 1")
-    # "block:N": N blocks in a row
-    units = [v for u in a.units.split(",") if u for v in ([f"block:{nb}" for nb in n_blocks] if u == "block" else [u])]
+    kinds = [u for u in a.units.split(",") if u]
+    units = [(k, nb) for k in kinds for nb in (n_blocks if k == "block" else [1])]  # (kind, blocks in a row)
     S = a.tokens // a.seqs
 
-    def make_unit(kind, disp, overlap=False):
+    def make_unit(unit, disp, overlap=False):
+        kind, nb = unit
         if kind == "moe":
             return MoEUnit(MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=disp,
                                     overlap=overlap).to(dev), x, dout)
-        n_blocks = int(kind.split(":")[1])
-        cfg = ModelConfig(name="bench", hidden=a.hidden, n_layers=n_blocks, n_dense_layers=0,
+        cfg = ModelConfig(name="bench", hidden=a.hidden, n_layers=nb, n_dense_layers=0,
                           n_heads=a.hidden // 128, head_dim=128, moe_inter=a.inter, n_experts=E, topk=a.topk, n_shared=1)
         blocks = [Block(cfg, i, "fp8", "pow2", disp, overlap, bf16_linears=frozenset(RecipeConfig().bf16_linears)).to(dev)
-                  for i in range(n_blocks)]
+                  for i in range(nb)]
         return BlockUnit(blocks, x.view(a.seqs, S, a.hidden), dout.view(a.seqs, S, a.hidden))
 
-    def half_capacity(kind):  # the larger micro-batch's tokens
-        return (a.tokens + 1) // 2 if kind == "moe" else -(-a.seqs // 2) * S
+    def half_capacity(unit):  # the larger micro-batch's tokens
+        return (a.tokens + 1) // 2 if unit[0] == "moe" else -(-a.seqs // 2) * S
 
     transports = [t for t in a.transports.split(",") if t]
     if "copy_engine" in transports and not cuda:
@@ -531,12 +531,12 @@ def main():
     runs = [(c, m, t, u, pr, sl) for c in caps for m in modes for t in transports for u in units for pr in prios
             for sl in slots  # copy engines: capacity blocks, no NCCL; slots: copy engines only
             if (t == "collective" and sl == slots[0]) or (t == "copy_engine" and m == "capacity" and c is None)]
-    for cap, mode, transport, kind, prio, sl in runs:
+    for cap, mode, transport, (kind, nb), prio, sl in runs:
         moefp8.overlap.SIDE_STREAM_PRIORITY = prio
         group = comm_group(cap)
         full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport, slots=sl)
-                      for c in (a.tokens, half_capacity(kind)))
-        unit = make_unit(kind, full)
+                      for c in (a.tokens, half_capacity((kind, nb))))
+        unit = make_unit((kind, nb), full)
         r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned, rounds=a.rounds)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
                + ((", copy engines" + (f" ({sl} slots)" if len(slots) > 1 else "")) if transport == "copy_engine"
@@ -546,8 +546,7 @@ def main():
                + (f", GEMMs leave {a.gemm_sm_reserve} SMs" if a.gemm_sm_reserve else ""))
         what = shape + (f" ({a.seqs} sequences of {S}, {a.hidden // 128} heads)" if kind != "moe" else "")
         case = f"{unit.name} fwd+bwd {what}{tag}"
-        nb = len(unit.blocks) if kind != "moe" else 1  # per-block figures: the stack's / nb
-        uk = {"unit_kind": kind.split(":")[0], **({"blocks": nb} if kind != "moe" else {})}
+        uk = {"unit_kind": kind, **({"blocks": nb} if kind != "moe" else {})}  # per-block figures: the stack's / nb
         add(case, "overlap off (one micro-batch)", r["t_off"], baseline="serialized 2 micro-batches",
             baseline_value=round(r["t_serial"] * 1e3, 3), ratio=round(r["t_serial"] / r["t_off"], 3), **uk)
         add(case, "overlap on", r["t_on"], baseline="overlap off", baseline_value=round(r["t_off"] * 1e3, 3),
@@ -590,7 +589,7 @@ def main():
                               "compute only": " ".join(f"{v:.2f}" for v in t.get("compute_ms", [])),
                               "queue at start, on": " ".join(f"{v:.2f}" for v in t.get("on_queue_ms", []))}
                              for t in tl_rows], ["stage", "on", "compute only", "queue at start, on"])
-        if cuda and mode == [r[1] for r in runs if (r[0], r[2]) == (cap, transport)][0] and kind == units[0] \
+        if cuda and mode == [r[1] for r in runs if (r[0], r[2]) == (cap, transport)][0] and (kind, nb) == units[0] \
                 and prio == prios[0]:
             if transport == "copy_engine":
                 exchange, how = half._copy_engine(), ", copy engines"
@@ -615,8 +614,8 @@ def main():
     # overlapped steps (--trace-steps) of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
     from torch.profiler import ProfilerActivity, profile
 
-    _, mode, transport, kind, moefp8.overlap.SIDE_STREAM_PRIORITY, sl = runs[-1]
-    unit = make_unit(kind, build_dispatcher("all_to_all", E, None, capacity=half_capacity(kind), mode=mode,
+    _, mode, transport, last, moefp8.overlap.SIDE_STREAM_PRIORITY, sl = runs[-1]
+    unit = make_unit(last, build_dispatcher("all_to_all", E, None, capacity=half_capacity(last), mode=mode,
                                             transport=transport, slots=sl), overlap=True)
     for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
         dist.barrier()  # every rank starts the traced step together (the profiler's start-up differs per rank)
@@ -638,7 +637,8 @@ def main():
         print_table(rows, ["case", "impl", "value", "unit", "baseline_value", "ratio", "hidden_comm_share"])
         path = save_results("bench_overlap", rows, peak, path=out_path, ranks=n, tokens_per_rank=a.tokens,
                             hidden=a.hidden, inter=a.inter, topk=a.topk, experts=E, grouped_gemm=a.gemm,
-                            bind_cpus=a.bind_cpus, units=units, seqs=a.seqs, transports=transports,
+                            bind_cpus=a.bind_cpus, units=kinds, blocks=n_blocks,
+                            seqs=a.seqs, transports=transports,
                             side_stream_priorities=prios, copy_engine_slots=slots,
                             trace=trace.name, **({"timelines": timelines} if timelines else {}))
         print(f"wrote {path} and {trace}")
