@@ -110,7 +110,7 @@ class DataConfig:
     offline on any machine), a folder of text files, or "" (then a missing path is an error)."""
     path: str = "outputs/data/stdlib"
     prepare_from: str = "stdlib"
-    glob: str = "*.py"
+    glob: str = "*.py"  # file pattern under prepare_from; several comma-separated: "*.py,*.h"
     max_bytes: int = 32_000_000  # cap on the text read when preparing
     val_windows: int = 0  # windows of train.seq_len + 1 tokens held out of training for train.eval_every
 
@@ -135,6 +135,9 @@ class TrainConfig:
     # seconds a collective waits for its peers before this rank gives up (a peer died or hangs,
     # e.g. on another node): gloo raises and the run stops with one line; NCCL's watchdog aborts
     dist_timeout_s: float = 600.0
+    # wall-clock budget of one start, in seconds (0: none): after the first step that ends past it
+    # the run writes a checkpoint and exits; the same command resumes it (a scheduler's time limit)
+    time_limit_s: float = 0.0
     # deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG), for GPU runs that
     # repeat (and resume) bit for bit; an op with no deterministic kernel warns, naming it
     deterministic: bool = False
@@ -197,6 +200,8 @@ def validate(cfg: Config) -> None:
                 raise ValueError(f"{name}.{f.name}={v}: must be finite")
     _positive("optim.lr", o.lr)
     _positive("train.dist_timeout_s", t.dist_timeout_s)
+    if t.time_limit_s < 0:
+        raise ValueError(f"train.time_limit_s={t.time_limit_s}: must be >= 0 (0: no limit)")
     if t.fp8_stats_every < 0:
         raise ValueError(f"train.fp8_stats_every={t.fp8_stats_every}: must be >= 0 (0: off)")
     _positive("dispatch.ep_size", d.ep_size)

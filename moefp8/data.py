@@ -54,14 +54,17 @@ def stdlib_dir() -> str:
 
 def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
             shard_tokens: int = SHARD_TOKENS) -> dict:
-    """Tokenizes the files matching `glob` under `src` ("stdlib": the Python standard library), in
-    sorted path order, each followed by EOS, until max_bytes of text; writes shards and index.json
-    into `out` atomically (built in out.tmp, then renamed). Returns the index."""
+    """Tokenizes the files matching `glob` (one pattern, or several comma-separated: "*.py,*.h")
+    under `src` ("stdlib": the Python standard library), in sorted path order, each followed by
+    EOS, until max_bytes of text; writes shards and index.json into `out` atomically (built in
+    out.tmp, then renamed). Returns the index."""
     src_dir = Path(stdlib_dir() if src == "stdlib" else src)
     if not src_dir.is_dir():
         raise FileNotFoundError(f"data prepare: source folder {src_dir} does not exist")
     skip = {"site-packages", "dist-packages"} if src == "stdlib" else set()  # installed packages are not stdlib
-    files = sorted(p for p in src_dir.rglob(glob) if p.is_file() and not skip & set(p.relative_to(src_dir).parts))
+    patterns = [g.strip() for g in glob.split(",") if g.strip()]
+    files = sorted({p for g in patterns for p in src_dir.rglob(g)
+                    if p.is_file() and not skip & set(p.relative_to(src_dir).parts)})
     if not files:
         raise ValueError(f"data prepare: no file matches {glob!r} under {src_dir}")
     out_dir, tmp = Path(out), Path(str(out) + ".tmp")

@@ -423,6 +423,7 @@ def train(cfg: Config) -> dict:
                         TextColumn("{task.fields[info]}"), console=console,
                         disable=not (t.progress and is_main and console.is_terminal))
     task = progress.add_task("train", total=t.steps, completed=start, info="")
+    began = time.monotonic()  # for train.time_limit_s
     last_saved, m = None, {}
     watchdog = StepWatchdog(rank, t.dist_timeout_s, enabled=world > 1)
     with progress, watchdog, open(metrics_path, "a") if is_main else open(os.devnull, "w") as mf:
@@ -496,18 +497,34 @@ def train(cfg: Config) -> dict:
                 console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f}{val} aux {aux:.2e} lr {lr:.2e} "
                               f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
-            if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps:
+            stop = step + 1 < t.steps and time_is_up(t.time_limit_s, began, par, device)
+            if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps or stop:
                 watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
                 last_saved = checkpoint.save(run_dir, step + 1, state(step + 1),
                                              {"loss": loss, "tokens": (step + 1) * tokens_per_step,
                                               "world": world, "ep_size": par.ep_size}, is_writer=is_main)
                 console.print(f"checkpoint {last_saved}")
                 watchdog.beat()
+            if stop:
+                console.print(f"train.time_limit_s={t.time_limit_s:g} reached after step {step + 1} of {t.steps}; "
+                              f"the same command resumes from {last_saved}")
+                break
     if run is not None:
         run.finish()
     if world > 1:
         dist.destroy_process_group()
     return m
+
+
+def time_is_up(limit_s: float, began: float, par: Parallel, device: torch.device) -> bool:
+    """Whether this start's wall-clock budget is spent, the same answer on every rank (any rank's
+    clock past it counts: one small all-reduce per step, only with a limit)."""
+    if not limit_s:
+        return False
+    up = torch.tensor(float(time.monotonic() - began > limit_s), device=device)
+    if par.world > 1:
+        par.all_reduce_(up)
+    return bool(up.item())
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """tools/convergence.py: both recipes train through the real entry point; JSON and PNG written."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,30 @@ def test_convergence_tool_cpu(tmp_path):
     again = json.loads((tmp_path / "convergence-reread.json").read_text())
     assert again["plot"] == "convergence-reread.png" and (tmp_path / "convergence-reread.png").is_file()
     assert again["pairs"] == doc["pairs"]  # the same runs read twice give the same statistics
+
+
+@pytest.mark.slow
+def test_convergence_tool_data_parallel_resumes(tmp_path):
+    """--nproc 2: each run is a torchrun job of two data-parallel processes (gloo on CPU). Stopped by
+    train.time_limit_s, the runs are reported unfinished (no JSON); called again, the tool resumes
+    them. A run cut off without a checkpoint of its last steps resumes from its last checkpoint and
+    the loss curve goes on as it was."""
+    cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--nproc", "2", "model=tiny",
+           "train.steps=4", "optim.warmup_steps=1", "data.max_bytes=1000000", "train.ckpt_every=2",
+           "logger.mode=disabled", f"data.path={tmp_path / 'data'}", "train.grad_accum=2"]
+    r = subprocess.run([*cmd, "train.time_limit_s=1e-9"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "runs not finished: bf16 at step 1 of 4, fp8 at step 1 of 4" in r.stderr, r.stderr
+    assert not (tmp_path / "convergence.json").exists()  # no statistics over part of a run
+    assert "--nproc_per_node=2" in r.stdout and "cpu x 2 (EP 1); 8192 tokens/step" in r.stdout
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("resumed from") == 2
+    first = json.loads((tmp_path / "convergence.json").read_text())["curves"]
+    run = tmp_path / "runs" / "fp8"  # as if killed after step 3: step 4's checkpoint never written
+    shutil.rmtree(run / "step_0000004")
+    (run / "latest").write_text("step_0000002")
+    r = subprocess.run([*cmd, "--train", "fp8"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "resumed from" in r.stdout and "step_0000002" in r.stdout
+    again = json.loads((tmp_path / "convergence.json").read_text())["curves"]
+    assert again["steps"] == [1, 2, 3, 4] and again["fp8"]["loss"] == first["fp8"]["loss"]

@@ -32,6 +32,14 @@ def test_prepare_tokens(texts, tmp_path):
     assert not (tmp_path / "out.tmp").exists()
 
 
+def test_prepare_several_globs(texts, tmp_path):
+    """Comma-separated patterns: the union of their files, each once, in sorted path order."""
+    idx = prepare(str(texts), str(tmp_path / "out"), glob="*.txt, *.md,b.txt")
+    toks = np.concatenate(load_shards(str(tmp_path / "out")))
+    want = b"".join((texts / f).read_bytes() for f in ("a.txt", "b.txt", "skip.md", "sub/c.txt"))
+    assert idx["files"] == 4 and bytes(toks[toks != EOS].astype(np.uint8)) == want
+
+
 def test_prepare_cap_and_shards(texts, tmp_path):
     idx = prepare(str(texts), str(tmp_path / "out"), glob="*.txt", max_bytes=1500, shard_tokens=512)
     assert idx["bytes"] == 1500

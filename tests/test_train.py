@@ -91,6 +91,24 @@ def test_resume_is_bit_exact(data_dir, tmp_path):
         assert v.dtype == torch.bfloat16 and torch.equal(v, sb["optim"]["exp_avg_sq"][k]), k
 
 
+def test_time_limit_checkpoints_and_the_same_command_resumes(data_dir, tmp_path, capsys):
+    """train.time_limit_s: a start stops after the first step that ends past its budget, with a
+    checkpoint of that step; starting the same config again goes on, and the pieces give the loss
+    sequence of one uninterrupted run, bit for bit."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(compose_config(base(data_dir, a, **{"train.steps": 5, "train.ckpt_every": 0})))
+    limited = compose_config(base(data_dir, b, **{"train.steps": 5, "train.ckpt_every": 0, "train.time_limit_s": 1e-9}))
+    for want in (1, 2):
+        assert train(limited)["step"] == want
+        assert (b / "latest").read_text().strip() == f"step_{want:07d}"
+    assert "train.time_limit_s=1e-09 reached after step 2 of 5; the same command resumes from" in capsys.readouterr().out
+    assert train(compose_config(base(data_dir, b, **{"train.steps": 5, "train.ckpt_every": 0})))["step"] == 5
+    ma, mb = metrics(a), metrics(b)
+    assert [x["step"] for x in mb] == [1, 2, 3, 4, 5]
+    assert [(x["loss"], x["grad_norm"]) for x in ma] == [(x["loss"], x["grad_norm"]) for x in mb]
+    assert (b / "latest").read_text().strip() == "step_0000005"
+
+
 def test_partial_and_corrupt_checkpoints_refused(data_dir, tmp_path):
     run = tmp_path / "r"
     train(compose_config(base(data_dir, run, **{"train.steps": 2, "train.ckpt_every": 1})))
@@ -138,6 +156,7 @@ def test_nan_policy_skip(data_dir, tmp_path):
     (["dispatch=all_to_all"], "config error: dispatch=all_to_all: expert parallelism needs several processes"),
     (["train.eval_every=5"], "config error: train.eval_every=5: the held-out loss needs held-out data"),
     (["train.eval_every=5", "data.val_windows=100000"], "error: data.val_windows=100000: must be between"),
+    (["train.time_limit_s=-60"], "config error: train.time_limit_s=-60.0: must be >= 0 (0: no limit)"),
 ])
 def test_errors_are_one_line(data_dir, tmp_path, overrides, error):
     r = cli([*overrides, f"data.path={data_dir}", "logger.mode=disabled", f"train.out_dir={tmp_path / 'r'}"],

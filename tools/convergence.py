@@ -29,6 +29,14 @@ installed packages' sources: data.prepare_from=<site-packages dir> data.path=out
 data.max_bytes=64000000.
     python tools/convergence.py --out outputs/conv model=tiny train.steps=40   # CPU smoke run
 
+Bigger batches (less per-batch noise in the training loss) through data parallelism: --nproc N runs
+each recipe as a torchrun job of N processes; with --parallel the runs share the GPUs, N each. Under
+a wall-clock limit (a scheduler's, a lease's) give train.time_limit_s: every run stops with a
+checkpoint when it is spent, the tool says which runs are not finished, and the same command
+resumes them; the statistics are written once every run has reached train.steps.
+    python tools/convergence.py --parallel --nproc 2 experiment=small_gpu train.grad_accum=4 \
+        train.time_limit_s=480 ...                                   # 4 GPUs, 256 x 1024 tokens per step
+
 Every argument that is not an option of this tool is a Hydra override given to both runs.
 Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: outputs/), or under --out.
 """
@@ -81,6 +89,16 @@ def read_losses(run_dir: Path) -> dict:
             "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
 
 
+def planned_steps(run_dir: Path) -> int | None:
+    """train.steps of the config a run was last started with (its run dir's config.yaml)."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(path).train.steps)
+
+
 def run_overrides(name: str, overrides: list[str], fp8_overrides: list[str] = ()) -> list[str]:
     """The overrides of run `name`: "bf16", "fp8", a recipe again with the same seed and data
     ("bf16_again", "fp8_again") or BF16 with the seed after the configured one ("bf16_seed+1":
@@ -119,15 +137,27 @@ def compare(a: dict, b: dict, threshold: float) -> dict:
     return out
 
 
-def train(runs: dict[str, Path], overrides: list[str], parallel: bool, fp8_overrides: list[str] = ()) -> None:
-    """Runs each recipe through the real entry point; with `parallel`, all at once, run i on GPU i
-    (CUDA_VISIBLE_DEVICES), each alone on its GPU, so tokens/s stay comparable."""
+def launcher(nproc: int) -> list[str]:
+    """The command that starts one run: the entry point itself, or torchrun with `nproc` data-parallel
+    processes (a free rendezvous port each, so runs can start side by side)."""
+    if nproc == 1:
+        return [sys.executable, "-m", "moefp8.train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "moefp8.train"]
+
+
+def train(runs: dict[str, Path], overrides: list[str], parallel: bool, fp8_overrides: list[str] = (),
+          nproc: int = 1) -> None:
+    """Runs each recipe through the real entry point (`nproc` data-parallel processes each); with
+    `parallel`, all at once, run i on GPUs i*nproc .. i*nproc + nproc - 1 (CUDA_VISIBLE_DEVICES), each
+    alone on its GPUs, so tokens/s stay comparable. A run whose folder holds a checkpoint resumes
+    from it (train.resume=auto), so a run cut off by a time limit goes on when called again."""
     procs = {}
     for i, (recipe, run_dir) in enumerate(runs.items()):
-        cmd = [sys.executable, "-m", "moefp8.train", *run_overrides(recipe, overrides, fp8_overrides),
-               f"train.out_dir={run_dir}"]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if parallel else None
-        print("convergence:", " ".join(cmd), f"(GPU {i})" if parallel else "", flush=True)
+        cmd = [*launcher(nproc), *run_overrides(recipe, overrides, fp8_overrides), f"train.out_dir={run_dir}"]
+        gpus = ",".join(str(g) for g in range(i * nproc, (i + 1) * nproc))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus} if parallel else None
+        print("convergence:", " ".join(cmd), f"(GPU {gpus})" if parallel else "", flush=True)
         procs[recipe] = subprocess.Popen(cmd, cwd=REPO, env=env)
         if not parallel:
             procs[recipe].wait()
@@ -203,7 +233,9 @@ def main() -> None:
     p.add_argument("--suffix", default="", help="appended to the JSON's and PNG's names: convergence-<device>-<suffix>.json")
     p.add_argument("--threshold", type=float, default=0.0025, help="acceptance: max |EMA relative difference|")
     p.add_argument("--skip-train", action="store_true", help="only read existing runs and report")
-    p.add_argument("--parallel", action="store_true", help="train the runs at once, one GPU each")
+    p.add_argument("--parallel", action="store_true", help="train the runs at once, on --nproc GPUs each")
+    p.add_argument("--nproc", type=int, default=1, help="data-parallel processes per run (torchrun); the batch "
+                   "per step is train.micro_batch x train.grad_accum x nproc sequences")
     p.add_argument("--noise-floor", action="store_true", help="also train a third, BF16 run and report the same "
                    "smoothed relative difference between the two BF16 runs")
     p.add_argument("--noise-kind", choices=sorted(NOISE), default="rerun", help="the third run: BF16 again with the "
@@ -229,11 +261,15 @@ def main() -> None:
     if set(to_train) - set(names):
         raise SystemExit(f"convergence: --train {args.train}: not among the runs {', '.join(names)}")
     run_dirs = {name: (runs / name).resolve() for name in names}
+    if args.nproc < 1:
+        raise SystemExit(f"convergence: --nproc {args.nproc}: expected at least 1 process per run")
     if to_train and args.parallel:
         import torch
 
-        if torch.cuda.device_count() < len(to_train):
-            raise SystemExit(f"convergence: --parallel needs {len(to_train)} GPUs, {torch.cuda.device_count()} visible")
+        need = len(to_train) * args.nproc
+        if torch.cuda.device_count() < need:
+            raise SystemExit(f"convergence: --parallel needs {need} GPUs ({len(to_train)} runs x --nproc "
+                             f"{args.nproc}), {torch.cuda.device_count()} visible")
     if to_train:
         if args.parallel:  # prepare the data once here: the runs would race to write the same shards
             from rich.console import Console
@@ -242,11 +278,15 @@ def main() -> None:
             from moefp8.train import ensure_data
 
             ensure_data(compose_config(overrides), Console())
-        train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split())
+        train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split(), args.nproc)
     curves = {}
     for name, run_dir in run_dirs.items():
         curves[name] = c = read_losses(run_dir)
         c["ema"] = ema(c["loss"])
+    short = [f"{n} at step {c['steps'][-1] if c['steps'] else 0} of {want}" for n, c in curves.items()
+             if (want := planned_steps(run_dirs[n])) and (not c["steps"] or c["steps"][-1] < want)]
+    if short:  # e.g. stopped by train.time_limit_s: no statistics over part of a run
+        raise SystemExit(f"convergence: runs not finished: {', '.join(short)}; the same command resumes them")
     # every FP8 run against every BF16 run, and each rerun against its recipe's first run
     pairs = [(a, b) for a in names if recipe_of(a) == "fp8" for b in names if recipe_of(b) == "bf16"]
     pairs += [(a, recipe_of(a)) for a in extra if (a, recipe_of(a)) not in pairs]
