@@ -55,18 +55,23 @@ def stdlib_dir() -> str:
 def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
             shard_tokens: int = SHARD_TOKENS) -> dict:
     """Tokenizes the files matching `glob` (one pattern, or several comma-separated: "*.py,*.h")
-    under `src` ("stdlib": the Python standard library), in sorted path order, each followed by
-    EOS, until max_bytes of text; writes shards and index.json into `out` atomically (built in
-    out.tmp, then renamed). Returns the index."""
-    src_dir = Path(stdlib_dir() if src == "stdlib" else src)
-    if not src_dir.is_dir():
-        raise FileNotFoundError(f"data prepare: source folder {src_dir} does not exist")
-    skip = {"site-packages", "dist-packages"} if src == "stdlib" else set()  # installed packages are not stdlib
+    under `src` ("stdlib": the Python standard library; several folders comma-separated, read in
+    that order), each folder's files in sorted path order, each file followed by EOS, until
+    max_bytes of text; writes shards and index.json into `out` atomically (built in out.tmp, then
+    renamed). Returns the index."""
     patterns = [g.strip() for g in glob.split(",") if g.strip()]
-    files = sorted({p for g in patterns for p in src_dir.rglob(g)
-                    if p.is_file() and not skip & set(p.relative_to(src_dir).parts)})
+    files, seen = [], set()
+    for root in [r.strip() for r in src.split(",") if r.strip()]:
+        src_dir = Path(stdlib_dir() if root == "stdlib" else root)
+        if not src_dir.is_dir():
+            raise FileNotFoundError(f"data prepare: source folder {src_dir} does not exist")
+        skip = {"site-packages", "dist-packages"} if root == "stdlib" else set()  # installed packages are not stdlib
+        found = {p for g in patterns for p in src_dir.rglob(g)
+                 if p.is_file() and not skip & set(p.relative_to(src_dir).parts)}
+        files += sorted(found - seen)
+        seen |= found
     if not files:
-        raise ValueError(f"data prepare: no file matches {glob!r} under {src_dir}")
+        raise ValueError(f"data prepare: no file matches {glob!r} under {src}")
     out_dir, tmp = Path(out), Path(str(out) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -94,7 +99,7 @@ def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
             if n_buf == shard_tokens:
                 flush()
     flush()
-    index = {"format": FORMAT, "vocab_size": VOCAB_SIZE, "eos": EOS, "dtype": "uint16", "src": str(src_dir),
+    index = {"format": FORMAT, "vocab_size": VOCAB_SIZE, "eos": EOS, "dtype": "uint16", "src": src,
              "glob": glob, "files": n_files, "bytes": total, "shards": shards}
     (tmp / "index.json").write_text(json.dumps(index, indent=1))
     if out_dir.exists():

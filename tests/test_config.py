@@ -51,6 +51,8 @@ REPO = Path(__file__).resolve().parent.parent
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),
+    (["data.path=/nonexistent/d", "data.prepare_from='stdlib,/nonexistent/src'"],
+     "data.prepare_from='stdlib,/nonexistent/src': '/nonexistent/src' is not a directory (nor 'stdlib')"),
 ])
 def test_config_errors_are_one_line(overrides, error):
     with pytest.raises(ConfigError) as e:

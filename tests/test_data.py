@@ -40,6 +40,20 @@ def test_prepare_several_globs(texts, tmp_path):
     assert idx["files"] == 4 and bytes(toks[toks != EOS].astype(np.uint8)) == want
 
 
+def test_prepare_several_folders(texts, tmp_path):
+    """Comma-separated source folders: read in the order given, each one's files sorted; a file
+    reached twice (a folder inside another) is read once; a missing folder is named."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "0.txt").write_text("first of extra")
+    idx = prepare(f"{extra},{texts},{texts / 'sub'}", str(tmp_path / "out"), glob="*.txt")
+    toks = np.concatenate(load_shards(str(tmp_path / "out")))
+    want = b"".join(p.read_bytes() for p in (extra / "0.txt", texts / "a.txt", texts / "b.txt", texts / "sub" / "c.txt"))
+    assert idx["files"] == 4 and bytes(toks[toks != EOS].astype(np.uint8)) == want
+    with pytest.raises(FileNotFoundError, match=f"source folder {tmp_path / 'missing'} does not exist"):
+        prepare(f"{texts},{tmp_path / 'missing'}", str(tmp_path / "o2"), glob="*.txt")
+
+
 def test_prepare_cap_and_shards(texts, tmp_path):
     idx = prepare(str(texts), str(tmp_path / "out"), glob="*.txt", max_bytes=1500, shard_tokens=512)
     assert idx["bytes"] == 1500
