@@ -81,7 +81,7 @@ from torch import Tensor
 
 from moefp8.dispatch import Dispatched
 from moefp8.dispatch.copy_engine import check_slots
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, unpack_ue8m0
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, record_stream, unpack_ue8m0
 from moefp8.kernels.pack import (ERR_BAD_EXPERT, ERR_BAD_SCALE, ERR_OVER_CAPACITY, HDR_MAGIC, HDR_WORDS,
                                  dispatch_layout, pack_capacity, pack_capacity_cached, pack_rows)
 from moefp8.kernels.permute import PermuteLayout, unpermute_combine
@@ -327,10 +327,7 @@ class AllToAllDispatcher:
             yield
             return
         s.wait_stream(torch.cuda.current_stream(s.device))
-        for t in inputs:
-            for u in ((t.data, t.scale) if isinstance(t, Fp8Tensor) else (t,)):
-                if isinstance(u, Tensor) and u.is_cuda:
-                    u.record_stream(s)
+        record_stream(s, *inputs)
         with torch.cuda.stream(s):
             yield
 

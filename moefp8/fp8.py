@@ -87,6 +87,20 @@ def col_major(s: Tensor) -> Tensor:
     return s.t().contiguous().t()
 
 
+def record_stream(stream, *objs) -> None:
+    """Tensors made on one CUDA stream and read on `stream` (also inside Fp8Tensors and nested
+    tuples or lists): tell the caching allocator, so their memory is not reused before `stream` is
+    done with them. Nothing for stream None or CPU tensors."""
+    if stream is None:
+        return
+    for o in objs:
+        if isinstance(o, Tensor):
+            if o.is_cuda:
+                o.record_stream(stream)
+        elif isinstance(o, (tuple, list)):  # an Fp8Tensor is a tuple too: its data and scale
+            record_stream(stream, *o)
+
+
 def _expand_last(s: Tensor, n: int) -> Tensor:
     """[..., ceil(n/128)] -> [..., n] by repeating each scale over its tile."""
     return s.repeat_interleave(TILE, dim=-1)[..., :n]

@@ -55,7 +55,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from moefp8.fp8 import Fp8Tensor
+from moefp8.fp8 import record_stream
 from moefp8.kernels.grouped_gemm_ws import reserve_sms
 from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
                         restore, save, shared_backward, shared_forward)
@@ -215,16 +215,7 @@ class _Streams:
     def hand_to(self, stream, *objs) -> None:
         """Tensors made on one stream and read on `stream`: tell the caching allocator, so their
         memory is not reused before `stream` is done with them."""
-        if stream is None:
-            return
-        for o in objs:
-            if isinstance(o, Tensor):
-                if o.is_cuda:
-                    o.record_stream(stream)
-            elif isinstance(o, Fp8Tensor):
-                self.hand_to(stream, o.data, o.scale)
-            elif isinstance(o, (tuple, list)):
-                self.hand_to(stream, *o)
+        record_stream(stream, *objs)
 
 
 def _halves(n: int) -> list[slice]:
