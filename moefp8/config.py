@@ -107,8 +107,8 @@ class OptimConfig:
 class DataConfig:
     """Byte-level token shards (moefp8.data). If `path` holds no index.json yet, it is prepared
     from `prepare_from`: "stdlib" (the Python standard library's *.py sources: real text found
-    offline on any machine), a folder of text files (several comma-separated, read in that order),
-    or "" (then a missing path is an error)."""
+    offline on any machine), "site-packages" (the installed packages' files), a folder of text files
+    (several of these comma-separated, read in that order), or "" (then a missing path is an error)."""
     path: str = "outputs/data/stdlib"
     prepare_from: str = "stdlib"
     glob: str = "*.py"  # file pattern under prepare_from; several comma-separated: "*.py,*.h"
@@ -285,6 +285,7 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"data.path={data.path!r}: no index.json there and data.prepare_from is empty; "
                              f"run `python -m moefp8.data prepare --src DIR --out {data.path}`")
         for root in [r.strip() for r in src.split(",") if r.strip()]:
-            if root != "stdlib" and not os.path.isdir(root):
-                raise ValueError(f"data.prepare_from={src!r}: {root!r} is not a directory (nor 'stdlib')")
+            if root not in ("stdlib", "site-packages") and not os.path.isdir(root):
+                raise ValueError(f"data.prepare_from={src!r}: {root!r} is not a directory "
+                                 f"(nor 'stdlib' or 'site-packages')")
         _positive("data.max_bytes", data.max_bytes)

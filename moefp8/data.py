@@ -48,21 +48,27 @@ def decode(tokens) -> str:
     return bytes(x if x < 256 else 10 for x in t).decode("utf-8", errors="replace")
 
 
-def stdlib_dir() -> str:
-    return sysconfig.get_paths()["stdlib"]
+# Source folders found offline on any machine, by name: the standard library's, and the installed
+# packages' (torch's own sources and headers among them)
+NAMED_SOURCES = {"stdlib": "stdlib", "site-packages": "purelib"}
+
+
+def source_dir(name: str) -> Path:
+    """A prepare source: one of NAMED_SOURCES or a folder path."""
+    return Path(sysconfig.get_paths()[NAMED_SOURCES[name]] if name in NAMED_SOURCES else name)
 
 
 def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
             shard_tokens: int = SHARD_TOKENS) -> dict:
     """Tokenizes the files matching `glob` (one pattern, or several comma-separated: "*.py,*.h")
-    under `src` ("stdlib": the Python standard library; several folders comma-separated, read in
-    that order), each folder's files in sorted path order, each file followed by EOS, until
+    under `src` (a folder, "stdlib": the Python standard library, "site-packages": the installed
+    packages; several comma-separated, read in that order), each folder's files in sorted path order, each file followed by EOS, until
     max_bytes of text; writes shards and index.json into `out` atomically (built in out.tmp, then
     renamed). Returns the index."""
     patterns = [g.strip() for g in glob.split(",") if g.strip()]
     files, seen = [], set()
     for root in [r.strip() for r in src.split(",") if r.strip()]:
-        src_dir = Path(stdlib_dir() if root == "stdlib" else root)
+        src_dir = source_dir(root)
         if not src_dir.is_dir():
             raise FileNotFoundError(f"data prepare: source folder {src_dir} does not exist")
         skip = {"site-packages", "dist-packages"} if root == "stdlib" else set()  # installed packages are not stdlib
@@ -214,7 +220,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m moefp8.data", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="tokenize a folder of text into uint16 shards + index.json")
-    p.add_argument("--src", required=True, help="folder of text files, or 'stdlib'; several comma-separated")
+    p.add_argument("--src", required=True, help="folder of text files, 'stdlib' or 'site-packages'; several "
+                   "comma-separated")
     p.add_argument("--out", required=True)
     p.add_argument("--glob", default="*.py", help="file pattern; several comma-separated: '*.py,*.h'")
     p.add_argument("--max-bytes", type=int, default=32_000_000)

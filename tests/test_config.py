@@ -52,7 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),
     (["data.path=/nonexistent/d", "data.prepare_from='stdlib,/nonexistent/src'"],
-     "data.prepare_from='stdlib,/nonexistent/src': '/nonexistent/src' is not a directory (nor 'stdlib')"),
+     "data.prepare_from='stdlib,/nonexistent/src': '/nonexistent/src' is not a directory (nor 'stdlib' or "
+     "'site-packages')"),
 ])
 def test_config_errors_are_one_line(overrides, error):
     with pytest.raises(ConfigError) as e:

@@ -54,6 +54,15 @@ def test_prepare_several_folders(texts, tmp_path):
         prepare(f"{texts},{tmp_path / 'missing'}", str(tmp_path / "o2"), glob="*.txt")
 
 
+def test_prepare_named_sources(tmp_path):
+    """"site-packages": the installed packages' folder (moefp8's own editable-install finder is there),
+    beside "stdlib" and plain folders."""
+    idx = prepare("site-packages", str(tmp_path / "sp"), glob="__editable___moefp8_*_finder.py")
+    assert idx["files"] == 1 and idx["src"] == "site-packages"
+    tokens = np.concatenate(load_shards(str(tmp_path / "sp")))
+    assert b"moefp8" in bytes(tokens[tokens != EOS].astype(np.uint8))
+
+
 def test_prepare_cap_and_shards(texts, tmp_path):
     idx = prepare(str(texts), str(tmp_path / "out"), glob="*.txt", max_bytes=1500, shard_tokens=512)
     assert idx["bytes"] == 1500

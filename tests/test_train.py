@@ -167,7 +167,8 @@ def test_errors_are_one_line(data_dir, tmp_path, overrides, error):
 
 
 @pytest.mark.parametrize("overrides", [[], ["model=small"], ["model=dsv3_layer", "recipe=bf16"],
-                                       ["experiment=tiny_bf16"], ["experiment=small_gpu"]])
+                                       ["experiment=tiny_bf16"], ["experiment=small_gpu"],
+                                       ["experiment=small_gpu_b256"]])
 def test_presets_compose_and_validate(overrides):
     from moefp8.model import param_counts
 
@@ -178,6 +179,10 @@ def test_presets_compose_and_validate(overrides):
         assert 0.1e9 < n["total"] < 0.5e9 and n["active"] < 0.6 * n["total"]
     if overrides == ["experiment=tiny_bf16"]:
         assert (cfg.model.name, cfg.recipe.recipe) == ("tiny", "bf16")
+    if overrides == ["experiment=small_gpu_b256"]:  # small_gpu's settings, 8x its batch over 2 processes
+        t = cfg.train
+        assert (cfg.model.name, t.micro_batch * t.grad_accum * 2, t.seq_len, t.steps) == ("small", 256, 1024, 2000)
+        assert cfg.data.prepare_from == "site-packages,/usr" and cfg.data.val_windows == 1024
 
 
 def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):

@@ -34,8 +34,8 @@ each recipe as a torchrun job of N processes; with --parallel the runs share the
 a wall-clock limit (a scheduler's, a lease's) give train.time_limit_s: every run stops with a
 checkpoint when it is spent, the tool says which runs are not finished, and the same command
 resumes them; the statistics are written once every run has reached train.steps.
-    python tools/convergence.py --parallel --nproc 2 experiment=small_gpu train.grad_accum=4 \
-        train.time_limit_s=480 ...                                   # 4 GPUs, 256 x 1024 tokens per step
+    python tools/convergence.py --parallel --nproc 2 experiment=small_gpu_b256 train.time_limit_s=500
+                                          # 4 GPUs, 256 x 1024 tokens per step; call again to resume
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
 Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: outputs/), or under --out.
