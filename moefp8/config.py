@@ -107,7 +107,7 @@ class OptimConfig:
 class DataConfig:
     """Byte-level token shards (moefp8.data). If `path` holds no index.json yet, it is prepared
     from `prepare_from`: "stdlib" (the Python standard library's *.py sources: real text found
-    offline on any machine), "site-packages" (the installed packages' files), a folder of text files
+    offline on any machine), "site-packages" (torch's folder of installed packages), a folder of text files
     (several of these comma-separated, read in that order), or "" (then a missing path is an error)."""
     path: str = "outputs/data/stdlib"
     prepare_from: str = "stdlib"

@@ -48,14 +48,15 @@ def decode(tokens) -> str:
     return bytes(x if x < 256 else 10 for x in t).decode("utf-8", errors="replace")
 
 
-# Source folders found offline on any machine, by name: the standard library's, and the installed
-# packages' (torch's own sources and headers among them)
-NAMED_SOURCES = {"stdlib": "stdlib", "site-packages": "purelib"}
-
-
 def source_dir(name: str) -> Path:
-    """A prepare source: one of NAMED_SOURCES or a folder path."""
-    return Path(sysconfig.get_paths()[NAMED_SOURCES[name]] if name in NAMED_SOURCES else name)
+    """A prepare source: "stdlib" (the standard library's folder), "site-packages" (the folder of
+    the installed packages torch is in: on a GPU machine the system's, with the CUDA build's
+    sources and headers), or a folder path."""
+    if name == "stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    if name == "site-packages":
+        return Path(torch.__file__).parent.parent
+    return Path(name)
 
 
 def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
