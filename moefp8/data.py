@@ -173,6 +173,11 @@ class Loader:
         self.epoch, self.pos = 0, 0
         self._perm_epoch, self._perm = -1, None
 
+    def steps_per_epoch(self, grad_accum: int = 1) -> int:
+        """Optimizer steps of grad_accum micro-batches that read no window twice: the ranks move to
+        the next epoch together when a micro-batch of all of them no longer fits."""
+        return self.n_windows // (self.batch * self.world) // grad_accum
+
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)

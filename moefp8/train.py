@@ -418,6 +418,10 @@ def train(cfg: Config) -> dict:
     console.print(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; "
                   f"recipe {cfg.recipe.recipe}; {device} x {world} (EP {par.ep_size}); {tokens_per_step} "
                   f"tokens/step; run dir {run_dir}")
+    epoch = loader.steps_per_epoch(t.grad_accum)
+    held = f" (+{len(loader.val_ids)} held out)" if len(loader.val_ids) else ""
+    console.print(f"data: {loader.n_windows} training windows of {t.seq_len + 1} tokens{held}: an epoch is {epoch} "
+                  f"steps" + (f"; train.steps={t.steps} reads it {t.steps / epoch:.2f} times" if t.steps > epoch else ""))
     run = start_wandb(cfg, run_dir, is_main)
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         TextColumn("{task.fields[info]}"), console=console,

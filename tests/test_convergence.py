@@ -10,7 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-from convergence import RERUN, ema, recipe_means, run_overrides  # noqa: E402
+from convergence import RERUN, compare, ema, recipe_means, run_overrides  # noqa: E402
 
 
 def test_ema():
@@ -28,6 +28,19 @@ def test_noise_floor_runs():
     assert run_overrides("bf16_again", base, ablation) == [*base, "recipe=bf16"]
     assert run_overrides("fp8_again2", base, ablation) == [*base, "recipe=fp8", *ablation]  # a third FP8 run
     assert RERUN.fullmatch("bf16_again3") and not RERUN.fullmatch("fp8_seed+1") and not RERUN.fullmatch("fp8_x")
+
+
+def test_compare_before_the_data_repeats():
+    """With the steps per epoch inside the last half, the statistic is also given over the last half's
+    steps before the data repeats; without (or with the whole run in one epoch) it is not."""
+    def run(*ema):
+        return {"steps": list(range(1, 9)), "ema": list(ema), "val": {}}
+
+    a, b = run(9, 9, 9, 9, 1.001, 1.002, 1.01, 1.004), run(*[1.0] * 8)  # last half: steps 5-8
+    got = compare(a, b, 0.0025, epoch=6)
+    assert got["max_pct"] == pytest.approx(1.0) and got["first_epoch_max_pct"] == pytest.approx(0.2)
+    assert got["first_epoch_mean_pct"] == pytest.approx(0.15)
+    assert "first_epoch_max_pct" not in compare(a, b, 0.0025, epoch=8) and "first_epoch_max_pct" not in compare(a, b, 0.0025)
 
 
 def test_recipe_means():
@@ -117,3 +130,5 @@ def test_convergence_tool_data_parallel_resumes(tmp_path):
     assert "resumed from" in r.stdout and "step_0000002" in r.stdout
     again = json.loads((tmp_path / "convergence.json").read_text())["curves"]
     assert again["steps"] == [1, 2, 3, 4] and again["fp8"]["loss"] == first["fp8"]["loss"]
+    row = json.loads((tmp_path / "convergence.json").read_text())["rows"][0]  # 8 x 2 x 2 windows per step
+    assert row["data_steps_per_epoch"] > 4 and "first_epoch_max_pct" not in row

@@ -106,6 +106,24 @@ def test_loader_ranks_partition_the_global_batch(data):
         assert torch.equal(torch.cat([r0.next()[0], r1.next()[0]]), x)
 
 
+def test_steps_per_epoch(data):
+    """The last step that reads no window twice, for any split of a step over ranks and micro-batches."""
+    for world, accum in ((1, 1), (1, 3), (2, 2)):
+        loaders = [Loader(data, 2, 16, rank=r, world=world, seed=3) for r in range(world)]
+        steps = loaders[0].steps_per_epoch(accum)
+        seen = set()
+        for _ in range(steps * accum):  # every rank's micro-batches of the first `steps` steps
+            for ld in loaders:
+                ids = ld._permutation()[ld.pos + ld.rank * ld.batch: ld.pos + (ld.rank + 1) * ld.batch]
+                ld.next()
+                seen.update(ids.tolist())
+        assert len(seen) == steps * accum * 2 * world and all(ld.epoch == 0 for ld in loaders)
+        for _ in range(accum):  # the step after them starts the next epoch (or crosses into it)
+            for ld in loaders:
+                ld.next()
+        assert loaders[0].epoch == 1
+
+
 def test_loader_resume_exact(data):
     a = Loader(data, 3, 128, seed=1)
     batches(a, 7)

@@ -99,6 +99,21 @@ def planned_steps(run_dir: Path) -> int | None:
     return int(OmegaConf.load(path).train.steps)
 
 
+def steps_per_epoch(overrides: list[str], nproc: int) -> int | None:
+    """Optimizer steps per pass over the runs' training windows (their config, nproc data-parallel
+    processes); None where the data is not here (runs trained on another machine)."""
+    from moefp8.data import Loader
+    from moefp8.hydra_config import compose_config
+
+    try:
+        cfg = compose_config(overrides)
+        t = cfg.train
+        return Loader(cfg.data.path, t.micro_batch, t.seq_len, 0, nproc, t.seed,
+                      cfg.data.val_windows).steps_per_epoch(t.grad_accum)
+    except (OSError, ValueError):
+        return None
+
+
 def run_overrides(name: str, overrides: list[str], fp8_overrides: list[str] = ()) -> list[str]:
     """The overrides of run `name`: "bf16", "fp8", a recipe again with the same seed and data
     ("bf16_again", "fp8_again") or BF16 with the seed after the configured one ("bf16_seed+1":
@@ -119,16 +134,22 @@ def rel_diff(a: dict, b: dict, key: str = "ema") -> tuple[list[int], list[float]
     return steps, [ya[s] / yb[s] - 1 for s in steps]
 
 
-def compare(a: dict, b: dict, threshold: float) -> dict:
+def compare(a: dict, b: dict, threshold: float, epoch: int | None = None) -> dict:
     """Run a against run b: the EMA(0.9) relative training-loss difference over the last half
-    (max |.|, mean, share of steps inside the threshold) and, where both logged it, the relative
-    held-out loss difference at each evaluation in the last half (max |.|, mean)."""
+    (max |.|, mean, share of steps inside the threshold; with `epoch` (steps per pass over the data)
+    inside the last half, also max and mean over its steps before the data repeats) and, where both
+    logged it, the relative held-out loss difference at each evaluation in the last half (max |.|, mean)."""
     steps, rel = rel_diff(a, b)
     if not steps:
         raise SystemExit("convergence: two runs share no step")
-    last = rel[len(rel) // 2:]
+    half = len(rel) // 2
+    last = rel[half:]
     out = {"max_pct": round(100 * max(abs(r) for r in last), 4), "mean_pct": round(100 * sum(last) / len(last), 4),
            "share_within_threshold": round(sum(abs(r) < threshold for r in last) / len(last), 4)}
+    first = [r for s, r in zip(steps[half:], last) if epoch and s <= epoch]
+    if first and len(first) < len(last):
+        out.update(first_epoch_max_pct=round(100 * max(abs(r) for r in first), 4),
+                   first_epoch_mean_pct=round(100 * sum(first) / len(first), 4))
     vs, vr = rel_diff(a, b, "val")
     vr = [r for s, r in zip(vs, vr) if s > steps[-1] / 2]
     if vr:
@@ -290,7 +311,8 @@ def main() -> None:
     # every FP8 run against every BF16 run, and each rerun against its recipe's first run
     pairs = [(a, b) for a in names if recipe_of(a) == "fp8" for b in names if recipe_of(b) == "bf16"]
     pairs += [(a, recipe_of(a)) for a in extra if (a, recipe_of(a)) not in pairs]
-    stats = {pair: compare(curves[pair[0]], curves[pair[1]], args.threshold) for pair in pairs}
+    epoch = steps_per_epoch(overrides, args.nproc)
+    stats = {pair: compare(curves[pair[0]], curves[pair[1]], args.threshold, epoch) for pair in pairs}
     main_pair, noise_name = stats["fp8", "bf16"], NOISE[args.noise_kind] if args.noise_floor else None
     noise = stats[noise_name, "bf16"] if noise_name else None
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
@@ -303,6 +325,8 @@ def main() -> None:
          "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
          "mean_rel_diff_last_half_pct": main_pair["mean_pct"],
          "share_of_last_half_within_threshold": main_pair["share_within_threshold"],
+         "data_steps_per_epoch": epoch,
+         **{k: main_pair[k] for k in ("first_epoch_max_pct", "first_epoch_mean_pct") if k in main_pair},
          "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()},
          "final_expert_load": {r: c["load"] for r, c in curves.items()},
          "noise_floor": noise_name, "noise_floor_pct": noise["max_pct"] if noise else None,
@@ -339,6 +363,10 @@ def main() -> None:
                   "inside": st["share_within_threshold"], "held-out max %": st.get("val_max_pct", "-"),
                   "held-out mean %": st.get("val_mean_pct", "-")} for (a, b), st in stats.items()],
                 ["run", "vs", "EMA train max %", "EMA train mean %", "inside", "held-out max %", "held-out mean %"])
+    if "first_epoch_max_pct" in main_pair:
+        print(f"the data repeats from step {epoch + 1} (an epoch is {epoch} steps): over the last half's steps "
+              f"before it, max |EMA rel. loss diff| {main_pair['first_epoch_max_pct']:.3f}%, mean "
+              f"{main_pair['first_epoch_mean_pct']:+.3f}%")
     verdict = "PASS" if worst < args.threshold else "FAIL"
     print(f"max |EMA rel. loss diff| over the last half: {100 * worst:.3f}% (threshold {100 * args.threshold}%): "
           f"{verdict}; tokens/s fp8 {tps['fp8']:,.0f} vs bf16 {tps['bf16']:,.0f} ({tps['fp8'] / tps['bf16']:.2f}x)")
