@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+from moefp8.data import source_dir
 from moefp8.fp8 import TILE
 
 RECIPES = ("fp8", "bf16")
@@ -285,7 +286,7 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"data.path={data.path!r}: no index.json there and data.prepare_from is empty; "
                              f"run `python -m moefp8.data prepare --src DIR --out {data.path}`")
         for root in [r.strip() for r in src.split(",") if r.strip()]:
-            if root not in ("stdlib", "site-packages") and not os.path.isdir(root):
+            if not source_dir(root).is_dir():
                 raise ValueError(f"data.prepare_from={src!r}: {root!r} is not a directory "
                                  f"(nor 'stdlib' or 'site-packages')")
         _positive("data.max_bytes", data.max_bytes)
