@@ -73,8 +73,10 @@ def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
         if not src_dir.is_dir():
             raise FileNotFoundError(f"data prepare: source folder {src_dir} does not exist")
         skip = {"site-packages", "dist-packages"} if root == "stdlib" else set()  # installed packages are not stdlib
-        found = {p for g in patterns for p in src_dir.rglob(g)
-                 if p.is_file() and not skip & set(p.relative_to(src_dir).parts)}
+        # one walk of the tree for all the patterns (rglob per pattern walked it once each); match()
+        # matches from the right as rglob does, so "sub/*.py" keeps its meaning
+        found = {p for p in src_dir.rglob("*") if any(p.match(g) for g in patterns)
+                 and p.is_file() and not skip & set(p.relative_to(src_dir).parts)}
         files += sorted(found - seen)
         seen |= found
     if not files:
