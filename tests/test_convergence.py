@@ -103,6 +103,17 @@ def test_convergence_tool_cpu(tmp_path):
     again = json.loads((tmp_path / "convergence-reread.json").read_text())
     assert again["plot"] == "convergence-reread.png" and (tmp_path / "convergence-reread.png").is_file()
     assert again["pairs"] == doc["pairs"]  # the same runs read twice give the same statistics
+    # --upto: the runs compared over their first steps only (runs cut short); more than they have is refused
+    r = subprocess.run([*cmd, "--skip-train", "--suffix", "upto", "--upto", "4"], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cut = json.loads((tmp_path / "convergence-upto.json").read_text())
+    assert cut["curves"]["steps"] == [1, 2, 3, 4] and cut["curves"]["fp8"]["loss"] == c["fp8"]["loss"][:4]
+    assert sorted(cut["curves"]["fp8"]["val"]) == ["2", "4"] and "--upto 4" in cut["rows"][0]["case"]
+    want = max(abs(c["fp8"]["ema"][i] / c["bf16"]["ema"][i] - 1) for i in (2, 3))  # last half: steps 3, 4
+    assert cut["rows"][0]["value"] == pytest.approx(100 * want, abs=1e-4)
+    r = subprocess.run([*cmd, "--skip-train", "--upto", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "bf16 at step 6 of 7," in r.stderr and "--upto asks for more steps" in r.stderr, r.stderr
 
 
 @pytest.mark.slow

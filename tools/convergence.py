@@ -36,6 +36,8 @@ checkpoint when it is spent, the tool says which runs are not finished, and the 
 resumes them; the statistics are written once every run has reached train.steps.
     python tools/convergence.py --parallel --nproc 2 experiment=small_gpu_b256 train.time_limit_s=500
                                           # 4 GPUs, 256 x 1024 tokens per step; call again to resume
+Runs cut short for good (their machine lost with its checkpoints) are still compared over the steps
+they share: --skip-train --upto N (the last half is then N/2..N).
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
 Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: outputs/), or under --out.
@@ -87,6 +89,13 @@ def read_losses(run_dir: Path) -> dict:
     return {"steps": steps, "loss": [by_step[s]["loss"] for s in steps],
             "tokens_per_s": [by_step[s]["tokens_per_s"] for s in steps],
             "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
+
+
+def upto(c: dict, step: int) -> dict:
+    """Run curve `c` (read_losses) cut to its steps <= `step`."""
+    keep = [i for i, s in enumerate(c["steps"]) if s <= step]
+    return {**c, "steps": [c["steps"][i] for i in keep], "loss": [c["loss"][i] for i in keep],
+            "tokens_per_s": [c["tokens_per_s"][i] for i in keep], "val": {s: v for s, v in c["val"].items() if s <= step}}
 
 
 def planned_steps(run_dir: Path) -> int | None:
@@ -263,6 +272,8 @@ def main() -> None:
                    "same seed (rerun) or with the next seed (seed)")
     p.add_argument("--runs", default="", help=f"more runs, comma-separated, of {', '.join(EXTRA)}")
     p.add_argument("--train", default="", help="the runs to train in this call, comma-separated (default: all)")
+    p.add_argument("--upto", type=int, default=0, help="statistics over steps 1..UPTO only (the last half: UPTO/2.."
+                   "UPTO): runs that reached UPTO count as finished (runs cut short, e.g. their machine lost)")
     p.add_argument("--fp8-overrides", default="", help="Hydra overrides for the FP8 runs only, space-separated "
                    "(an ablation of the recipe, e.g. 'recipe.fp8_dense=false')")
     args, overrides = p.parse_known_args()
@@ -302,12 +313,13 @@ def main() -> None:
         train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split(), args.nproc)
     curves = {}
     for name, run_dir in run_dirs.items():
-        curves[name] = c = read_losses(run_dir)
+        curves[name] = c = upto(read_losses(run_dir), args.upto) if args.upto else read_losses(run_dir)
         c["ema"] = ema(c["loss"])
     short = [f"{n} at step {c['steps'][-1] if c['steps'] else 0} of {want}" for n, c in curves.items()
-             if (want := planned_steps(run_dirs[n])) and (not c["steps"] or c["steps"][-1] < want)]
+             if (want := args.upto or planned_steps(run_dirs[n])) and (not c["steps"] or c["steps"][-1] < want)]
     if short:  # e.g. stopped by train.time_limit_s: no statistics over part of a run
-        raise SystemExit(f"convergence: runs not finished: {', '.join(short)}; the same command resumes them")
+        raise SystemExit(f"convergence: runs not finished: {', '.join(short)}; "
+                         + ("--upto asks for more steps than they have" if args.upto else "the same command resumes them"))
     # every FP8 run against every BF16 run, and each rerun against its recipe's first run
     pairs = [(a, b) for a in names if recipe_of(a) == "fp8" for b in names if recipe_of(b) == "bf16"]
     pairs += [(a, recipe_of(a)) for a in extra if (a, recipe_of(a)) not in pairs]
@@ -318,6 +330,7 @@ def main() -> None:
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
     worst = main_pair["max_pct"] / 100
     case = f"{' '.join(overrides) or 'defaults'}, {curves['bf16']['steps'][-1]} steps" + (
+        f" (--upto {args.upto}: runs cut there)" if args.upto else "") + (
         f", fp8 runs with {args.fp8_overrides}" if args.fp8_overrides else "")
     rows = [
         {"case": case, "impl": "fp8 vs bf16: max |EMA rel. loss diff|, last half", "value": main_pair["max_pct"],
