@@ -10,7 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-from convergence import RERUN, compare, ema, recipe_means, run_overrides  # noqa: E402
+from convergence import RERUN, compare, ema, grad_spikes, recipe_means, run_overrides, spikes_before  # noqa: E402
 
 
 def test_ema():
@@ -41,6 +41,23 @@ def test_compare_before_the_data_repeats():
     assert got["max_pct"] == pytest.approx(1.0) and got["first_epoch_max_pct"] == pytest.approx(0.2)
     assert got["first_epoch_mean_pct"] == pytest.approx(0.15)
     assert "first_epoch_max_pct" not in compare(a, b, 0.0025, epoch=8) and "first_epoch_max_pct" not in compare(a, b, 0.0025)
+
+
+def test_grad_spikes_and_the_max_they_explain():
+    """A gradient norm over 2.5x the median of the 50 steps before it is a spike; spikes under 10 steps
+    apart are one event (its first step, its largest ratio); a pair's maximum names the spikes of its
+    two runs in the 30 steps up to it. Steps before the 51st are not judged (no window yet)."""
+    g = [1.0] * 200
+    g[10] = 50.0  # inside the first window: not judged
+    g[99], g[102], g[150] = 3.0, 7.0, 2.4  # steps 100 and 103: one event, 7x; step 151 under the factor
+    g[179] = float("nan")  # not a spike
+    run = {"steps": list(range(1, 201)), "grad_norm": g}
+    spikes = grad_spikes(run)
+    assert spikes == [(100, 7.0)]
+    assert spikes_before(120, {"fp8": spikes, "bf16": [(95, 3.1)]}) == ["fp8 100 (7.0x)", "bf16 95 (3.1x)"]
+    assert spikes_before(131, {"fp8": spikes}) == [] and spikes_before(99, {"fp8": spikes}) == []
+    a, b = {"steps": [1, 2, 3, 4], "ema": [1, 1, 1.003, 1.001], "val": {}}, {"steps": [1, 2, 3, 4], "ema": [1] * 4, "val": {}}
+    assert compare(a, b, 0.0025)["max_step"] == 3
 
 
 def test_recipe_means():
@@ -82,6 +99,8 @@ def test_convergence_tool_cpu(tmp_path):
     assert isinstance(gap["pass"], bool) and gap["value"] >= 0 and gap["baseline_value"] == 0.25
     assert gap["noise_floor"] == "bf16_seed+1" and gap["noise_floor_pct"] > 0  # another seed differs from BF16
     assert 0 <= gap["share_of_last_half_within_threshold"] <= 1 and 0 <= gap["noise_floor_share_within_threshold"] <= 1
+    assert 4 <= gap["max_step"] <= 6 and set(gap["grad_norm_spikes"]) == {"bf16", "fp8", "bf16_seed+1", "fp8_again"}
+    assert "grad-norm spikes (> 2.5x" in r.stdout  # 6 steps: shorter than the window, none judged
     assert rows["fp8 tokens/s"]["value"] > 0 and len(doc["curves"]["rel_diff"]) == 6
     vs = gap["fp8_vs_bf16_seed+1"]  # FP8 against the other BF16 run: is it inside BF16's own spread
     c = doc["curves"]

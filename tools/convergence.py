@@ -18,6 +18,10 @@ data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_a
 and further same-seed reruns fp8_again2, bf16_again2, ...) and --train picks which of the runs this
 call trains (the others are read from an earlier call): every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
 
+Each pair's largest difference comes with its step and the gradient-norm spikes (a step's norm over
+2.5x the median of the 50 before it) either run had in the 30 steps up to it: a spike moves one run's
+loss for some steps, in either recipe, and with it the smoothed difference.
+
 Held-out loss: with train.eval_every and data.val_windows among the overrides the runs also log
 the loss on fixed held-out windows (the same for every run), and the same comparison is made on
 it, point by point over the last half (no smoothing: it is an average over the whole held-out set,
@@ -88,14 +92,36 @@ def read_losses(run_dir: Path) -> dict:
     load = {k: by_step[steps[-1]].get(k) for k in ("load_max_over_mean", "experts_empty")} if steps else {}
     return {"steps": steps, "loss": [by_step[s]["loss"] for s in steps],
             "tokens_per_s": [by_step[s]["tokens_per_s"] for s in steps],
+            "grad_norm": [by_step[s].get("grad_norm", float("nan")) for s in steps],
             "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
 
 
 def upto(c: dict, step: int) -> dict:
     """Run curve `c` (read_losses) cut to its steps <= `step`."""
     keep = [i for i, s in enumerate(c["steps"]) if s <= step]
-    return {**c, "steps": [c["steps"][i] for i in keep], "loss": [c["loss"][i] for i in keep],
-            "tokens_per_s": [c["tokens_per_s"][i] for i in keep], "val": {s: v for s, v in c["val"].items() if s <= step}}
+    return {**c, **{k: [c[k][i] for i in keep] for k in ("steps", "loss", "tokens_per_s", "grad_norm")},
+            "val": {s: v for s, v in c["val"].items() if s <= step}}
+
+
+def grad_spikes(c: dict, factor: float = 2.5, window: int = 50, gap: int = 10) -> list[tuple[int, float]]:
+    """A run's gradient-norm spikes: steps whose norm exceeds `factor` x the median of the `window`
+    steps before it (from step `window` + 1 on), spikes less than `gap` steps apart counted as one
+    event; each event as (its first step, its largest ratio). A spike moves the run's loss for some
+    steps, and the smoothed difference to any other run with it."""
+    events, g = [], c["grad_norm"]
+    for i in range(window, len(g)):
+        ratio = g[i] / statistics.median(g[i - window:i])
+        if ratio > factor:  # False for NaN
+            if events and c["steps"][i] - events[-1][2] < gap:
+                events[-1][1], events[-1][2] = max(events[-1][1], ratio), c["steps"][i]
+            else:
+                events.append([c["steps"][i], ratio, c["steps"][i]])
+    return [(s, round(r, 1)) for s, r, _ in events]
+
+
+def spikes_before(step: int, spikes: dict, within: int = 30) -> list[str]:
+    """The runs' gradient-norm spike events at most `within` steps before `step` (and at it): "fp8 1359 (2.5x)"."""
+    return [f"{name} {s} ({r}x)" for name, ev in spikes.items() for s, r in ev if step - within <= s <= step]
 
 
 def planned_steps(run_dir: Path) -> int | None:
@@ -153,7 +179,9 @@ def compare(a: dict, b: dict, threshold: float, epoch: int | None = None) -> dic
         raise SystemExit("convergence: two runs share no step")
     half = len(rel) // 2
     last = rel[half:]
-    out = {"max_pct": round(100 * max(abs(r) for r in last), 4), "mean_pct": round(100 * sum(last) / len(last), 4),
+    at = max(range(len(last)), key=lambda i: abs(last[i]))
+    out = {"max_pct": round(100 * abs(last[at]), 4), "max_step": steps[half + at],
+           "mean_pct": round(100 * sum(last) / len(last), 4),
            "share_within_threshold": round(sum(abs(r) < threshold for r in last) / len(last), 4)}
     first = [r for s, r in zip(steps[half:], last) if epoch and s <= epoch]
     if first and len(first) < len(last):
@@ -325,6 +353,9 @@ def main() -> None:
     pairs += [(a, recipe_of(a)) for a in extra if (a, recipe_of(a)) not in pairs]
     epoch = steps_per_epoch(overrides, args.nproc)
     stats = {pair: compare(curves[pair[0]], curves[pair[1]], args.threshold, epoch) for pair in pairs}
+    spikes = {name: grad_spikes(c) for name, c in curves.items()}
+    for (a, b), st in stats.items():  # was the largest difference a spike in either run?
+        st["spikes_before_max"] = spikes_before(st["max_step"], {a: spikes[a], b: spikes[b]})
     main_pair, noise_name = stats["fp8", "bf16"], NOISE[args.noise_kind] if args.noise_floor else None
     noise = stats[noise_name, "bf16"] if noise_name else None
     tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
@@ -338,6 +369,8 @@ def main() -> None:
          "ratio": round(args.threshold / worst, 3) if worst else None, "pass": worst < args.threshold,
          "mean_rel_diff_last_half_pct": main_pair["mean_pct"],
          "share_of_last_half_within_threshold": main_pair["share_within_threshold"],
+         "max_step": main_pair["max_step"], "grad_norm_spikes_before_max": main_pair["spikes_before_max"],
+         "grad_norm_spikes": spikes,
          "data_steps_per_epoch": epoch,
          **{k: main_pair[k] for k in ("first_epoch_max_pct", "first_epoch_mean_pct") if k in main_pair},
          "final_ema_loss": {r: round(c["ema"][-1], 5) for r, c in curves.items()},
@@ -372,10 +405,15 @@ def main() -> None:
                  curves={"steps": shared, "rel_diff": rel,
                          **{r: {"loss": c["loss"], "ema": c["ema"], "val": {str(k): v for k, v in c["val"].items()}}
                             for r, c in curves.items()}})
-    print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "EMA train mean %": st["mean_pct"],
-                  "inside": st["share_within_threshold"], "held-out max %": st.get("val_max_pct", "-"),
-                  "held-out mean %": st.get("val_mean_pct", "-")} for (a, b), st in stats.items()],
-                ["run", "vs", "EMA train max %", "EMA train mean %", "inside", "held-out max %", "held-out mean %"])
+    print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "at step": st["max_step"],
+                  "grad-norm spike <= 30 steps before": ", ".join(st["spikes_before_max"]) or "-",
+                  "EMA train mean %": st["mean_pct"], "inside": st["share_within_threshold"],
+                  "held-out max %": st.get("val_max_pct", "-"), "held-out mean %": st.get("val_mean_pct", "-")}
+                 for (a, b), st in stats.items()],
+                ["run", "vs", "EMA train max %", "at step", "grad-norm spike <= 30 steps before", "EMA train mean %",
+                 "inside", "held-out max %", "held-out mean %"])
+    print("grad-norm spikes (> 2.5x the median of the 50 steps before; step, ratio): "
+          + "; ".join(f"{n} {', '.join(f'{s} ({r}x)' for s, r in ev) or 'none'}" for n, ev in spikes.items()))
     if "first_epoch_max_pct" in main_pair:
         print(f"the data repeats from step {epoch + 1} (an epoch is {epoch} steps): over the last half's steps "
               f"before it, max |EMA rel. loss diff| {main_pair['first_epoch_max_pct']:.3f}%, mean "
