@@ -8,8 +8,9 @@ Hydra composes `configs/config.yaml` onto the `moefp8.config.Config` schema; the
 converted once into dataclasses (`OmegaConf.to_object`) and checked by `validate`; nothing below
 this file sees Hydra. Everything a run writes lives in its run dir `train.out_dir` (identical on
 every rank, computed from the config): config.yaml, metrics.jsonl (one JSON line per step),
-step_N/ checkpoints + `latest`, wandb/ (offline by default). `train.resume=auto` continues from
-the newest complete checkpoint there.
+starts.jsonl (one line per start: step, date, commit, device, world size, host), step_N/
+checkpoints + `latest`, wandb/ (offline by default). `train.resume=auto` continues from the
+newest complete checkpoint there.
 
 One loop (`train`): per step, grad_accum micro-batches (loss + the routers' balance losses,
 backward), non-finite check, global-norm clipping, AdamW on the fp32 masters, then the routers'
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -47,6 +49,7 @@ from moefp8.hydra_config import CONFIG_DIR, first_line, load_config, register_sc
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.router import load_stats
+from moefp8.testing import git_commit
 
 # Dense BF16 peak of the GPU (SXM), TFLOP/s: MFU is reported against it for both recipes.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0}
@@ -411,6 +414,11 @@ def train(cfg: Config) -> dict:
         tmp = metrics_path.with_name(metrics_path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, metrics_path)
+        with open(run_dir / "starts.jsonl", "a") as f:  # where and from what each start of this run ran
+            now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            f.write(json.dumps({"step": start, "date": now, "commit": git_commit(), "device": gpu, "world": world,
+                                "ep": par.ep_size, "host": socket.gethostname(), "torch": torch.__version__}) + "\n")
     if start >= t.steps:
         console.print(f"{run_dir}: already at step {start} >= train.steps={t.steps}; nothing to do "
                       f"(raise train.steps, or pick a new train.out_dir)")

@@ -107,6 +107,8 @@ def test_convergence_tool_cpu(tmp_path):
     want = max(abs(c["fp8"]["ema"][i] / c["bf16_seed+1"]["ema"][i] - 1) for i in range(3, 6))
     assert vs["max_pct"] == pytest.approx(100 * want, abs=1e-4) and 0 <= vs["share_within_threshold"] <= 1
     assert "fp8 vs bf16_seed+1: max" in r.stdout
+    assert {n: len(v) for n, v in doc["run_starts"].items()} == {"bf16": 1, "fp8": 1, "bf16_seed+1": 1, "fp8_again": 1}
+    assert doc["run_starts"]["fp8_again"][0]["device"] == "cpu" and "fp8_again trained on cpu x1, commit" in r.stdout
     pairs = {(x["run"], x["vs"]): x for x in doc["pairs"]}
     assert set(pairs) == {("fp8", "bf16"), ("fp8", "bf16_seed+1"), ("fp8_again", "bf16"),
                           ("fp8_again", "bf16_seed+1"), ("bf16_seed+1", "bf16"), ("fp8_again", "fp8")}
@@ -160,5 +162,7 @@ def test_convergence_tool_data_parallel_resumes(tmp_path):
     assert "resumed from" in r.stdout and "step_0000002" in r.stdout
     again = json.loads((tmp_path / "convergence.json").read_text())["curves"]
     assert again["steps"] == [1, 2, 3, 4] and again["fp8"]["loss"] == first["fp8"]["loss"]
+    starts = json.loads((tmp_path / "convergence.json").read_text())["run_starts"]  # fp8 started thrice, 2 ranks
+    assert [(s["step"], s["world"]) for s in starts["fp8"]] == [(0, 2), (1, 2), (2, 2)] and len(starts["bf16"]) == 2
     row = json.loads((tmp_path / "convergence.json").read_text())["rows"][0]  # 8 x 2 x 2 windows per step
     assert row["data_steps_per_epoch"] > 4 and "first_epoch_max_pct" not in row

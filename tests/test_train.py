@@ -107,6 +107,9 @@ def test_time_limit_checkpoints_and_the_same_command_resumes(data_dir, tmp_path,
     assert [x["step"] for x in mb] == [1, 2, 3, 4, 5]
     assert [(x["loss"], x["grad_norm"]) for x in ma] == [(x["loss"], x["grad_norm"]) for x in mb]
     assert (b / "latest").read_text().strip() == "step_0000005"
+    starts = [json.loads(line) for line in (b / "starts.jsonl").read_text().splitlines()]  # each start's provenance
+    assert [s["step"] for s in starts] == [0, 1, 2] and {s["device"] for s in starts} == {"cpu"}
+    assert all(s["world"] == 1 and s["commit"] and s["host"] for s in starts)
 
 
 def test_partial_and_corrupt_checkpoints_refused(data_dir, tmp_path):

@@ -96,6 +96,22 @@ def read_losses(run_dir: Path) -> dict:
             "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
 
 
+def read_starts(run_dir: Path) -> list[dict]:
+    """starts.jsonl: one line per start of the run (step, date, commit, device, world, host)."""
+    path = run_dir / "starts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def where(starts: list[dict]) -> str:
+    """A run's starts in one phrase: "NVIDIA H200 x2, commit f2be4e2, 3 starts on 2 hosts"."""
+    if not starts:
+        return "not recorded"
+    kinds = sorted({f"{s['device']} x{s['world']}" for s in starts})
+    commits = sorted({s["commit"] for s in starts})
+    return (f"{' + '.join(kinds)}, commit {' + '.join(commits)}, {len(starts)} start(s) on "
+            f"{len({s['host'] for s in starts})} host(s), {starts[0]['date'][:10]}..{starts[-1]['date'][:10]}")
+
+
 def upto(c: dict, step: int) -> dict:
     """Run curve `c` (read_losses) cut to its steps <= `step`."""
     keep = [i for i, s in enumerate(c["steps"]) if s <= step]
@@ -395,13 +411,15 @@ def main() -> None:
     rows.append({"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
                  "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
                  "ratio": round(tps["fp8"] / tps["bf16"], 3)})
+    starts = {name: read_starts(run_dir) for name, run_dir in run_dirs.items()}
     shared, rel = rel_diff(curves["fp8"], curves["bf16"])
     png = json_path.with_suffix(".png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     plot(png, curves, args.threshold)
     save_results("convergence", rows, {"what": "acceptance threshold on the smoothed relative loss difference",
                                        "value": 100 * args.threshold, "unit": "%"}, path=json_path,
-                 plot=png.name, pairs=[{"run": a, "vs": b, **st} for (a, b), st in stats.items()],
+                 plot=png.name, run_starts=starts,
+                 pairs=[{"run": a, "vs": b, **st} for (a, b), st in stats.items()],
                  curves={"steps": shared, "rel_diff": rel,
                          **{r: {"loss": c["loss"], "ema": c["ema"], "val": {str(k): v for k, v in c["val"].items()}}
                             for r, c in curves.items()}})
@@ -418,6 +436,10 @@ def main() -> None:
         print(f"the data repeats from step {epoch + 1} (an epoch is {epoch} steps): over the last half's steps "
               f"before it, max |EMA rel. loss diff| {main_pair['first_epoch_max_pct']:.3f}%, mean "
               f"{main_pair['first_epoch_mean_pct']:+.3f}%")
+    for name, st in starts.items():  # runs trained in separate calls or sessions may differ here
+        print(f"{name} trained on {where(st)}")
+    if len({tuple(sorted({(s['device'], s['world']) for s in st})) for st in starts.values()}) > 1:
+        print("the runs trained on different GPUs or numbers of processes: their tokens/s do not compare")
     verdict = "PASS" if worst < args.threshold else "FAIL"
     print(f"max |EMA rel. loss diff| over the last half: {100 * worst:.3f}% (threshold {100 * args.threshold}%): "
           f"{verdict}; tokens/s fp8 {tps['fp8']:,.0f} vs bf16 {tps['bf16']:,.0f} ({tps['fp8'] / tps['bf16']:.2f}x)")
