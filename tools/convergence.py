@@ -41,7 +41,11 @@ resumes them; the statistics are written once every run has reached train.steps.
     python tools/convergence.py --parallel --nproc 2 experiment=small_gpu_b256 train.time_limit_s=500
                                           # 4 GPUs, 256 x 1024 tokens per step; call again to resume
 Runs cut short for good (their machine lost with its checkpoints) are still compared over the steps
-they share: --skip-train --upto N (the last half is then N/2..N).
+they share: --skip-train --upto N (the last half is then N/2..N). Runs may also be trained on
+different machines, one at a time (--train bf16 on one, --train fp8 on another, with the finished
+bf16 run dir copied over): each run's starts.jsonl (step, date, commit, GPU, world size, host of
+every start) goes into the JSON as `run_starts` and is printed, with a warning when the runs'
+GPUs or process counts differ (their tokens/s then do not compare).
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
 Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: outputs/), or under --out.
