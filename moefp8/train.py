@@ -437,6 +437,7 @@ def train(cfg: Config) -> dict:
     task = progress.add_task("train", total=t.steps, completed=start, info="")
     began = time.monotonic()  # for train.time_limit_s
     last_saved, m = None, {}
+    span_steps, span_s = 0, 0.0  # training time (no eval, no saves) of the steps since the last console line
     watchdog = StepWatchdog(rank, t.dist_timeout_s, enabled=world > 1)
     with progress, watchdog, open(metrics_path, "a") if is_main else open(os.devnull, "w") as mf:
         for step in range(start, t.steps):
@@ -484,6 +485,7 @@ def train(cfg: Config) -> dict:
                 router.update_bias(load_E)
             dt = time.perf_counter() - t0
             watchdog.beat(dt)
+            span_steps, span_s = span_steps + 1, span_s + dt
             stats = [load_stats(l) for l in load_LE]
             m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
@@ -505,10 +507,14 @@ def train(cfg: Config) -> dict:
             info = f"loss {loss:.4f}{val} lr {lr:.2e} {m['tokens_per_s']:,.0f} tok/s"
             progress.update(task, completed=step + 1, info=info)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
-                mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
+                # throughput of the whole span since the last line, not of this step alone: on the FP8 recipe
+                # the logged step is also the scale-statistics step (train.fp8_stats_every), ~1.3x slower
+                tps = tokens_per_step * span_steps / span_s
+                mfu = f" mfu {fpt * tps / (peak * world):.1%}" if peak else ""
                 console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f}{val} aux {aux:.2e} lr {lr:.2e} "
-                              f"gnorm {gn:.3f} {m['tokens_per_s']:,.0f} tok/s{mfu} "
+                              f"gnorm {gn:.3f} {tps:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
+                span_steps, span_s = 0, 0.0
             stop = step + 1 < t.steps and time_is_up(t.time_limit_s, began, par, device)
             if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps or stop:
                 watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
