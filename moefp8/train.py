@@ -504,7 +504,7 @@ def train(cfg: Config) -> dict:
                 run.log({**m, **{f"load/max_over_mean/layer{i}": s["load_max_over_mean"]
                                  for i, s in enumerate(stats)}}, step=step + 1)
             val = f" val {m['val_loss']:.4f}" if "val_loss" in m else ""
-            info = f"loss {loss:.4f}{val} lr {lr:.2e} {m['tokens_per_s']:,.0f} tok/s"
+            info = f"loss {loss:.4f}{val} lr {lr:.2e} {tokens_per_step * span_steps / span_s:,.0f} tok/s"
             progress.update(task, completed=step + 1, info=info)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
                 # throughput of the whole span since the last line, not of this step alone: on the FP8 recipe
