@@ -378,6 +378,9 @@ def train(cfg: Config) -> dict:
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * world
     fpt, peak = flops_per_token(cfg.model, t.seq_len), peak_flops(cfg, device)
 
+    def mfu_at(tokens_per_s: float) -> float:  # only where peak is known (nonzero)
+        return fpt * tokens_per_s / (peak * world)
+
     def state(step: int) -> dict:  # everything a resume needs; tensors are loaded into in place
         rng = {"cpu": torch.get_rng_state()}  # rank 0's (the ranks share the seed; training draws none)
         if device.type == "cuda":
@@ -493,7 +496,7 @@ def train(cfg: Config) -> dict:
                  "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(device),
                  **SCALE_STATS.report()}  # this rank's FP8 tile scales, on stats steps (train.fp8_stats_every)
             if peak:
-                m["mfu"] = fpt * m["tokens_per_s"] / (peak * world)
+                m["mfu"] = mfu_at(m["tokens_per_s"])
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 watchdog.allow(t.dist_timeout_s)  # not a step: its own collectives, its own time
                 m["val_loss"] = evaluate(model, loader, device, par)
@@ -504,13 +507,13 @@ def train(cfg: Config) -> dict:
                 run.log({**m, **{f"load/max_over_mean/layer{i}": s["load_max_over_mean"]
                                  for i, s in enumerate(stats)}}, step=step + 1)
             val = f" val {m['val_loss']:.4f}" if "val_loss" in m else ""
-            info = f"loss {loss:.4f}{val} lr {lr:.2e} {tokens_per_step * span_steps / span_s:,.0f} tok/s"
+            # throughput of the steps since the last console line, not of this step alone: on the FP8 recipe the
+            # logged step is also the scale-statistics step (train.fp8_stats_every), ~1.3x slower
+            tps = tokens_per_step * span_steps / span_s
+            info = f"loss {loss:.4f}{val} lr {lr:.2e} {tps:,.0f} tok/s"
             progress.update(task, completed=step + 1, info=info)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
-                # throughput of the whole span since the last line, not of this step alone: on the FP8 recipe
-                # the logged step is also the scale-statistics step (train.fp8_stats_every), ~1.3x slower
-                tps = tokens_per_step * span_steps / span_s
-                mfu = f" mfu {fpt * tps / (peak * world):.1%}" if peak else ""
+                mfu = f" mfu {mfu_at(tps):.1%}" if peak else ""
                 console.print(f"step {step + 1:>6}/{t.steps} loss {loss:.4f}{val} aux {aux:.2e} lr {lr:.2e} "
                               f"gnorm {gn:.3f} {tps:,.0f} tok/s{mfu} "
                               f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
