@@ -166,6 +166,15 @@ def git_commit() -> str:
         return "unknown"
 
 
+def boot_id() -> str:
+    """This machine's boot id (Linux; "" elsewhere): tells machines apart where every host has the
+    same name (the lent GPU machines are all "vm"), and a reboot of one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        return ""
+
+
 def results_path(name: str, ep: int | None = None) -> Path:
     """bench/results/<name>-<device>[-ep<N>].json (DESIGN.md §6); CPU runs go to outputs/."""
     dev = device_name().replace(" ", "-")

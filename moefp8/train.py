@@ -8,7 +8,7 @@ Hydra composes `configs/config.yaml` onto the `moefp8.config.Config` schema; the
 converted once into dataclasses (`OmegaConf.to_object`) and checked by `validate`; nothing below
 this file sees Hydra. Everything a run writes lives in its run dir `train.out_dir` (identical on
 every rank, computed from the config): config.yaml, metrics.jsonl (one JSON line per step),
-starts.jsonl (one line per start: step, date, commit, device, world size, host), step_N/
+starts.jsonl (one line per start: step, date, commit, device, world size, host, boot id), step_N/
 checkpoints + `latest`, wandb/ (offline by default). `train.resume=auto` continues from the
 newest complete checkpoint there.
 
@@ -49,7 +49,7 @@ from moefp8.hydra_config import CONFIG_DIR, first_line, load_config, register_sc
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.router import load_stats
-from moefp8.testing import git_commit
+from moefp8.testing import boot_id, git_commit
 
 # Dense BF16 peak of the GPU (SXM), TFLOP/s: MFU is reported against it for both recipes.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0}
@@ -421,7 +421,8 @@ def train(cfg: Config) -> dict:
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             f.write(json.dumps({"step": start, "date": now, "commit": git_commit(), "device": gpu, "world": world,
-                                "ep": par.ep_size, "host": socket.gethostname(), "torch": torch.__version__}) + "\n")
+                                "ep": par.ep_size, "host": socket.gethostname(), "boot": boot_id(),
+                                "torch": torch.__version__}) + "\n")
     if start >= t.steps:
         console.print(f"{run_dir}: already at step {start} >= train.steps={t.steps}; nothing to do "
                       f"(raise train.steps, or pick a new train.out_dir)")

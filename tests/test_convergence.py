@@ -10,7 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-from convergence import RERUN, compare, ema, grad_spikes, recipe_means, run_overrides, spikes_before  # noqa: E402
+from convergence import (RERUN, compare, ema, grad_spikes, recipe_means, run_overrides,  # noqa: E402
+                         spikes_before, where)
 
 
 def test_ema():
@@ -58,6 +59,16 @@ def test_grad_spikes_and_the_max_they_explain():
     assert spikes_before(131, {"fp8": spikes}) == [] and spikes_before(99, {"fp8": spikes}) == []
     a, b = {"steps": [1, 2, 3, 4], "ema": [1, 1, 1.003, 1.001], "val": {}}, {"steps": [1, 2, 3, 4], "ema": [1] * 4, "val": {}}
     assert compare(a, b, 0.0025)["max_step"] == 3
+
+
+def test_where_counts_machines_by_host_and_boot():
+    s = {"step": 0, "date": "2026-11-22T21:00:00+00:00", "commit": "abc", "device": "NVIDIA H200", "world": 2,
+         "host": "vm"}
+    old = [s, {**s, "step": 900}]  # lines written before boot ids were recorded
+    assert where(old).endswith("2 start(s) on 1 machine(s), 2026-11-22..2026-11-22")
+    fresh = [{**s, "boot": "1a2b3c4d"}, {**s, "step": 953, "boot": "5e6f7a8b"}]  # resumed on a new machine named alike
+    assert "on 2 machine(s)" in where(fresh) and "on 1 machine(s)" in where([fresh[0], {**fresh[0], "step": 9}])
+    assert where([]) == "not recorded"
 
 
 def test_recipe_means():

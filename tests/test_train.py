@@ -18,6 +18,7 @@ from moefp8 import checkpoint
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
 from moefp8.hydra_config import compose_config
+from moefp8.testing import boot_id
 from moefp8.train import Diverged, model_state, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,6 +111,7 @@ def test_time_limit_checkpoints_and_the_same_command_resumes(data_dir, tmp_path,
     starts = [json.loads(line) for line in (b / "starts.jsonl").read_text().splitlines()]  # each start's provenance
     assert [s["step"] for s in starts] == [0, 1, 2] and {s["device"] for s in starts} == {"cpu"}
     assert all(s["world"] == 1 and s["commit"] and s["host"] for s in starts)
+    assert {s["boot"] for s in starts} == {boot_id()}  # one machine; its boot id tells it from others named alike
 
 
 def test_console_throughput_is_the_span_since_the_last_line(data_dir, tmp_path, capsys):

@@ -43,7 +43,7 @@ resumes them; the statistics are written once every run has reached train.steps.
 Runs cut short for good (their machine lost with its checkpoints) are still compared over the steps
 they share: --skip-train --upto N (the last half is then N/2..N). Runs may also be trained on
 different machines, one at a time (--train bf16 on one, --train fp8 on another, with the finished
-bf16 run dir copied over): each run's starts.jsonl (step, date, commit, GPU, world size, host of
+bf16 run dir copied over): each run's starts.jsonl (step, date, commit, GPU, world size, host, boot id of
 every start) goes into the JSON as `run_starts` and is printed, with a warning when the runs'
 GPUs or process counts differ (their tokens/s then do not compare).
 
@@ -101,19 +101,21 @@ def read_losses(run_dir: Path) -> dict:
 
 
 def read_starts(run_dir: Path) -> list[dict]:
-    """starts.jsonl: one line per start of the run (step, date, commit, device, world, host)."""
+    """starts.jsonl: one line per start of the run (step, date, commit, device, world, host, boot id)."""
     path = run_dir / "starts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def where(starts: list[dict]) -> str:
-    """A run's starts in one phrase: "NVIDIA H200 x2, commit f2be4e2, 3 starts on 2 hosts"."""
+    """A run's starts in one phrase: "NVIDIA H200 x2, commit f2be4e2, 3 start(s) on 2 machine(s)" (machines told
+    apart by host name and boot id: a resume on a fresh machine of the same name counts as another)."""
     if not starts:
         return "not recorded"
     kinds = sorted({f"{s['device']} x{s['world']}" for s in starts})
     commits = sorted({s["commit"] for s in starts})
     return (f"{' + '.join(kinds)}, commit {' + '.join(commits)}, {len(starts)} start(s) on "
-            f"{len({s['host'] for s in starts})} host(s), {starts[0]['date'][:10]}..{starts[-1]['date'][:10]}")
+            f"{len({(s['host'], s.get('boot', '')) for s in starts})} machine(s), "
+            f"{starts[0]['date'][:10]}..{starts[-1]['date'][:10]}")
 
 
 def upto(c: dict, step: int) -> dict:
