@@ -10,8 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-from convergence import (RERUN, compare, ema, grad_spikes, recipe_means, run_overrides,  # noqa: E402
-                         spikes_before, where)
+from convergence import (RERUN, compare, ema, grad_spikes, mean_run, recipe_means,  # noqa: E402
+                         run_overrides, spikes_before, where)
 
 
 def test_ema():
@@ -87,6 +87,24 @@ def test_recipe_means():
     curves["fp8_again"]["val"] = {2: 1.0}  # no evaluation in the last half: the run is left out
     assert recipe_means(curves)["runs_per_recipe"]["fp8"] == 1
     assert recipe_means({"bf16": run(1, 1, 1, 1), "fp8": {"steps": [1, 2], "val": {}}}) == {}  # no held-out fp8
+
+
+def test_mean_run():
+    """Runs averaged over their common steps (EMA and held-out): an FP8 run outside 0.25% of one BF16 run
+    and inside of the other's can be inside of their mean."""
+    def run(steps, ema, val):
+        return {"steps": steps, "ema": ema, "val": val}
+
+    curves = {"bf16": run([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.004], {2: 2.0, 4: 1.0}),
+              "bf16_again": run([1, 2, 3, 4, 5], [1.0, 1.0, 1.0, 1.0, 9.0], {4: 1.02}),
+              "fp8": run([1, 2, 3, 4], [1.0, 1.0, 1.0, 0.999], {4: 1.01})}
+    m = mean_run(curves, ["bf16", "bf16_again"])
+    assert m["steps"] == [1, 2, 3, 4] and m["ema"] == pytest.approx([1.0, 1.0, 1.0, 1.002]) and m["val"] == {4: 1.01}
+    one = compare(curves["fp8"], curves["bf16"], 0.0025)["max_pct"]
+    assert one == pytest.approx(100 * (1 - 0.999 / 1.004), abs=1e-4)  # 0.498%: outside
+    got = compare(curves["fp8"], m, 0.0025)
+    assert got["max_pct"] == pytest.approx(100 * (1 - 0.999 / 1.002), abs=1e-4)  # 0.299%
+    assert got["max_step"] == 4 and got["val_max_pct"] == 0
 
 
 @pytest.mark.slow

@@ -17,6 +17,8 @@ the smallest perturbation a training run meets; seed: BF16 with the next seed (a
 data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_again, bf16_seed+1,
 and further same-seed reruns fp8_again2, bf16_again2, ...) and --train picks which of the runs this
 call trains (the others are read from an earlier call): every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
+With two or more same-seed BF16 runs the FP8 run is also compared with their mean curve (a row of its
+own; the pass/fail row stays fp8 against the first BF16 run).
 
 Each pair's largest difference comes with its step and the gradient-norm spikes (a step's norm over
 2.5x the median of the 50 before it) either run had in the 30 steps up to it: a spike moves one run's
@@ -266,6 +268,16 @@ def recipe_means(curves: dict) -> dict:
             "last_half_mean": {n: round(v, 6) for n, v in last.items()}}
 
 
+def mean_run(curves: dict, names: list[str]) -> dict:
+    """Several runs averaged over the steps they all have (the smoothed training loss and the held-out
+    loss): the curve that a recipe's same-seed reruns estimate together, to compare a run against."""
+    steps = sorted(set.intersection(*(set(curves[n]["steps"]) for n in names)))
+    at = [dict(zip(curves[n]["steps"], curves[n]["ema"])) for n in names]
+    val = sorted(set.intersection(*(set(curves[n]["val"]) for n in names)))
+    return {"steps": steps, "ema": [sum(e[s] for e in at) / len(at) for s in steps],
+            "val": {s: sum(curves[n]["val"][s] for n in names) / len(names) for s in val}}
+
+
 def plot(path: Path, curves: dict, threshold: float) -> None:
     """Top: each run's training loss (EMA). Middle: each run's EMA relative difference to bf16.
     Bottom: the same for the held-out loss, where logged. One color per run throughout."""
@@ -410,6 +422,14 @@ def main() -> None:
                      "baseline_value": 100 * args.threshold, "ratio": round(args.threshold / v, 3) if v else None,
                      "pass": v < args.threshold, "mean_rel_diff_last_half_pct": main_pair["val_mean_pct"],
                      "points": main_pair["val_points"], "final": main_pair["val_final"]})
+    bf16_runs = [n for n in names if recipe_of(n) == "bf16" and n != NOISE["seed"]]
+    vs_mean = compare(curves["fp8"], mean_run(curves, bf16_runs), args.threshold, epoch) if len(bf16_runs) > 1 else None
+    if vs_mean:  # the BF16 reference as the mean of its same-seed reruns (the JSON's first row: the first BF16 run)
+        rows.append({"case": case, "impl": f"fp8 vs the mean of {len(bf16_runs)} bf16 runs: max |EMA rel. loss diff|, "
+                     "last half", "value": vs_mean["max_pct"], "unit": "%", "baseline": "DeepSeek-V3 acceptance",
+                     "baseline_value": 100 * args.threshold, "pass": vs_mean["max_pct"] / 100 < args.threshold,
+                     "bf16_runs": bf16_runs, **{k: vs_mean[k] for k in ("max_step", "mean_pct",
+                                                "share_within_threshold", "val_max_pct", "val_mean_pct") if k in vs_mean}})
     by_recipe = recipe_means(curves)
     if by_recipe:
         rows.append({"case": case, **by_recipe, "baseline": "DeepSeek-V3 acceptance",
@@ -456,13 +476,17 @@ def main() -> None:
         print(f"held-out loss, last-half mean, {by_recipe['runs_per_recipe']['fp8']} fp8 runs vs "
               f"{by_recipe['runs_per_recipe']['bf16']} bf16 runs: {by_recipe['value']:+.3f}% (the bf16 runs span "
               f"{by_recipe['bf16_spread_pct']:.3f}%, the fp8 runs {by_recipe['fp8_spread_pct']:.3f}%)")
+    if vs_mean:
+        print(f"fp8 vs the mean of the bf16 runs ({', '.join(bf16_runs)}): max {vs_mean['max_pct']:.3f}% at step "
+              f"{vs_mean['max_step']}, mean {vs_mean['mean_pct']:+.3f}%, {vs_mean['share_within_threshold']:.1%} of "
+              f"the last half inside: {'PASS' if vs_mean['max_pct'] / 100 < args.threshold else 'FAIL'}")
     if noise is not None:
         vs = stats["fp8", noise_name]
         print(f"mean EMA rel. loss diff over the last half: fp8 vs bf16 {main_pair['mean_pct']:+.3f}%, "
               f"{noise_name} vs bf16 {noise['mean_pct']:+.3f}%")
         print(f"noise floor ({noise_name} vs bf16), max of the same statistic: {noise['max_pct']:.3f}%")
         print(f"fp8 vs {noise_name}: max {vs['max_pct']:.3f}%, mean {vs['mean_pct']:+.3f}%, "
-              f"{vs['share_within_threshold']:.0%} of the last half inside")
+              f"{vs['share_within_threshold']:.1%} of the last half inside")
     print(f"saved {json_path} and {png}")
 
 
