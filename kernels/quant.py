@@ -15,7 +15,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from torch import Tensor
 
 from moefp8.fp8 import AMAX_MIN, FP8_DTYPE, FP8_MAX, TILE, Fp8Tensor, check_scale_fmt, col_major
@@ -23,10 +22,11 @@ from moefp8.kernels import num_sms, use_triton
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Triton kernels read module globals only as constexprs.
-# The interpreter has no libdevice; there tl.exp is numpy's (precise) exp anyway.
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _AMAX_MIN = tl.constexpr(AMAX_MIN)
+LOG2E = float(torch.tensor(1.4426950408889634, dtype=torch.float32))  # log2(e) rounded to fp32
+_LOG2E = tl.constexpr(LOG2E)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,13 +187,23 @@ def _quant_cols4_store(x0, x1, x2, x3, offs_i, offs_k, m_left, k_left, q_ptr, s_
 
 
 @triton.jit
-def _swiglu(g, u):
-    """silu(g) * u in fp32, written as torch's CUDA silu (x / (1 + exp(-x))), precise exp/div."""
+def _sigmoid_denom(g):
+    """1 + exp(-g), the denominator of sigmoid and silu, as 1 + exp2(g * -log2 e): one MUFU.EX2
+    where libdevice's expf takes ~9 instructions (dequant_swiglu_quant_colwise is issue-bound,
+    bench/notes/quant.md). torch's CUDA exp2 is ex2.approx.f32, so `sigmoid_denom_ref` gives the
+    same bits; the ftz form used here differs from it only where exp2 is subnormal, which the
+    added 1 absorbs (that is why this helper returns 1 + exp(-g), not exp(-g))."""
+    x = g * -_LOG2E
     if _INTERPRET:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)  # expf, as torch's CUDA silu; tl.exp is the ex2.approx path
-    return tl.math.div_rn(g, 1.0 + e) * u
+        return 1.0 + tl.exp2(x)
+    return 1.0 + tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                           is_pure=True, pack=1)
+
+
+@triton.jit
+def _swiglu(g, u):
+    """silu(g) * u in fp32: g / (1 + exp(-g)) (IEEE division) * u, as `swiglu_ref`."""
+    return tl.math.div_rn(g, _sigmoid_denom(g)) * u
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +278,7 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
 
 @triton.jit
 def _colwise_program(pid, num_kb, num_mb, GROUP_K: tl.constexpr):
-    """Program pid of a col-wise words kernel -> (its BLOCK_K column block, its 128-row group).
+    """Program pid of a col-wise words or strips kernel -> (its BLOCK_K column block, its 128-row group).
     Row groups run fastest within bands of GROUP_K column blocks, so that the programs resident
     together read GROUP_K x BLOCK_K-byte runs of each input row and write runs of many 128-row
     groups into each output row (K-fastest order writes 128 bytes per output row: 2-5% slower,
@@ -480,37 +490,81 @@ def _dequant_swiglu_quant_colwise_kernel(h_ptr, hs_ptr, q_ptr, s_ptr, M, I, stri
                        s_ptr + k0 * stride_sk + pid_m * stride_sg, stride_qk, stride_sk, POW2, PACK)
 
 
-@triton.jit(do_not_specialize=["M16", "h_row16", "I16", "o_row16"])
-def _dequant_swiglu_quant_colwise_words_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16, h_row16, I16, stride_sm, stride_sg,
-                                               o_row16, stride_osk, stride_osm, num_kb, num_mb,
-                                               BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, EVEN: tl.constexpr):
-    """The requant words kernel's structure (int32 word loads, 4x4 byte blocks transposed in
-    registers) for dequant_swiglu_quant_colwise: pow2 scales, M % 16 == 0. h_ptr: "1x128" h as
-    int32 words [M, 2I/4] (gate columns, then up); o_ptr: a as int32 words [I, M/4]. I16 = I/16."""
+@triton.jit
+def _strip_groups(T: tl.constexpr):
+    """Row i of a [32, W] word tile of `_dequant_swiglu_quant_colwise_strips_kernel` -> its 4-row group
+    g in the 128-row tile: with T threads along the rows, thread t holds rows i = k T + t (k < R =
+    32 / T), which become the consecutive groups g = t R + k."""
+    i = tl.arange(0, 32)
+    return (i % T) * (32 // T) + i // T
+
+
+@triton.jit(do_not_specialize=["h_ptr", "M16", "h_row16", "I16", "o_row16"])
+def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16, h_row16, I16, stride_sm, stride_sg,
+                                                o_row16, stride_osk, stride_osm, num_kb, num_mb,
+                                                BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, NW: tl.constexpr,
+                                                EVEN: tl.constexpr):
+    """dequant_swiglu_quant_colwise for pow2 scales and M % 16 == 0, each thread owning strips of
+    consecutive rows. h_ptr: "1x128" h as int32 words [M, 2I/4] (gate columns, then up); o_ptr: a
+    as int32 words [I, M/4]. One program per (BLOCK_K columns, 128-row group), in
+    `_colwise_program` order; NW = num_warps; I16 = I/16.
+
+    The tile is read as four word tiles [32, W] per operand (W = BLOCK_K / 4 words; tile j, row i
+    holds memory row 4 g(i) + j). Triton's default layout gives such a tile one word per thread
+    (h_ptr is not specialized on alignment, so the loads are not widened to vectors), the W words
+    of a row on consecutive lanes, the rows on the other lanes and the warps (T threads along the
+    rows), repeated in registers: thread t holds rows i = k T + t, which `_strip_groups` maps to
+    consecutive groups. So a thread holds 4R consecutive rows (R = 32 / T) of 4 columns: it reduces
+    most of each column's amax itself, packs each column's output words in registers and writes its
+    R consecutive words with one vector store, with no layout conversion (the words kernel before
+    it moved 4x4 byte blocks through a transposing store; ~20% more instructions per element,
+    bench/notes/quant.md, session 30)."""
+    W: tl.constexpr = BLOCK_K // 4
+    T: tl.constexpr = (32 // W) * NW
+    R: tl.constexpr = 32 // T
+    tl.static_assert(W <= 32 and T <= 32, "strips kernel: needs BLOCK_K <= 128 and (128 / BLOCK_K) * num_warps <= 32")
     stride_hw = h_row16 * 4
     stride_ow = o_row16 * 4
-    offs_i = tl.arange(0, 32)
-    offs_w = tl.arange(0, BLOCK_K // 4)
-    rows = 4 * offs_i
-    p, ps, po, pso, m_left, n_left = _words_tile(tl.program_id(0), num_kb, num_mb, h_ptr, hs_ptr, o_ptr, os_ptr, M16,
-                                                 stride_hw, stride_sm, stride_sg, stride_ow, stride_osk, stride_osm,
-                                                 rows, offs_w, BLOCK_K, GROUP_K)
-    w0, w1, w2, w3, s0, s1, s2, s3 = _load_words4(p, ps, stride_hw, stride_sm, rows, m_left, EVEN)
-    v0, v1, v2, v3, t0, t1, t2, t3 = _load_words4(p + I16 * 4, ps + (I16 // 8) * stride_sg, stride_hw, stride_sm,
-                                                  rows, m_left, EVEN)  # up: I/4 words, I/128 scales on
-    g00, g01, g02, g03 = _unpack_e4m3x4(w0, s0[:, None])
-    u00, u01, u02, u03 = _unpack_e4m3x4(v0, t0[:, None])
-    g10, g11, g12, g13 = _unpack_e4m3x4(w1, s1[:, None])
-    u10, u11, u12, u13 = _unpack_e4m3x4(v1, t1[:, None])
-    g20, g21, g22, g23 = _unpack_e4m3x4(w2, s2[:, None])
-    u20, u21, u22, u23 = _unpack_e4m3x4(v2, t2[:, None])
-    g30, g31, g32, g33 = _unpack_e4m3x4(w3, s3[:, None])
-    u30, u31, u32, u33 = _unpack_e4m3x4(v3, t3[:, None])
-    _quant_words4_store(_swiglu(g00, u00), _swiglu(g01, u01), _swiglu(g02, u02), _swiglu(g03, u03),
-                        _swiglu(g10, u10), _swiglu(g11, u11), _swiglu(g12, u12), _swiglu(g13, u13),
-                        _swiglu(g20, u20), _swiglu(g21, u21), _swiglu(g22, u22), _swiglu(g23, u23),
-                        _swiglu(g30, u30), _swiglu(g31, u31), _swiglu(g32, u32), _swiglu(g33, u33),
-                        offs_i, offs_w, n_left, po, pso, stride_ow, stride_osk, EVEN)
+    pid_k, pid_m = _colwise_program(tl.program_id(0), num_kb, num_mb, GROUP_K)
+    k0 = pid_k * BLOCK_K
+    m0 = pid_m.to(tl.int64) * 128
+    rows = 4 * _strip_groups(T)
+    offs_w = tl.arange(0, W)
+    p = h_ptr + m0 * stride_hw + k0 // 4 + rows[:, None] * stride_hw + offs_w[None, :]
+    ps = hs_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+    pu, psu = p + I16 * 4, ps + (I16 // 8) * stride_sg  # up: I/4 words and I/128 scale groups on
+    m_left = M16 * 16 - pid_m * 128
+    loads = ()
+    for j in tl.static_range(4):  # every load first (the math after them would delay the later ones)
+        if EVEN:
+            loads = loads + (tl.load(p + j * stride_hw), tl.load(ps + j * stride_sm),
+                             tl.load(pu + j * stride_hw), tl.load(psu + j * stride_sm))
+        else:  # rows past m_left read code 0 with scale 0: a = 0, out of every amax
+            ok = rows + j < m_left
+            loads = loads + (tl.load(p + j * stride_hw, mask=ok[:, None], other=0),
+                             tl.load(ps + j * stride_sm, mask=ok, other=0.0),
+                             tl.load(pu + j * stride_hw, mask=ok[:, None], other=0),
+                             tl.load(psu + j * stride_sm, mask=ok, other=0.0))
+    a = ()  # a[4 j + c] [32, W]: rows 4 g + j, columns 4 w + c
+    for j in tl.static_range(4):
+        g0, g1, g2, g3 = _unpack_e4m3x4(loads[4 * j], loads[4 * j + 1][:, None])
+        u0, u1, u2, u3 = _unpack_e4m3x4(loads[4 * j + 2], loads[4 * j + 3][:, None])
+        a = a + (_swiglu(g0, u0), _swiglu(g1, u1), _swiglu(g2, u2), _swiglu(g3, u3))
+    po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4
+    pso = os_ptr + k0 * stride_osk + pid_m * stride_osm
+    col = 4 * tl.arange(0, W)
+    word = (tl.arange(0, T) * R)[None, :, None] + tl.arange(0, R)[None, None, :]  # [1, T, R]: word g of the group
+    for c in tl.static_range(4):
+        scale, inv = _scale_from_amax(tl.max(_absmax4(a[c], a[4 + c], a[8 + c], a[12 + c]), axis=0), True)
+        inv = inv[None, :]
+        words = _pack_e4m3x4(a[c] * inv, a[4 + c] * inv, a[8 + c] * inv, a[12 + c] * inv)  # [32, W]
+        words = tl.permute(tl.reshape(words, (R, T, W)), (2, 1, 0))  # [W, T, R]: each thread's R words last
+        ptrs = po + ((col + c) * stride_ow)[:, None, None] + word
+        if EVEN:
+            tl.store(ptrs, words)
+        else:
+            tl.store(ptrs, words, mask=word < M16 * 4 - pid_m * 32)
+        tl.store(pso + (col + c) * stride_osk, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,7 +584,8 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and table
     "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
     "swiglu_backward_quant": dict(num_warps=8),  # 128x128 tiles (kernels/swiglu.py)
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
-    "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4, GROUP_K=8),  # words kernel; BLOCK_K <= 128
+    # strips kernel: (32 / (BLOCK_K / 4)) * num_warps <= 32 threads along the rows, BLOCK_K <= 128
+    "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4, GROUP_K=8),
     "dequant_swiglu_quant_colwise_generic": dict(BLOCK_K=32, num_warps=4),  # fp32 scales or M % 16 != 0
 }
 
@@ -550,7 +605,7 @@ def _packs(M: int) -> bool:
 
 
 def _words_ok(data: Tensor, pow2: bool) -> bool:
-    """Whether the col-wise words kernels take this "1x128" input: they multiply by inverse scales
+    """Whether the col-wise words and strips kernels take this "1x128" input: they multiply by inverse scales
     (pow2 only) and read it as int32 words with 16-byte aligned rows (M % 16 == 0 keeps the
     transposed output's rows aligned too)."""
     return (pow2 and data.shape[0] % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0
@@ -766,9 +821,10 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
     if M and _words_ok(data, pow2):
         cfg = LAUNCH["dequant_swiglu_quant_colwise"]
         num_kb, num_mb = I // cfg["BLOCK_K"], triton.cdiv(M, TILE)
-        _dequant_swiglu_quant_colwise_words_kernel[(num_kb * num_mb,)](
+        _dequant_swiglu_quant_colwise_strips_kernel[(num_kb * num_mb,)](
             data.view(torch.int32), sc, q.view(torch.int32), s, M // 16, data.stride(0) // 16, I // 16, sc.stride(0),
-            sc.stride(1), M // 16, s.stride(0), s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)
+            sc.stride(1), M // 16, s.stride(0), s.stride(1), num_kb, num_mb, NW=cfg["num_warps"], EVEN=M % TILE == 0,
+            **cfg)
     elif M:
         cfg = LAUNCH["dequant_swiglu_quant_colwise_generic"]
         grid = (I // cfg["BLOCK_K"], triton.cdiv(M, TILE))
@@ -853,10 +909,15 @@ def quant_rowwise_colwise_ref(x: Tensor, scale_fmt: str = "pow2") -> tuple[Fp8Te
     return r, requant_colwise_ref(r, scale_fmt)
 
 
+def sigmoid_denom_ref(g: Tensor) -> Tensor:
+    """1 + exp(-g) for fp32 g as the kernels' `_sigmoid_denom` computes it (exp2 of g * -log2 e)."""
+    return 1.0 + torch.exp2(g * -LOG2E)
+
+
 def swiglu_ref(h: Tensor) -> Tensor:
     """h [M, 2I] -> silu(h[:, :I]) * h[:, I:] in fp32, as the kernels compute it."""
     g, u = h.float().chunk(2, dim=-1)
-    return g / (1.0 + torch.exp(-g)) * u
+    return g / sigmoid_denom_ref(g) * u
 
 
 def swiglu_quant_ref(h: Tensor, scale_fmt: str = "pow2", *, colmajor_scale: bool = False) -> Fp8Tensor:

@@ -10,8 +10,8 @@ h [M, 2I] = [gate | up]; a = silu(g) * u. With sig = 1 / (1 + exp(-g)):
 
 Each program covers 128 rows x 128 columns of one half (gate or up; one launch for both),
 which is one 1x128 group per row and one 128x1 group per column, so both quantizations finish in
-registers. Math in fp32 with precise exp / IEEE division and no FMA contraction, in the order the
-`_ref` twins use, so GPU results equal the references bit for bit.
+registers. Math in fp32 with exp(-g) as exp2 (`_sigmoid_denom`), IEEE division and no FMA
+contraction, in the order the `_ref` twins use, so GPU results equal the references bit for bit.
 """
 
 import torch
@@ -21,19 +21,14 @@ from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import use_triton
-from moefp8.kernels.quant import (LAUNCH, _INTERPRET, _dequant_rows, _load_rows, _packs, _quant_cols4_store,
-                                  _quant_rows_store, _scales, _swiglu, quant_colwise_ref, quant_rowwise_ref,
-                                  swiglu_ref)
-from triton.language.extra import libdevice
+from moefp8.kernels.quant import (LAUNCH, _dequant_rows, _load_rows, _packs, _quant_cols4_store, _quant_rows_store,
+                                  _scales, _sigmoid_denom, _swiglu, quant_colwise_ref, quant_rowwise_ref,
+                                  sigmoid_denom_ref, swiglu_ref)
 
 
 @triton.jit
 def _sigmoid(g):
-    if _INTERPRET:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
-    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), _sigmoid_denom(g))
 
 
 @triton.jit
@@ -191,7 +186,7 @@ def swiglu_backward_ref(h: Tensor, da: Tensor) -> Tensor:
     """h [M, 2I] fp32, da [M, I] -> dh [M, 2I] fp32."""
     g, u = h.float().chunk(2, dim=-1)
     da = da.float()
-    sig = torch.ones_like(g) / (1.0 + torch.exp(-g))  # a tensor numerator: an IEEE division on CUDA too
+    sig = torch.ones_like(g) / sigmoid_denom_ref(g)  # a tensor numerator: an IEEE division on CUDA too
     dg = da * u * sig * (1.0 + g * (1.0 - sig))
     du = da * (g * sig)
     return torch.cat([dg, du], dim=-1)

@@ -37,8 +37,10 @@ SWEEP = {
     "requant_colwise": [dict(BLOCK_K=k, num_warps=4, GROUP_K=8, STAGES=s, PROGS_PER_SM=p, **r)
                         for k, s, p, r in itertools.product((64, 128), (3, 4, 5), (2, 3), ({}, {"maxnreg": 168}))],
     "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
-    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w, GROUP_K=8)
-                                     for k, w in itertools.product((32, 64, 128), (2, 4, 8))],
+    # strips kernel: (128 / BLOCK_K) * num_warps threads along the rows, at most 32
+    "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w, GROUP_K=g)
+                                     for k, w, g in itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16))
+                                     if 128 // k * w <= 32],
     "rowwise_colwise": [dict(num_warps=w) for w in (4, 8, 16)],
     "swiglu_backward_quant": [dict(num_warps=w) for w in (4, 8, 16)],
 }

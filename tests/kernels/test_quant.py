@@ -134,7 +134,13 @@ def test_swiglu_ref_matches_f64():
     h = make_x(70, 512, torch.bfloat16, seed=3).clamp(-30, 30)
     g, u = h.double().chunk(2, dim=-1)
     a64 = g * torch.sigmoid(g) * u
-    assert torch.allclose(Q.swiglu_ref(h).double(), a64, rtol=1e-6, atol=1e-30)
+    # exp(-g) is exp2(g * -log2 e): rounding the product to fp32 moves the exponent by up to
+    # |g| log2(e) 2^-24, i.e. exp by a relative |g| 2^-24; sigmoid, division and the products add
+    # a few ulps (2^-21 covers them)
+    bound = (g.abs() * 2.0**-24 + 2.0**-21) * a64.abs()
+    err = (Q.swiglu_ref(h).double() - a64).abs()
+    assert (err <= bound).all(), f"worst {(err / bound).max().item():.2f}x the bound"
+    assert (err > bound / 64).any()  # the bound is not vacuous
     q = Q.swiglu_quant_ref(h)
     check_against_f64(q, Q.swiglu_ref(h), "pow2")
 
@@ -337,8 +343,8 @@ def test_triton_interpreter_requant_colwise_paths(monkeypatch, M, fmt, kernel):
                        Q.requant_colwise_ref(y8, fmt).data.view(torch.uint8))
 
 
-# dequant_swiglu_quant_colwise has the same two kernels (words: pow2, M % 16 == 0)
-DEQUANT_SWIGLU_CASES = [(256, "pow2", "words"), (144, "pow2", "words"), (200, "pow2", "generic"),
+# dequant_swiglu_quant_colwise has two kernels too: strips (pow2, M % 16 == 0) and the generic one
+DEQUANT_SWIGLU_CASES = [(256, "pow2", "strips"), (144, "pow2", "strips"), (200, "pow2", "generic"),
                         (272, "fp32", "generic")]
 
 
@@ -346,13 +352,25 @@ DEQUANT_SWIGLU_CASES = [(256, "pow2", "words"), (144, "pow2", "words"), (200, "p
 @pytest.mark.parametrize("M,fmt,kernel", DEQUANT_SWIGLU_CASES)
 def test_triton_interpreter_dequant_swiglu_paths(monkeypatch, M, fmt, kernel):
     calls = []
-    for name, tag in (("_dequant_swiglu_quant_colwise_words_kernel", "words"),
+    for name, tag in (("_dequant_swiglu_quant_colwise_strips_kernel", "strips"),
                       ("_dequant_swiglu_quant_colwise_kernel", "generic")):
         monkeypatch.setattr(Q, name, _LaunchSpy(getattr(Q, name), tag, calls))
     inp = Q.quant_rowwise_ref(make_x(M, 512, torch.bfloat16, seed=M).clamp(-60, 60))
     got = Q.dequant_swiglu_quant_colwise(inp, fmt, impl="triton")
     assert calls == [kernel]
     assert_fp8_equal(got, Q.dequant_swiglu_quant_colwise_ref(inp, fmt), exact=False)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("block_k,num_warps", [(16, 1), (32, 4), (64, 8), (128, 1)])
+def test_triton_interpreter_dequant_swiglu_strips_configs(monkeypatch, block_k, num_warps):
+    # The strips kernel maps its tile rows to 4-row groups by the threads along the rows, T =
+    # (32 / (BLOCK_K / 4)) * num_warps (R = 32 / T groups each: 4, 2, 1, 1 here): a wrong map
+    # stores a group's words at another group's place. 272 rows: a partial last 128-row group.
+    monkeypatch.setitem(Q.LAUNCH, "dequant_swiglu_quant_colwise", dict(BLOCK_K=block_k, num_warps=num_warps, GROUP_K=8))
+    inp = Q.quant_rowwise_ref(make_x(272, 512, torch.bfloat16, seed=block_k).clamp(-60, 60))
+    assert_fp8_equal(Q.dequant_swiglu_quant_colwise(inp, impl="triton"), Q.dequant_swiglu_quant_colwise_ref(inp),
+                     exact=False)
 
 
 @pytest.mark.interp
