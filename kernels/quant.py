@@ -499,7 +499,7 @@ def _strip_groups(T: tl.constexpr):
     return (i % T) * (32 // T) + i // T
 
 
-@triton.jit(do_not_specialize=["h_ptr", "M16", "h_row16", "I16", "o_row16"])
+@triton.jit(do_not_specialize=["M16", "h_row16", "I16", "o_row16"], do_not_specialize_on_alignment=["h_ptr"])
 def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M16, h_row16, I16, stride_sm, stride_sg,
                                                 o_row16, stride_osk, stride_osm, num_kb, num_mb,
                                                 BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, NW: tl.constexpr,
@@ -511,7 +511,7 @@ def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M1
 
     The tile is read as four word tiles [32, W] per operand (W = BLOCK_K / 4 words; tile j, row i
     holds memory row 4 g(i) + j). Triton's default layout gives such a tile one word per thread
-    (h_ptr is not specialized on alignment, so the loads are not widened to vectors), the W words
+    (h_ptr is not specialized on its 16-byte alignment, so the loads are not widened to vectors), the W words
     of a row on consecutive lanes, the rows on the other lanes and the warps (T threads along the
     rows), repeated in registers: thread t holds rows i = k T + t, which `_strip_groups` maps to
     consecutive groups. So a thread holds 4R consecutive rows (R = 32 / T) of 4 columns: it reduces
