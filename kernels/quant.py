@@ -439,9 +439,10 @@ def _quant_rowwise_colwise_kernel(x_ptr, q_ptr, s_ptr, c_ptr, cs_ptr, M, K, stri
 
 @triton.jit
 def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, M, I, stride_hm, stride_qm, stride_sm, stride_sg,
-                         stride_hqm, stride_hsm, POW2: tl.constexpr, BLOCK_M: tl.constexpr, STORE_H: tl.constexpr):
-    """a = silu(gate) * up quantized "1x128"; STORE_H: h itself too ("1x128", row-major scales:
-    quant_rowwise(h) from the same loads)."""
+                         stride_hqm, stride_hsm, stride_hsg, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                         STORE_H: tl.constexpr):
+    """a = silu(gate) * up quantized "1x128"; STORE_H: h itself too ("1x128": quant_rowwise(h)
+    from the same loads)."""
     pid_g = tl.program_id(0)
     m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -453,9 +454,10 @@ def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, M, I, stride_hm, s
     u = tl.load(ptrs + I, mask=mask, other=0.0).to(tl.float32)
     if STORE_H:
         hq = hq_ptr + m0 * stride_hqm + pid_g * 128
-        hs = hs_ptr + m0 * stride_hsm + pid_g
+        hs = hs_ptr + m0 * stride_hsm + pid_g * stride_hsg
         _quant_rows_store(g, offs_m, offs_k, m_left, hq, hs, stride_hqm, stride_hsm, POW2)
-        _quant_rows_store(u, offs_m, offs_k, m_left, hq + I, hs + I // 128, stride_hqm, stride_hsm, POW2)
+        _quant_rows_store(u, offs_m, offs_k, m_left, hq + I, hs + (I // 128) * stride_hsg, stride_hqm, stride_hsm,
+                          POW2)
     _quant_rows_store(_swiglu(g, u), offs_m, offs_k, m_left, q_ptr + m0 * stride_qm + pid_g * 128,
                       s_ptr + m0 * stride_sm + pid_g * stride_sg, stride_qm, stride_sm, POW2)
 
@@ -779,13 +781,16 @@ def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
 def swiglu_quant_cache(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
                        colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
     """The expert MLP's forward in one pass over h [M, 2I]: (h8 = quant_rowwise(h), the cache
-    backward recomputes SwiGLU from; a8 = swiglu_quant(h, colmajor_scale=...), fc2's input)."""
+    backward recomputes SwiGLU from; a8 = swiglu_quant(h), fc2's input), both with column-major
+    scales if asked (h8's are read by the col-wise dequant_swiglu_quant_colwise: 128 consecutive
+    rows' scales in one run instead of one sector each, bench/notes/quant.md, session 30)."""
     _check_input("swiglu_quant_cache", h)
     if h.dim() != 2 or h.shape[1] % (2 * TILE):
         raise ValueError(f"swiglu_quant_cache: expected h [M, 2I] with I % {TILE} == 0, got shape {tuple(h.shape)}")
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(h, impl):
-        return quant_rowwise_ref(h, scale_fmt), swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale)
+        return (quant_rowwise_ref(h, scale_fmt, colmajor_scale=colmajor_scale),
+                swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale))
     return _swiglu_quant(h, pow2, colmajor_scale, store_h=True)
 
 
@@ -796,12 +801,12 @@ def _swiglu_quant(h: Tensor, pow2: bool, colmajor_scale: bool, store_h: bool) ->
     q = torch.empty(M, I, dtype=FP8_DTYPE, device=h.device)
     s = _scales(M, I // TILE, h.device, colmajor_scale)
     hq = torch.empty(M, 2 * I, dtype=FP8_DTYPE, device=h.device) if store_h else q
-    hs = torch.empty(M, 2 * I // TILE, dtype=torch.float32, device=h.device) if store_h else s
+    hs = _scales(M, 2 * I // TILE, h.device, colmajor_scale) if store_h else s
     if M:
         cfg = LAUNCH["swiglu_quant"]
         grid = (I // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
         _swiglu_quant_kernel[grid](h, q, s, hq, hs, M, I, h.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                   hq.stride(0), hs.stride(0), POW2=pow2, STORE_H=store_h, **cfg)
+                                   hq.stride(0), hs.stride(0), hs.stride(1), POW2=pow2, STORE_H=store_h, **cfg)
     return (Fp8Tensor(hq, hs, "1x128") if store_h else None), Fp8Tensor(q, s, "1x128")
 
 

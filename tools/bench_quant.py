@@ -59,7 +59,9 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
     """name -> (input, triton fn, reference fn, bytes read + written)."""
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     x8 = Q.quant_rowwise_ref(x)
-    # requant_colwise's input as the MoE backward gives it: permute_fp8(..., colmajor_scale=True)
+    # the col-wise kernels' input as the MoE backward gives it, with column-major scales:
+    # requant_colwise's from permute_fp8(..., colmajor_scale=True), the SwiGLU backward's (h8)
+    # from swiglu_quant_cache(..., colmajor_scale=True)
     x8c = Fp8Tensor(x8.data, col_major(x8.scale), "1x128")
     w = torch.randn(*w_shape, device=dev, dtype=torch.float32) * 0.02  # fp32 master weights
     out_row = M * K + M * (K // 128) * 4
@@ -73,13 +75,13 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
         "weight": (w, Q.quant_weight, Q.quant_weight_ref, nbytes(w) + w.numel() + w.numel() // 128**2 * 4),
         "requant_colwise": (x8c, Q.requant_colwise, Q.requant_colwise_ref, fp8_bytes(x8) + out_col),
         "swiglu_quant": (x, Q.swiglu_quant, Q.swiglu_quant_ref, nbytes(x) + half_row),
-        "dequant_swiglu_quant_colwise": (x8, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
+        "dequant_swiglu_quant_colwise": (x8c, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
                                          fp8_bytes(x8) + half_col),
         "rowwise_colwise": (x, Q.quant_rowwise_colwise, Q.quant_rowwise_colwise_ref, nbytes(x) + out_row + out_col),
         "swiglu_quant_cache": (x, lambda h, f="pow2": Q.swiglu_quant_cache(h, f, colmajor_scale=True),
                                lambda h, f="pow2": Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
                                nbytes(x) + out_row + half_row),
-        "swiglu_backward_quant": ((x8, da), lambda i, f="pow2": S.swiglu_backward_quant(*i, f),
+        "swiglu_backward_quant": ((x8c, da), lambda i, f="pow2": S.swiglu_backward_quant(*i, f),
                                   lambda i, f="pow2": S.swiglu_backward_quant(*i, f, "ref"),
                                   fp8_bytes(x8) + nbytes(da) + out_row + out_col),
     }

@@ -414,21 +414,23 @@ def test_triton_interpreter_rowwise_colwise(fmt, M, K):
     check_rowwise_colwise(x, fmt, exact=False)
 
 
-def check_swiglu_quant_cache(h: torch.Tensor, fmt: str, exact: bool) -> None:
-    """swiglu_quant_cache = (quant_rowwise(h), swiglu_quant(h, colmajor_scale=True)) in one kernel."""
-    h8, a8 = Q.swiglu_quant_cache(h, fmt, impl="triton", colmajor_scale=True)
-    assert_fp8_equal(h8, Q.quant_rowwise(h, fmt, impl="triton"), exact=True)
-    assert_fp8_equal(a8, Q.swiglu_quant(h, fmt, impl="triton", colmajor_scale=True), exact=True)
-    assert_fp8_equal(h8, Q.quant_rowwise_ref(h, fmt), exact=exact)
-    assert_fp8_equal(a8, Q.swiglu_quant_ref(h, fmt, colmajor_scale=True), exact=exact,
-                     scale_rtol=0.0 if exact or fmt == "pow2" else 1e-6)  # numpy's exp vs torch's
+def check_swiglu_quant_cache(h: torch.Tensor, fmt: str, exact: bool, colmajor: bool = True) -> None:
+    """swiglu_quant_cache = (quant_rowwise(h), swiglu_quant(h)) in one kernel, both with the scale
+    order asked for."""
+    h8, a8 = Q.swiglu_quant_cache(h, fmt, impl="triton", colmajor_scale=colmajor)
+    assert_fp8_equal(h8, Q.quant_rowwise(h, fmt, impl="triton", colmajor_scale=colmajor), exact=True)
+    assert_fp8_equal(a8, Q.swiglu_quant(h, fmt, impl="triton", colmajor_scale=colmajor), exact=True)
+    assert_fp8_equal(h8, Q.quant_rowwise_ref(h, fmt, colmajor_scale=colmajor), exact=exact)
+    assert_fp8_equal(a8, Q.swiglu_quant_ref(h, fmt, colmajor_scale=colmajor), exact=exact,
+                     scale_rtol=0.0 if exact or fmt == "pow2" else 1e-6)  # numpy's exp2 vs torch's
 
 
 @pytest.mark.interp
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("M,I", [(1, 128), (200, 256), (9, 128)])
-def test_triton_interpreter_swiglu_quant_cache(fmt, M, I):
-    check_swiglu_quant_cache(make_x(M, 2 * I, torch.bfloat16, seed=M + I).clamp(-60, 60), fmt, exact=False)
+@pytest.mark.parametrize("M,I,colmajor", [(1, 128, True), (200, 256, True), (9, 128, True), (200, 256, False)])
+def test_triton_interpreter_swiglu_quant_cache(fmt, M, I, colmajor):
+    check_swiglu_quant_cache(make_x(M, 2 * I, torch.bfloat16, seed=M + I).clamp(-60, 60), fmt, exact=False,
+                             colmajor=colmajor)
 
 
 def test_fused_pairs_ref_and_errors():
@@ -557,7 +559,9 @@ def test_triton_gpu_fused_pairs_bit_exact(fmt, M, K):
     z = requant_nonfinite_input(200, "cuda").dequantize()  # NaN and Inf inputs: as the two kernels
     check_rowwise_colwise(z, fmt, exact=True)
     if K % 256 == 0:
-        check_swiglu_quant_cache(make_x(M, K, torch.bfloat16, seed=M, device="cuda").clamp(-60, 60), fmt, exact=True)
+        h = make_x(M, K, torch.bfloat16, seed=M, device="cuda").clamp(-60, 60)
+        check_swiglu_quant_cache(h, fmt, exact=True)
+        check_swiglu_quant_cache(h, fmt, exact=True, colmajor=False)
 
 
 @pytest.mark.gpu
