@@ -586,7 +586,8 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and table
     "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
     "swiglu_backward_quant": dict(num_warps=8),  # 128x128 tiles (kernels/swiglu.py)
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
-    # strips kernel: (32 / (BLOCK_K / 4)) * num_warps <= 32 threads along the rows, BLOCK_K <= 128
+    # strips kernel: (32 / (BLOCK_K / 4)) * num_warps <= 32 threads along the rows, BLOCK_K <= 128;
+    # 32 / 4 the fastest of seven configs on an H100 (bench/notes/quant.md, session 30)
     "dequant_swiglu_quant_colwise": dict(BLOCK_K=32, num_warps=4, GROUP_K=8),
     "dequant_swiglu_quant_colwise_generic": dict(BLOCK_K=32, num_warps=4),  # fp32 scales or M % 16 != 0
 }
