@@ -536,21 +536,13 @@ def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M1
     ps = hs_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
     pu, psu = p + I16 * 4, ps + (I16 // 8) * stride_sg  # up: I/4 words and I/128 scale groups on
     m_left = M16 * 16 - pid_m * 128
-    loads = ()
-    for j in tl.static_range(4):  # every load first (the math after them would delay the later ones)
-        if EVEN:
-            loads = loads + (tl.load(p + j * stride_hw), tl.load(ps + j * stride_sm),
-                             tl.load(pu + j * stride_hw), tl.load(psu + j * stride_sm))
-        else:  # rows past m_left read code 0 with scale 0: a = 0, out of every amax
-            ok = rows + j < m_left
-            loads = loads + (tl.load(p + j * stride_hw, mask=ok[:, None], other=0),
-                             tl.load(ps + j * stride_sm, mask=ok, other=0.0),
-                             tl.load(pu + j * stride_hw, mask=ok[:, None], other=0),
-                             tl.load(psu + j * stride_sm, mask=ok, other=0.0))
+    # every load first (the math after them would delay the later ones)
+    gate = _load_words4(p, ps, stride_hw, stride_sm, rows, m_left, EVEN)  # 4 word tiles, then their 4 scales
+    up = _load_words4(pu, psu, stride_hw, stride_sm, rows, m_left, EVEN)
     a = ()  # a[4 j + c] [32, W]: rows 4 g + j, columns 4 w + c
     for j in tl.static_range(4):
-        g0, g1, g2, g3 = _unpack_e4m3x4(loads[4 * j], loads[4 * j + 1][:, None])
-        u0, u1, u2, u3 = _unpack_e4m3x4(loads[4 * j + 2], loads[4 * j + 3][:, None])
+        g0, g1, g2, g3 = _unpack_e4m3x4(gate[j], gate[4 + j][:, None])
+        u0, u1, u2, u3 = _unpack_e4m3x4(up[j], up[4 + j][:, None])
         a = a + (_swiglu(g0, u0), _swiglu(g1, u1), _swiglu(g2, u2), _swiglu(g3, u3))
     po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4
     pso = os_ptr + k0 * stride_osk + pid_m * stride_osm
