@@ -527,15 +527,11 @@ def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M1
     tl.static_assert(W <= 32 and T <= 32, "strips kernel: needs BLOCK_K <= 128 and (128 / BLOCK_K) * num_warps <= 32")
     stride_hw = h_row16 * 4
     stride_ow = o_row16 * 4
-    pid_k, pid_m = _colwise_program(tl.program_id(0), num_kb, num_mb, GROUP_K)
-    k0 = pid_k * BLOCK_K
-    m0 = pid_m.to(tl.int64) * 128
     rows = 4 * _strip_groups(T)
-    offs_w = tl.arange(0, W)
-    p = h_ptr + m0 * stride_hw + k0 // 4 + rows[:, None] * stride_hw + offs_w[None, :]
-    ps = hs_ptr + m0 * stride_sm + (k0 // 128) * stride_sg + rows * stride_sm
+    p, ps, po, pso, m_left, n_left = _words_tile(tl.program_id(0), num_kb, num_mb, h_ptr, hs_ptr, o_ptr, os_ptr, M16,
+                                                 stride_hw, stride_sm, stride_sg, stride_ow, stride_osk, stride_osm,
+                                                 rows, tl.arange(0, W), BLOCK_K, GROUP_K)
     pu, psu = p + I16 * 4, ps + (I16 // 8) * stride_sg  # up: I/4 words and I/128 scale groups on
-    m_left = M16 * 16 - pid_m * 128
     # every load first (the math after them would delay the later ones)
     gate = _load_words4(p, ps, stride_hw, stride_sm, rows, m_left, EVEN)  # 4 word tiles, then their 4 scales
     up = _load_words4(pu, psu, stride_hw, stride_sm, rows, m_left, EVEN)
@@ -544,8 +540,6 @@ def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M1
         g0, g1, g2, g3 = _unpack_e4m3x4(gate[j], gate[4 + j][:, None])
         u0, u1, u2, u3 = _unpack_e4m3x4(up[j], up[4 + j][:, None])
         a = a + (_swiglu(g0, u0), _swiglu(g1, u1), _swiglu(g2, u2), _swiglu(g3, u3))
-    po = o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4
-    pso = os_ptr + k0 * stride_osk + pid_m * stride_osm
     col = 4 * tl.arange(0, W)
     word = (tl.arange(0, T) * R)[None, :, None] + tl.arange(0, R)[None, None, :]  # [1, T, R]: word g of the group
     for c in tl.static_range(4):
@@ -557,7 +551,7 @@ def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M1
         if EVEN:
             tl.store(ptrs, words)
         else:
-            tl.store(ptrs, words, mask=word < M16 * 4 - pid_m * 32)
+            tl.store(ptrs, words, mask=word < n_left)
         tl.store(pso + (col + c) * stride_osk, scale)
 
 

@@ -164,6 +164,46 @@ def test_convergence_tool_cpu(tmp_path):
     assert cut["rows"][0]["value"] == pytest.approx(100 * want, abs=1e-4)
     r = subprocess.run([*cmd, "--skip-train", "--upto", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "bf16 at step 6 of 7," in r.stderr and "--upto asks for more steps" in r.stderr, r.stderr
+    # --earlier: runs whose folders are gone (their machine lost) read back from a result JSON give the same statistics
+    shutil.move(tmp_path / "runs" / "bf16", tmp_path / "bf16_gone")
+    shutil.move(tmp_path / "runs" / "fp8", tmp_path / "fp8_gone")
+    r = subprocess.run([*cmd, "--skip-train", "--suffix", "earlier"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "no metrics in" in r.stderr
+    r = subprocess.run([*cmd, "--skip-train", "--suffix", "earlier", "--earlier", str(tmp_path / "convergence.json")],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    back = json.loads((tmp_path / "convergence-earlier.json").read_text())
+    assert back["earlier"]["runs"] == ["bf16", "fp8"] and "bf16, fp8 read from" in r.stdout
+    assert back["pairs"] == doc["pairs"] and back["run_starts"] == doc["run_starts"]
+    assert [{k: v for k, v in row.items() if k != "case"} for row in back["rows"]] == [
+        {k: v for k, v in row.items() if k != "case"} for row in doc["rows"]]
+    # a JSON from before 2026-11-23 (no step lists, gradient norms or tokens/s per run) still reads
+    old = json.loads((tmp_path / "convergence.json").read_text())
+    for name in ("bf16", "fp8", "bf16_seed+1", "fp8_again"):
+        for key in ("steps", "grad_norm", "tokens_per_s"):
+            old["curves"][name].pop(key)
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    r = subprocess.run([*cmd, "--skip-train", "--suffix", "old", "--earlier", str(tmp_path / "old.json")],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    back = json.loads((tmp_path / "convergence-old.json").read_text())
+    assert back["pairs"] == doc["pairs"] and back["rows"][0]["grad_norm_spikes"] == doc["rows"][0]["grad_norm_spikes"]
+    assert back["rows"][-1]["ratio"] == doc["rows"][-1]["ratio"]  # fp8 / bf16 tokens/s from the old JSON's row
+    # one more same-seed BF16 run trained beside the runs read back: FP8 (each run, and the mean of both) against
+    # the mean of the BF16 runs
+    r = subprocess.run([*cmd, "--runs", "fp8_again,bf16_again", "--train", "bf16_again", "--suffix", "means",
+                        "--earlier", str(tmp_path / "convergence.json")], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    means = json.loads((tmp_path / "convergence-means.json").read_text())
+    rows = {row["impl"]: row for row in means["rows"]}
+    both = rows["the mean of 2 fp8 runs vs the mean of 2 bf16 runs: max |EMA rel. loss diff|, last half"]
+    c = means["curves"]
+    m8, m16 = ([(c[a]["ema"][i] + c[b]["ema"][i]) / 2 for i in range(6)] for a, b in (("fp8", "fp8_again"),
+                                                                                       ("bf16", "bf16_again")))
+    assert both["fp8_runs"] == ["fp8", "fp8_again"] and both["bf16_runs"] == ["bf16", "bf16_again"]
+    assert both["value"] == pytest.approx(100 * max(abs(m8[i] / m16[i] - 1) for i in range(3, 6)), abs=1e-4)
+    assert "fp8 vs the mean of 2 bf16 runs: max |EMA rel. loss diff|, last half" in rows
 
 
 @pytest.mark.slow

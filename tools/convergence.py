@@ -47,7 +47,12 @@ they share: --skip-train --upto N (the last half is then N/2..N). Runs may also 
 different machines, one at a time (--train bf16 on one, --train fp8 on another, with the finished
 bf16 run dir copied over): each run's starts.jsonl (step, date, commit, GPU, world size, host, boot id of
 every start) goes into the JSON as `run_starts` and is printed, with a warning when the runs'
-GPUs or process counts differ (their tokens/s then do not compare).
+GPUs or process counts differ (their tokens/s then do not compare). Runs whose folders are gone with
+their machine are read back from the result JSON of an earlier call (--earlier PATH: each run's losses,
+held-out losses, gradient norms and tokens/s), so a later call can add runs to them:
+    python tools/convergence.py --nproc 2 --noise-floor --runs fp8_again --train fp8_again \
+        --earlier bench/results/convergence-NVIDIA-H200-b256-sources.json experiment=small_gpu_b256 ...
+With two or more same-seed runs of each recipe, the mean FP8 curve is also compared with the mean BF16 curve.
 
 Every argument that is not an option of this tool is a Hydra override given to both runs.
 Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: outputs/), or under --out.
@@ -100,6 +105,38 @@ def read_losses(run_dir: Path) -> dict:
             "tokens_per_s": [by_step[s]["tokens_per_s"] for s in steps],
             "grad_norm": [by_step[s].get("grad_norm", float("nan")) for s in steps],
             "val": {s: by_step[s]["val_loss"] for s in steps if "val_loss" in by_step[s]}, "load": load}
+
+
+def read_earlier(path: Path) -> dict[str, dict]:
+    """An earlier call's result JSON -> its runs as `read_losses` gives them (plus their starts), for runs
+    whose folders are gone with their machine: per-step training losses and held-out losses, and the
+    gradient norms and median tokens/s where the JSON kept them (this tool's JSONs do from 2026-11-23 on).
+    Older JSONs kept neither: their gradient-norm spike events and their fp8 / bf16 tokens/s medians
+    are taken instead (the other runs' tokens/s are then unknown: NaN)."""
+    if not path.is_file():
+        raise SystemExit(f"convergence: --earlier {path}: no such file")
+    doc = json.loads(path.read_text())
+    curves, first = doc["curves"], doc["rows"][0]
+    tps_row = next((r for r in doc["rows"] if r["impl"] == "fp8 tokens/s"), {})
+    old_tps = {"fp8": tps_row.get("value"), "bf16": tps_row.get("baseline_value")}
+    runs = {}
+    for name, c in curves.items():
+        if not isinstance(c, dict):
+            continue  # "steps", "rel_diff": the shared steps and fp8 vs bf16
+        steps = c.get("steps", curves["steps"])
+        if len(steps) != len(c["loss"]):
+            raise SystemExit(f"convergence: --earlier {path}: run {name} has {len(c['loss'])} losses for "
+                             f"{len(steps)} steps (a JSON of runs cut to different lengths keeps no step list)")
+        n = len(steps)
+        run = {"steps": steps, "loss": c["loss"], "val": {int(s): v for s, v in c["val"].items()},
+               "grad_norm": c.get("grad_norm", [float("nan")] * n), "tokens_per_s": [float("nan")] * n,
+               "tps": c.get("tokens_per_s", old_tps.get(name)) or float("nan"),
+               "load": first.get("final_expert_load", {}).get(name, {}),
+               "starts": doc.get("run_starts", {}).get(name, [])}
+        if "grad_norm" not in c:
+            run["spikes"] = [tuple(e) for e in first.get("grad_norm_spikes", {}).get(name, [])]
+        runs[name] = run
+    return runs
 
 
 def read_starts(run_dir: Path) -> list[dict]:
@@ -336,6 +373,8 @@ def main() -> None:
     p.add_argument("--train", default="", help="the runs to train in this call, comma-separated (default: all)")
     p.add_argument("--upto", type=int, default=0, help="statistics over steps 1..UPTO only (the last half: UPTO/2.."
                    "UPTO): runs that reached UPTO count as finished (runs cut short, e.g. their machine lost)")
+    p.add_argument("--earlier", default=None, help="a result JSON of an earlier call: runs whose folders hold no "
+                   "metrics are read from it (their curves; runs trained on a machine since lost)")
     p.add_argument("--fp8-overrides", default="", help="Hydra overrides for the FP8 runs only, space-separated "
                    "(an ablation of the recipe, e.g. 'recipe.fp8_dense=false')")
     args, overrides = p.parse_known_args()
@@ -373,12 +412,18 @@ def main() -> None:
 
             ensure_data(compose_config(overrides), Console())
         train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split(), args.nproc)
+    earlier = read_earlier(Path(args.earlier)) if args.earlier else {}
+    from_earlier = [n for n in names if n in earlier and n not in to_train
+                    and not (run_dirs[n] / "metrics.jsonl").is_file()]
     curves = {}
     for name, run_dir in run_dirs.items():
-        curves[name] = c = upto(read_losses(run_dir), args.upto) if args.upto else read_losses(run_dir)
+        c = earlier[name] if name in from_earlier else read_losses(run_dir)
+        curves[name] = c = upto(c, args.upto) if args.upto else c
         c["ema"] = ema(c["loss"])
+    if from_earlier:
+        print(f"convergence: {', '.join(from_earlier)} read from {args.earlier}")
     short = [f"{n} at step {c['steps'][-1] if c['steps'] else 0} of {want}" for n, c in curves.items()
-             if (want := args.upto or planned_steps(run_dirs[n])) and (not c["steps"] or c["steps"][-1] < want)]
+             if (want := args.upto or (None if n in from_earlier else planned_steps(run_dirs[n]))) and (not c["steps"] or c["steps"][-1] < want)]
     if short:  # e.g. stopped by train.time_limit_s: no statistics over part of a run
         raise SystemExit(f"convergence: runs not finished: {', '.join(short)}; "
                          + ("--upto asks for more steps than they have" if args.upto else "the same command resumes them"))
@@ -387,12 +432,13 @@ def main() -> None:
     pairs += [(a, recipe_of(a)) for a in extra if (a, recipe_of(a)) not in pairs]
     epoch = steps_per_epoch(overrides, args.nproc)
     stats = {pair: compare(curves[pair[0]], curves[pair[1]], args.threshold, epoch) for pair in pairs}
-    spikes = {name: grad_spikes(c) for name, c in curves.items()}
+    spikes = {name: c["spikes"] if "spikes" in c else grad_spikes(c) for name, c in curves.items()}
     for (a, b), st in stats.items():  # was the largest difference a spike in either run?
         st["spikes_before_max"] = spikes_before(st["max_step"], {a: spikes[a], b: spikes[b]})
     main_pair, noise_name = stats["fp8", "bf16"], NOISE[args.noise_kind] if args.noise_floor else None
     noise = stats[noise_name, "bf16"] if noise_name else None
-    tps = {r: statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):]) for r, c in curves.items()}
+    tps = {r: c["tps"] if "tps" in c else statistics.median(c["tokens_per_s"][min(5, len(c["tokens_per_s"]) - 1):])
+           for r, c in curves.items()}  # median after warm-up
     worst = main_pair["max_pct"] / 100
     case = f"{' '.join(overrides) or 'defaults'}, {curves['bf16']['steps'][-1]} steps" + (
         f" (--upto {args.upto}: runs cut there)" if args.upto else "") + (
@@ -423,14 +469,21 @@ def main() -> None:
                      "pass": v < args.threshold, "mean_rel_diff_last_half_pct": main_pair["val_mean_pct"],
                      "points": main_pair["val_points"], "final": main_pair["val_final"]})
     bf16_runs = [n for n in names if recipe_of(n) == "bf16" and n != NOISE["seed"]]
-    vs_mean = compare(curves["fp8"], mean_run(curves, bf16_runs), args.threshold, epoch) if len(bf16_runs) > 1 else None
-    if vs_mean:  # the BF16 reference as the mean of its same-seed reruns (the JSON's first row: the first BF16 run)
+    fp8_runs = [n for n in names if recipe_of(n) == "fp8"]
+    vs_means = {}  # the BF16 reference as the mean of its same-seed reruns (the JSON's first row: the first BF16 run)
+    if len(bf16_runs) > 1:
+        vs_means["fp8"] = compare(curves["fp8"], mean_run(curves, bf16_runs), args.threshold, epoch)
+    if len(bf16_runs) > 1 and len(fp8_runs) > 1:  # and FP8 as the mean of its own: recipe against recipe
+        vs_means[f"the mean of {len(fp8_runs)} fp8 runs"] = compare(mean_run(curves, fp8_runs), mean_run(curves, bf16_runs),
+                                                                    args.threshold, epoch)
+    for what, vs_mean in vs_means.items():
         vs_mean["pass"] = vs_mean["max_pct"] / 100 < args.threshold
-        rows.append({"case": case, "impl": f"fp8 vs the mean of {len(bf16_runs)} bf16 runs: max |EMA rel. loss diff|, "
-                     "last half", "value": vs_mean["max_pct"], "unit": "%", "baseline": "DeepSeek-V3 acceptance",
-                     "baseline_value": 100 * args.threshold, "pass": vs_mean["pass"],
-                     "bf16_runs": bf16_runs, **{k: vs_mean[k] for k in ("max_step", "mean_pct",
-                                                "share_within_threshold", "val_max_pct", "val_mean_pct") if k in vs_mean}})
+        rows.append({"case": case, "impl": f"{what} vs the mean of {len(bf16_runs)} bf16 runs: max |EMA rel. loss "
+                     "diff|, last half", "value": vs_mean["max_pct"], "unit": "%", "baseline": "DeepSeek-V3 acceptance",
+                     "baseline_value": 100 * args.threshold, "pass": vs_mean["pass"], "bf16_runs": bf16_runs,
+                     **({"fp8_runs": fp8_runs} if what != "fp8" else {}),
+                     **{k: vs_mean[k] for k in ("max_step", "mean_pct", "share_within_threshold", "val_max_pct",
+                                                "val_mean_pct") if k in vs_mean}})
     by_recipe = recipe_means(curves)
     if by_recipe:
         rows.append({"case": case, **by_recipe, "baseline": "DeepSeek-V3 acceptance",
@@ -438,7 +491,8 @@ def main() -> None:
     rows.append({"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
                  "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
                  "ratio": round(tps["fp8"] / tps["bf16"], 3)})
-    starts = {name: read_starts(run_dir) for name, run_dir in run_dirs.items()}
+    starts = {name: curves[name]["starts"] if name in from_earlier else read_starts(run_dir)
+              for name, run_dir in run_dirs.items()}
     shared, rel = rel_diff(curves["fp8"], curves["bf16"])
     png = json_path.with_suffix(".png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -447,9 +501,12 @@ def main() -> None:
                                        "value": 100 * args.threshold, "unit": "%"}, path=json_path,
                  plot=png.name, run_starts=starts,
                  pairs=[{"run": a, "vs": b, **st} for (a, b), st in stats.items()],
+                 **({"earlier": {"path": args.earlier, "runs": from_earlier}} if from_earlier else {}),
                  curves={"steps": shared, "rel_diff": rel,
-                         **{r: {"loss": c["loss"], "ema": c["ema"], "val": {str(k): v for k, v in c["val"].items()}}
-                            for r, c in curves.items()}})
+                         **{r: {"steps": c["steps"], "loss": c["loss"], "ema": c["ema"],
+                                "val": {str(k): v for k, v in c["val"].items()},
+                                **({} if "spikes" in c else {"grad_norm": c["grad_norm"]}),
+                                "tokens_per_s": None if tps[r] != tps[r] else tps[r]} for r, c in curves.items()}})
     print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "at step": st["max_step"],
                   "grad-norm spike <= 30 steps before": ", ".join(st["spikes_before_max"]) or "-",
                   "EMA train mean %": st["mean_pct"], "inside": st["share_within_threshold"],
@@ -477,8 +534,8 @@ def main() -> None:
         print(f"held-out loss, last-half mean, {by_recipe['runs_per_recipe']['fp8']} fp8 runs vs "
               f"{by_recipe['runs_per_recipe']['bf16']} bf16 runs: {by_recipe['value']:+.3f}% (the bf16 runs span "
               f"{by_recipe['bf16_spread_pct']:.3f}%, the fp8 runs {by_recipe['fp8_spread_pct']:.3f}%)")
-    if vs_mean:
-        print(f"fp8 vs the mean of the bf16 runs ({', '.join(bf16_runs)}): max {vs_mean['max_pct']:.3f}% at step "
+    for what, vs_mean in vs_means.items():
+        print(f"{what} vs the mean of the bf16 runs ({', '.join(bf16_runs)}): max {vs_mean['max_pct']:.3f}% at step "
               f"{vs_mean['max_step']}, mean {vs_mean['mean_pct']:+.3f}%, {vs_mean['share_within_threshold']:.1%} of "
               f"the last half inside: {'PASS' if vs_mean['pass'] else 'FAIL'}")
     if noise is not None:
