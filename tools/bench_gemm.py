@@ -7,7 +7,13 @@ kernels "ws", the GPU default on Hopper, and the Triton TMA kernels) and of
 cuBLAS dense blockwise `_scaled_mm` on the same total
 shape, a per-expert loop of blockwise `_scaled_mm`, BF16 `torch._grouped_mm` and row-wise FP8
 `torch._scaled_grouped_mm`; the FP8 peak (per-tensor `_scaled_mm` 8192^3) measured in the same
-run. FLOPs count the padded rows (the work every implementation does). Every result of ours is
+run. FLOPs count the padded rows (the work every implementation does).
+
+Timing: an H100 running FP8 GEMMs reaches its 700 W power limit within ~2.5 s, and its SM clock
+falls from 1980 MHz to ~1200-1500 MHz (bench/notes/gemm.md, session 32): a figure taken in the first
+seconds reads up to ~20% fast. So the run first holds the GPU busy for --soak seconds (the state a
+training run is in), and the implementations compared in one case are timed side by side: --rounds
+rounds, the order reversed every other round, the median of the rounds kept. Every result of ours is
 checked against a reference (column `err`, relative error) before it is timed. Diagnostic rows
 time the same Triton kernels without the per-128-K promotion (wrong numerics) to show its cost.
 
@@ -17,7 +23,9 @@ time the same Triton kernels without the per-128-K promotion (wrong numerics) to
 """
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,12 +54,52 @@ def counts_for(E: int, mode: str, mean: int, lo: int = 512, hi: int = 8192) -> l
     return [int(lo * (hi / lo) ** (i / max(E - 1, 1))) + 37 for i in range(E)][::-1]
 
 
-def peak_fp8(n: int = 8192) -> float:
+def peak_fp8(n: int = 8192, soak_s: float = 0.0) -> float:
+    """Per-tensor FP8 `_scaled_mm` n^3 TFLOP/s, after running it for `soak_s` seconds (the GPU at its
+    steady power / clock state)."""
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
+    end = time.perf_counter() + soak_s
+    while time.perf_counter() < end:
+        for _ in range(20):
+            torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
     ms = bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
     return tflops(2 * n**3, ms)
+
+
+def gpu_state() -> dict:
+    """SM clock (MHz), power (W), temperature (C) now, through NVML where torch can read it."""
+    out = {}
+    for key, fn in (("sm_clock_mhz", "clock_rate"), ("power_w", "power_draw"), ("temperature_c", "temperature")):
+        try:
+            v = getattr(torch.cuda, fn)()
+            out[key] = round(v / 1000) if key == "power_w" else v  # power_draw: mW
+        except Exception:  # noqa: BLE001 (no NVML, or an older torch)
+            pass
+    return out
+
+
+ROUNDS = 3
+
+
+def timed(fns: dict) -> dict:
+    """Median ms of each callable over ROUNDS rounds, the order reversed every other round: the
+    implementations of one comparison are timed side by side, under the same clock and power state."""
+    got = {k: [] for k in fns}
+    for r in range(ROUNDS):
+        for k in list(fns)[:: 1 if r % 2 == 0 else -1]:
+            got[k].append(bench(fns[k]))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def with_variant(v: str, fn):
+    """fn() run with the grouped GEMMs' GPU variant set to v (so variants can be timed interleaved)."""
+    def run():
+        set_variant(v)
+        return fn()
+    return run
 
 
 def set_variant(v: str) -> None:
@@ -83,91 +131,104 @@ def expert_case(rows, name, K, N, counts, variants):
     off_t = torch.tensor(off, dtype=torch.int32, device="cuda")
     ends = off_t[1:].contiguous()
 
-    # baselines ---------------------------------------------------------------------------
+    # fprop: the baselines and ours, timed side by side (`timed`) ---------------------------
     sa_cm = col_major(a8.scale)
     sb_dense = _cublas_weight_scale(w8.scale[0])  # one expert's weight for all rows: same FLOPs
     b_dense = w8.data[0]
-    t_dense = bench(lambda: torch._scaled_mm(a8.data, b_dense.t(), sa_cm, sb_dense, out_dtype=torch.bfloat16))
     per = []
     for e in range(E):
         s, t = off[e], off[e + 1]
         if t > s:
             per.append((a8.data[s:t], w8.data[e].t(), col_major(a8.scale[s:t]), _cublas_weight_scale(w8.scale[e])))
-    t_loop = bench(lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16) for a, b, sa, sb in per])
     xb, wbt = x, w.transpose(1, 2)
-    t_bf16 = bench(lambda: torch._grouped_mm(xb, wbt, offs=ends, out_dtype=torch.bfloat16))
     sa_row = x.float().abs().amax(1).clamp_min(1e-4) / 448
     a_row8 = (x.float() / sa_row[:, None]).to(torch.float8_e4m3fn)
     sb_row = w.float().abs().amax(2).clamp_min(1e-4) / 448
     b_row8 = (w.float() / sb_row[:, :, None]).to(torch.float8_e4m3fn).transpose(1, 2)
+    base = {"cuBLAS dense blockwise _scaled_mm (same total shape)":
+            lambda: torch._scaled_mm(a8.data, b_dense.t(), sa_cm, sb_dense, out_dtype=torch.bfloat16),
+            "per-expert loop of blockwise _scaled_mm":
+            lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16) for a, b, sa, sb in per],
+            "torch._grouped_mm bf16": lambda: torch._grouped_mm(xb, wbt, offs=ends, out_dtype=torch.bfloat16),
+            "torch._scaled_grouped_mm rowwise fp8":
+            lambda: torch._scaled_grouped_mm(a_row8, b_row8, sa_row, sb_row, offs=ends, out_dtype=torch.bfloat16)}
     try:
-        t_rowwise = bench(lambda: torch._scaled_grouped_mm(a_row8, b_row8, sa_row, sb_row, offs=ends,
-                                                           out_dtype=torch.bfloat16))
+        base["torch._scaled_grouped_mm rowwise fp8"]()
     except RuntimeError as exc:  # noqa: BLE001
         print(f"_scaled_grouped_mm failed: {exc}"[:300])
-        t_rowwise = float("nan")
-    base = {"cuBLAS dense blockwise _scaled_mm (same total shape)": tflops(flop, t_dense),
-            "per-expert loop of blockwise _scaled_mm": tflops(flop, t_loop),
-            "torch._grouped_mm bf16": tflops(flop, t_bf16),
-            "torch._scaled_grouped_mm rowwise fp8": tflops(flop, t_rowwise)}
-
-    # ours: fprop, dgrad, wgrad ------------------------------------------------------------
+        del base["torch._scaled_grouped_mm rowwise fp8"]
     ref = gg.fp8_grouped_gemm_ref(a8, w8, off).float() if M * N <= 2**28 else None
+    ours, errs = {}, {}
     for v in variants:
         set_variant(v)
         out = gg.fp8_grouped_gemm(a8, w8, off_t, validate=False)
-        err = rel_err(out, ref) if ref is not None else rel_err(out[:off[1]], (a8.dequantize()[:off[1]] @ w8.dequantize()[0].t()))
-        t = bench(lambda: gg.fp8_grouped_gemm(a8, w8, off_t, validate=False))
-        for bname, bval in base.items():
-            rows.append(row(f"m-grouped fprop {case}", f"moefp8-{v}", tflops(flop, t), bname, bval, err))
-        if v == "tma":  # what the per-128-K promotion costs: same kernel and tiles, no promotion
-            o2 = torch.empty_like(out)
-            t_np = bench(lambda: gg.launch_mgrouped(a8, w8, off_t, o2, _promote=False))
-            rows.append(row(f"m-grouped fprop {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
-                            tflops(flop, t_np), f"moefp8-{v}", tflops(flop, t)))
+        errs[v] = rel_err(out, ref) if ref is not None else rel_err(out[:off[1]], (a8.dequantize()[:off[1]] @ w8.dequantize()[0].t()))
+        ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm(a8, w8, off_t, validate=False))
+    diag = {}
+    if "tma" in variants:  # what the per-128-K promotion costs: same kernel and tiles, no promotion
+        o2 = torch.empty_like(out)
+        diag["tma"] = lambda o2=o2: gg.launch_mgrouped(a8, w8, off_t, o2, _promote=False)
+    t = timed({**base, **{("ours", v): f for v, f in ours.items()}, **{("diag", v): f for v, f in diag.items()}})
+    for v in variants:
+        for bname in base:
+            rows.append(row(f"m-grouped fprop {case}", f"moefp8-{v}", tflops(flop, t["ours", v]), bname,
+                            tflops(flop, t[bname]), errs[v]))
+    for v in diag:
+        rows.append(row(f"m-grouped fprop {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
+                        tflops(flop, t["diag", v]), f"moefp8-{v}", tflops(flop, t["ours", v])))
+    # dgrad
+    ours = {}
+    for v in variants:
+        set_variant(v)
         dx = gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False)
         s1 = off[1]
-        err = rel_err(dx[:s1], dy8.dequantize()[:s1] @ w8.dequantize()[0])
-        t = bench(lambda: gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False))
-        dyb, wb = dy, w
-        t_bf = bench(lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16))
-        rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t), "torch._grouped_mm bf16",
-                        tflops(flop, t_bf), err))
+        errs[v] = rel_err(dx[:s1], dy8.dequantize()[:s1] @ w8.dequantize()[0])
+        ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False))
+    dyb, wb = dy, w
+    t = timed({"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16), **ours})
+    for v in variants:
+        rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t[v]), "torch._grouped_mm bf16",
+                        tflops(flop, t["bf16"]), errs[v]))
     # wgrad: ours k-grouped vs BF16 _grouped_mm (2d x 2d, both operands token-major, as ours)
     dyc, xc = quant_colwise(dy), quant_colwise(x)
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
-    t_bfw = bench(lambda: torch._grouped_mm(dyt, xt.t(), offs=ends, out_dtype=torch.bfloat16))
     per_w = []
     for e in range(E):
         s, t = off[e], off[e + 1]
         if t > s:
             per_w.append((dyc.data[:, s:t], xc.data[:, s:t].t(), col_major(dyc.scale[:, s // 128:t // 128]),
                            xc.scale[:, s // 128:t // 128].t().contiguous()))
+    base = {"torch._grouped_mm bf16 wgrad": lambda: torch._grouped_mm(dyt, xt.t(), offs=ends, out_dtype=torch.bfloat16),
+            "per-expert loop of cuBLAS blockwise 1x128x1x128 fp32":
+            lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32) for a, b, sa, sb in per_w]}
     try:
-        t_loopw = bench(lambda: [torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32) for a, b, sa, sb in per_w])
+        base["per-expert loop of cuBLAS blockwise 1x128x1x128 fp32"]()
     except RuntimeError as exc:
         print(f"per-expert cuBLAS wgrad failed: {exc}"[:300])
-        t_loopw = float("nan")
+        del base["per-expert loop of cuBLAS blockwise 1x128x1x128 fp32"]
+    ours, diag = {}, {}
     for v in variants:
         set_variant(v)
         dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False)
         e = 0
-        err = rel_err(dw[e], dyc.dequantize()[off[e]:off[e + 1]].t() @ xc.dequantize()[off[e]:off[e + 1]])
-        t = bench(lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False))
-        rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t), "torch._grouped_mm bf16 wgrad",
-                        tflops(flop, t_bfw), err))
-        rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t),
-                        "per-expert loop of cuBLAS blockwise 1x128x1x128 fp32", tflops(flop, t_loopw), err))
+        errs[v] = rel_err(dw[e], dyc.dequantize()[off[e]:off[e + 1]].t() @ xc.dequantize()[off[e]:off[e + 1]])
+        ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False))
         if v == "tma":
             o2 = torch.empty_like(dw)
-            t_np = bench(lambda: gg.launch_kgrouped(dyc, xc, off_t, o2, False, _promote=False))
-            rows.append(row(f"k-grouped wgrad {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
-                            tflops(flop, t_np), f"moefp8-{v}", tflops(flop, t)))
+            diag[v] = lambda o2=o2: gg.launch_kgrouped(dyc, xc, off_t, o2, False, _promote=False)
     dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")
-    err = rel_err(dw[0], dyc.dequantize()[off[0]:off[1]].t() @ xc.dequantize()[off[0]:off[1]])
-    t = bench(lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas"))
-    rows.append(row(f"k-grouped wgrad {case}", "moefp8 impl=cublas (per-expert loop, host sync)", tflops(flop, t),
-                    "torch._grouped_mm bf16 wgrad", tflops(flop, t_bfw), err))
+    err_cublas = rel_err(dw[0], dyc.dequantize()[off[0]:off[1]].t() @ xc.dequantize()[off[0]:off[1]])
+    t = timed({**base, **{("ours", v): f for v, f in ours.items()}, **{("diag", v): f for v, f in diag.items()},
+               "cublas": lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")})
+    for v in variants:
+        for bname in base:
+            rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t["ours", v]), bname,
+                            tflops(flop, t[bname]), errs[v]))
+    for v in diag:
+        rows.append(row(f"k-grouped wgrad {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
+                        tflops(flop, t["diag", v]), f"moefp8-{v}", tflops(flop, t["ours", v])))
+    rows.append(row(f"k-grouped wgrad {case}", "moefp8 impl=cublas (per-expert loop, host sync)", tflops(flop, t["cublas"]),
+                    "torch._grouped_mm bf16 wgrad", tflops(flop, t["torch._grouped_mm bf16 wgrad"]), err_cublas))
     del x, w, dy, a8, w8, dy8, dyc, xc, dyt, xt
     torch.cuda.empty_cache()
 
@@ -180,57 +241,57 @@ def dense_case(rows, n, variants):
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     a8, w8, dy8 = quant_rowwise(x), quant_weight(w), quant_rowwise(dy)
-    y_cub = fp8_gemm(a8, w8, impl="cublas")
-    t_cub = bench(lambda: fp8_gemm(a8, w8, impl="cublas"))
-    t_bf = bench(lambda: x @ w.t())
-    ref = y_cub.float()
+    ref = fp8_gemm(a8, w8, impl="cublas").float()
+    errs = {}
     for v in variants:
         set_variant(v)
-        y = fp8_gemm(a8, w8, impl="triton")
-        t = bench(lambda: fp8_gemm(a8, w8, impl="triton"))
-        rows.append(row(f"fprop {case}", f"moefp8-triton-{v}", tflops(flop, t), "cuBLAS blockwise _scaled_mm",
-                        tflops(flop, t_cub), rel_err(y, ref)))
-    rows.append(row(f"fprop {case}", "cuBLAS blockwise (moefp8 default)", tflops(flop, t_cub), "torch mm bf16",
-                    tflops(flop, t_bf)))
+        errs[v] = rel_err(fp8_gemm(a8, w8, impl="triton"), ref)
+    t = timed({"cublas": lambda: fp8_gemm(a8, w8, impl="cublas"), "bf16": lambda: x @ w.t(),
+               **{v: with_variant(v, lambda: fp8_gemm(a8, w8, impl="triton")) for v in variants}})
+    for v in variants:
+        rows.append(row(f"fprop {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), "cuBLAS blockwise _scaled_mm",
+                        tflops(flop, t["cublas"]), errs[v]))
+    rows.append(row(f"fprop {case}", "cuBLAS blockwise (moefp8 default)", tflops(flop, t["cublas"]), "torch mm bf16",
+                    tflops(flop, t["bf16"])))
     # dgrad: both paths multiply by an FP8 copy of Wᵀ (FP8 wgmma needs K-major operands)
     w8t = transpose_weight(w8)
-    t_tr = bench(lambda: transpose_weight(w8))
-    t_cub_cached = bench(lambda: fp8_gemm(dy8, w8t, impl="cublas"))
-    t_cub_copy = bench(lambda: fp8_gemm_dgrad(dy8, w8, impl="cublas"))
     ref = fp8_gemm(dy8, w8t, impl="cublas").float()
-    print(f"transpose_weight {N}x{K}: {t_tr * 1e3:.1f} us")
     for v in variants:
         set_variant(v)
-        d = fp8_gemm_dgrad(dy8, w8, impl="triton")
-        t = bench(lambda: fp8_gemm_dgrad(dy8, w8, impl="triton"))
-        rows.append(row(f"dgrad {case}", f"moefp8-triton-{v} incl. Wᵀ copy", tflops(flop, t),
-                        "cuBLAS blockwise on cached Wᵀ", tflops(flop, t_cub_cached), rel_err(d, ref)))
-    rows.append(row(f"dgrad {case}", "cuBLAS blockwise incl. Wᵀ copy (moefp8 default)", tflops(flop, t_cub_copy),
-                    "cuBLAS blockwise on cached Wᵀ", tflops(flop, t_cub_cached)))
+        errs[v] = rel_err(fp8_gemm_dgrad(dy8, w8, impl="triton"), ref)
+    t = timed({"transpose": lambda: transpose_weight(w8), "cached": lambda: fp8_gemm(dy8, w8t, impl="cublas"),
+               "copy": lambda: fp8_gemm_dgrad(dy8, w8, impl="cublas"),
+               **{v: with_variant(v, lambda: fp8_gemm_dgrad(dy8, w8, impl="triton")) for v in variants}})
+    print(f"transpose_weight {N}x{K}: {t['transpose'] * 1e3:.1f} us")
+    for v in variants:
+        rows.append(row(f"dgrad {case}", f"moefp8-triton-{v} incl. Wᵀ copy", tflops(flop, t[v]),
+                        "cuBLAS blockwise on cached Wᵀ", tflops(flop, t["cached"]), errs[v]))
+    rows.append(row(f"dgrad {case}", "cuBLAS blockwise incl. Wᵀ copy (moefp8 default)", tflops(flop, t["copy"]),
+                    "cuBLAS blockwise on cached Wᵀ", tflops(flop, t["cached"])))
     # wgrad
     dyc, xc = quant_colwise(dy), quant_colwise(x)
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
-    t_bfw = bench(lambda: dyt @ xt.t())
     ref = dyc.dequantize().t() @ xc.dequantize()
     for v in variants:
         set_variant(v)
-        dw = fp8_gemm(dyc, xc, impl="triton")
-        t = bench(lambda: fp8_gemm(dyc, xc, impl="triton"))
-        rows.append(row(f"wgrad {case}", f"moefp8-triton-{v}", tflops(flop, t), "torch mm bf16 (token-major operands)",
-                        tflops(flop, t_bfw), rel_err(dw, ref)))
-    dwc = fp8_gemm(dyc, xc, impl="cublas")
-    t = bench(lambda: fp8_gemm(dyc, xc, impl="cublas"))
-    rows.append(row(f"wgrad {case}", "cuBLAS blockwise 1x128x1x128 fp32 (moefp8 default)", tflops(flop, t),
-                    "torch mm bf16 (token-major operands)", tflops(flop, t_bfw), rel_err(dwc, ref)))
+        errs[v] = rel_err(fp8_gemm(dyc, xc, impl="triton"), ref)
+    err_cublas = rel_err(fp8_gemm(dyc, xc, impl="cublas"), ref)
     main_grad = torch.zeros(N, K, device="cuda")
-    t = bench(lambda: fp8_gemm(dyc, xc, out=main_grad, impl="cublas"))
-    rows.append(row(f"wgrad {case} into main grad", "cuBLAS blockwise fp32 + add_", tflops(flop, t),
-                    "torch mm bf16 (token-major operands)", tflops(flop, t_bfw)))
+    t = timed({"bf16": lambda: dyt @ xt.t(), "cublas": lambda: fp8_gemm(dyc, xc, impl="cublas"),
+               "cublas main": lambda: fp8_gemm(dyc, xc, out=main_grad, impl="cublas"),
+               **{v: with_variant(v, lambda: fp8_gemm(dyc, xc, impl="triton")) for v in variants},
+               **{(v, "main"): with_variant(v, lambda: fp8_gemm(dyc, xc, out=main_grad, impl="triton"))
+                  for v in variants}})
+    bf = "torch mm bf16 (token-major operands)"
     for v in variants:
-        set_variant(v)
-        t = bench(lambda: fp8_gemm(dyc, xc, out=main_grad, impl="triton"))
-        rows.append(row(f"wgrad {case} into main grad", f"moefp8-triton-{v} (accumulates in-kernel)", tflops(flop, t),
-                        "torch mm bf16 (token-major operands)", tflops(flop, t_bfw)))
+        rows.append(row(f"wgrad {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), bf, tflops(flop, t["bf16"]), errs[v]))
+    rows.append(row(f"wgrad {case}", "cuBLAS blockwise 1x128x1x128 fp32 (moefp8 default)", tflops(flop, t["cublas"]),
+                    bf, tflops(flop, t["bf16"]), err_cublas))
+    rows.append(row(f"wgrad {case} into main grad", "cuBLAS blockwise fp32 + add_", tflops(flop, t["cublas main"]),
+                    bf, tflops(flop, t["bf16"])))
+    for v in variants:
+        rows.append(row(f"wgrad {case} into main grad", f"moefp8-triton-{v} (accumulates in-kernel)",
+                        tflops(flop, t[v, "main"]), bf, tflops(flop, t["bf16"])))
 
 
 def probe():
@@ -272,6 +333,8 @@ def main():
     p.add_argument("--variants", default="ws,tma", help="kernel variants to time (ws, tma, ptr)")
     p.add_argument("--quick", action="store_true", help="fc1 E8 balanced, fc2 E8 skewed, dense")
     p.add_argument("--probe", action="store_true", help="only probe cuBLAS blockwise scale layouts")
+    p.add_argument("--soak", type=float, default=5.0, help="seconds of FP8 GEMMs before anything is timed")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per comparison (median kept)")
     p.add_argument("--out", default=None, help="results path (default bench/results/gemm-<device>.json)")
     args = p.parse_args()
     if args.probe:
@@ -279,8 +342,13 @@ def main():
         return
     torch.manual_seed(0)
     variants = args.variants.split(",")
-    peak = peak_fp8()
-    print(f"fp8 per-tensor _scaled_mm 8192^3: {peak:.0f} TFLOP/s")
+    global ROUNDS
+    ROUNDS = args.rounds
+    idle = gpu_state()
+    peak = peak_fp8(soak_s=args.soak)
+    soaked = gpu_state()
+    print(f"fp8 per-tensor _scaled_mm 8192^3: {peak:.0f} TFLOP/s (after {args.soak:g} s of it; GPU idle {idle}, "
+          f"then {soaked})")
     rows = []
     H, N1 = args.hidden, 2 * args.inter
     shapes = [("fc1", H, N1), ("fc2", args.inter, H)]
@@ -302,7 +370,9 @@ def main():
             print(f"best config {name} {key}: {cfg}")
     print_table(rows, ["case", "impl", "value", "baseline", "baseline_value", "ratio", "err"])
     path = save_results("bench_gemm", rows, {"what": "fp8 per-tensor _scaled_mm 8192^3", "value": round(peak, 1),
-                                             "unit": "TFLOP/s"}, path=args.out)
+                                             "unit": "TFLOP/s"}, path=args.out,
+                        timing={"soak_s": args.soak, "rounds": args.rounds, "gpu_idle": idle,
+                                "gpu_after_soak": soaked, "gpu_at_end": gpu_state()})
     print(f"wrote {path}")
 
 
