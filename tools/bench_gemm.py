@@ -115,6 +115,21 @@ def row(case, impl, value, baseline, baseline_value, err=None):
     return r
 
 
+def timed_rows(rows, case, flop, base, ours, diag, errs, extra=None) -> dict:
+    """Times the baselines, our variants, the diagnostics (`diag`: variants without promotion) and any
+    `extra` callables side by side (`timed`); appends a row per (variant, baseline) and per diagnostic,
+    and returns the times."""
+    t = timed({**base, **{("ours", v): f for v, f in ours.items()}, **{("diag", v): f for v, f in diag.items()},
+               **(extra or {})})
+    for v in ours:
+        for bname in base:
+            rows.append(row(case, f"moefp8-{v}", tflops(flop, t["ours", v]), bname, tflops(flop, t[bname]), errs[v]))
+    for v in diag:
+        rows.append(row(case, f"diagnostic: moefp8-{v} without promotion (wrong numerics)", tflops(flop, t["diag", v]),
+                        f"moefp8-{v}", tflops(flop, t["ours", v])))
+    return t
+
+
 def expert_case(rows, name, K, N, counts, variants):
     E = len(counts)
     seg = [_round128(c) for c in counts]
@@ -168,14 +183,7 @@ def expert_case(rows, name, K, N, counts, variants):
     if "tma" in variants:  # what the per-128-K promotion costs: same kernel and tiles, no promotion
         o2 = torch.empty_like(out)
         diag["tma"] = lambda o2=o2: gg.launch_mgrouped(a8, w8, off_t, o2, _promote=False)
-    t = timed({**base, **{("ours", v): f for v, f in ours.items()}, **{("diag", v): f for v, f in diag.items()}})
-    for v in variants:
-        for bname in base:
-            rows.append(row(f"m-grouped fprop {case}", f"moefp8-{v}", tflops(flop, t["ours", v]), bname,
-                            tflops(flop, t[bname]), errs[v]))
-    for v in diag:
-        rows.append(row(f"m-grouped fprop {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
-                        tflops(flop, t["diag", v]), f"moefp8-{v}", tflops(flop, t["ours", v])))
+    timed_rows(rows, f"m-grouped fprop {case}", flop, base, ours, diag, errs)
     # dgrad
     ours = {}
     for v in variants:
@@ -218,15 +226,8 @@ def expert_case(rows, name, K, N, counts, variants):
             diag[v] = lambda o2=o2: gg.launch_kgrouped(dyc, xc, off_t, o2, False, _promote=False)
     dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")
     err_cublas = rel_err(dw[0], dyc.dequantize()[off[0]:off[1]].t() @ xc.dequantize()[off[0]:off[1]])
-    t = timed({**base, **{("ours", v): f for v, f in ours.items()}, **{("diag", v): f for v, f in diag.items()},
-               "cublas": lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")})
-    for v in variants:
-        for bname in base:
-            rows.append(row(f"k-grouped wgrad {case}", f"moefp8-{v}", tflops(flop, t["ours", v]), bname,
-                            tflops(flop, t[bname]), errs[v]))
-    for v in diag:
-        rows.append(row(f"k-grouped wgrad {case}", "diagnostic: moefp8-tma without promotion (wrong numerics)",
-                        tflops(flop, t["diag", v]), f"moefp8-{v}", tflops(flop, t["ours", v])))
+    t = timed_rows(rows, f"k-grouped wgrad {case}", flop, base, ours, diag, errs,
+                   {"cublas": lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")})
     rows.append(row(f"k-grouped wgrad {case}", "moefp8 impl=cublas (per-expert loop, host sync)", tflops(flop, t["cublas"]),
                     "torch._grouped_mm bf16 wgrad", tflops(flop, t["torch._grouped_mm bf16 wgrad"]), err_cublas))
     del x, w, dy, a8, w8, dy8, dyc, xc, dyt, xt
