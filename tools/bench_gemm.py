@@ -195,8 +195,8 @@ def expert_case(rows, name, K, N, counts, variants):
     dyb, wb = dy, w
     t = timed({"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16), **ours})
     for v in variants:
-        rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t[v]), "torch._grouped_mm bf16",
-                        tflops(flop, t["bf16"]), errs[v]))
+        rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t[v]),
+                        "torch._grouped_mm bf16", tflops(flop, t["bf16"]), errs[v]))
     # wgrad: ours k-grouped vs BF16 _grouped_mm (2d x 2d, both operands token-major, as ours)
     dyc, xc = quant_colwise(dy), quant_colwise(x)
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
@@ -228,8 +228,9 @@ def expert_case(rows, name, K, N, counts, variants):
     err_cublas = rel_err(dw[0], dyc.dequantize()[off[0]:off[1]].t() @ xc.dequantize()[off[0]:off[1]])
     t = timed_rows(rows, f"k-grouped wgrad {case}", flop, base, ours, diag, errs,
                    {"cublas": lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")})
-    rows.append(row(f"k-grouped wgrad {case}", "moefp8 impl=cublas (per-expert loop, host sync)", tflops(flop, t["cublas"]),
-                    "torch._grouped_mm bf16 wgrad", tflops(flop, t["torch._grouped_mm bf16 wgrad"]), err_cublas))
+    rows.append(row(f"k-grouped wgrad {case}", "moefp8 impl=cublas (per-expert loop, host sync)",
+                    tflops(flop, t["cublas"]), "torch._grouped_mm bf16 wgrad", tflops(flop, t["torch._grouped_mm bf16 wgrad"]),
+                    err_cublas))
     del x, w, dy, a8, w8, dy8, dyc, xc, dyt, xt
     torch.cuda.empty_cache()
 
@@ -285,7 +286,8 @@ def dense_case(rows, n, variants):
                   for v in variants}})
     bf = "torch mm bf16 (token-major operands)"
     for v in variants:
-        rows.append(row(f"wgrad {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), bf, tflops(flop, t["bf16"]), errs[v]))
+        rows.append(row(f"wgrad {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), bf, tflops(flop, t["bf16"]),
+                        errs[v]))
     rows.append(row(f"wgrad {case}", "cuBLAS blockwise 1x128x1x128 fp32 (moefp8 default)", tflops(flop, t["cublas"]),
                     bf, tflops(flop, t["bf16"]), err_cublas))
     rows.append(row(f"wgrad {case} into main grad", "cuBLAS blockwise fp32 + add_", tflops(flop, t["cublas main"]),

@@ -161,7 +161,8 @@ def upto(c: dict, step: int) -> dict:
     """Run curve `c` (read_losses) cut to its steps <= `step`."""
     keep = [i for i, s in enumerate(c["steps"]) if s <= step]
     return {**c, **{k: [c[k][i] for i in keep] for k in ("steps", "loss", "tokens_per_s", "grad_norm")},
-            "val": {s: v for s, v in c["val"].items() if s <= step}}
+            "val": {s: v for s, v in c["val"].items() if s <= step},
+            **({"spikes": [e for e in c["spikes"] if e[0] <= step]} if "spikes" in c else {})}
 
 
 def grad_spikes(c: dict, factor: float = 2.5, window: int = 50, gap: int = 10) -> list[tuple[int, float]]:
@@ -423,7 +424,8 @@ def main() -> None:
     if from_earlier:
         print(f"convergence: {', '.join(from_earlier)} read from {args.earlier}")
     short = [f"{n} at step {c['steps'][-1] if c['steps'] else 0} of {want}" for n, c in curves.items()
-             if (want := args.upto or (None if n in from_earlier else planned_steps(run_dirs[n]))) and (not c["steps"] or c["steps"][-1] < want)]
+             if (want := args.upto or (None if n in from_earlier else planned_steps(run_dirs[n])))
+             and (not c["steps"] or c["steps"][-1] < want)]
     if short:  # e.g. stopped by train.time_limit_s: no statistics over part of a run
         raise SystemExit(f"convergence: runs not finished: {', '.join(short)}; "
                          + ("--upto asks for more steps than they have" if args.upto else "the same command resumes them"))
@@ -474,8 +476,8 @@ def main() -> None:
     if len(bf16_runs) > 1:
         vs_means["fp8"] = compare(curves["fp8"], mean_run(curves, bf16_runs), args.threshold, epoch)
     if len(bf16_runs) > 1 and len(fp8_runs) > 1:  # and FP8 as the mean of its own: recipe against recipe
-        vs_means[f"the mean of {len(fp8_runs)} fp8 runs"] = compare(mean_run(curves, fp8_runs), mean_run(curves, bf16_runs),
-                                                                    args.threshold, epoch)
+        vs_means[f"the mean of {len(fp8_runs)} fp8 runs"] = compare(
+            mean_run(curves, fp8_runs), mean_run(curves, bf16_runs), args.threshold, epoch)
     for what, vs_mean in vs_means.items():
         vs_mean["pass"] = vs_mean["max_pct"] / 100 < args.threshold
         rows.append({"case": case, "impl": f"{what} vs the mean of {len(bf16_runs)} bf16 runs: max |EMA rel. loss "
