@@ -180,7 +180,7 @@ def test_convergence_tool_cpu(tmp_path):
     # a JSON from before 2026-11-23 (no step lists, gradient norms or tokens/s per run) still reads
     old = json.loads((tmp_path / "convergence.json").read_text())
     for name in ("bf16", "fp8", "bf16_seed+1", "fp8_again"):
-        for key in ("steps", "grad_norm", "tokens_per_s"):
+        for key in ("steps", "grad_norm", "tokens_per_s_median"):
             old["curves"][name].pop(key)
     (tmp_path / "old.json").write_text(json.dumps(old))
     r = subprocess.run([*cmd, "--skip-train", "--suffix", "old", "--earlier", str(tmp_path / "old.json")],

@@ -130,7 +130,7 @@ def read_earlier(path: Path) -> dict[str, dict]:
         n = len(steps)
         run = {"steps": steps, "loss": c["loss"], "val": {int(s): v for s, v in c["val"].items()},
                "grad_norm": c.get("grad_norm", [float("nan")] * n), "tokens_per_s": [float("nan")] * n,
-               "tps": c.get("tokens_per_s", old_tps.get(name)) or float("nan"),
+               "tps": c.get("tokens_per_s_median", old_tps.get(name)) or float("nan"),
                "load": first.get("final_expert_load", {}).get(name, {}),
                "starts": doc.get("run_starts", {}).get(name, [])}
         if "grad_norm" not in c:
@@ -508,7 +508,7 @@ def main() -> None:
                          **{r: {"steps": c["steps"], "loss": c["loss"], "ema": c["ema"],
                                 "val": {str(k): v for k, v in c["val"].items()},
                                 **({} if "spikes" in c else {"grad_norm": c["grad_norm"]}),
-                                "tokens_per_s": None if tps[r] != tps[r] else tps[r]} for r, c in curves.items()}})
+                                "tokens_per_s_median": None if tps[r] != tps[r] else tps[r]} for r, c in curves.items()}})
     print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "at step": st["max_step"],
                   "grad-norm spike <= 30 steps before": ", ".join(st["spikes_before_max"]) or "-",
                   "EMA train mean %": st["mean_pct"], "inside": st["share_within_threshold"],
