@@ -17,9 +17,15 @@ rounds, the order reversed every other round, the median of the rounds kept. Eve
 checked against a reference (column `err`, relative error) before it is timed. Diagnostic rows
 time the same Triton kernels without the per-128-K promotion (wrong numerics) to show its cost.
 
+Steady state (--hold S): each implementation instead runs alone for S seconds and is timed over the
+second half (CUDA events), with the SM clock and power sampled there (NVML): on an H100 every FP8
+and BF16 GEMM then sits at the 700 W cap, so TFLOP/s measures energy per FLOP as a training step
+meets it. The JSON's `held` list gives each (case, implementation)'s clock and power.
+
     python tools/bench_gemm.py            # full sweep -> bench/results/gemm-<device>.json
     python tools/bench_gemm.py --quick    # 2 expert cases + dense
     python tools/bench_gemm.py --probe    # which cuBLAS blockwise scale layouts are correct
+    python tools/bench_gemm.py --hold 3 --modes balanced --variants ws   # steady state, with clocks
 """
 
 import argparse
@@ -82,15 +88,48 @@ def gpu_state() -> dict:
 
 
 ROUNDS = 3
+HOLD = 0.0  # --hold: seconds each implementation runs alone (0: do_bench, interleaved)
+HELD = []  # with --hold: per (case, implementation) its time, SM clock and power over the timed half
 
 
-def timed(fns: dict) -> dict:
+def held(fn) -> tuple[float, dict]:
+    """(ms per call of fn, mean GPU state) with fn run back to back for HOLD seconds, timed over the
+    second half: the clock and power a long run of it settles at."""
+    fn()
+    torch.cuda.synchronize()
+    t0, n, start, samples = time.perf_counter(), 0, None, []
+    while time.perf_counter() - t0 < HOLD:
+        for _ in range(5):
+            fn()
+        n += 5
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 > HOLD / 2:
+            if start is None:
+                start = (torch.cuda.Event(enable_timing=True), n)
+                start[0].record()
+            else:
+                samples.append(gpu_state())
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    torch.cuda.synchronize()
+    state = {k: round(statistics.mean(s_[k] for s_ in samples)) for k in (samples[0] if samples else {})}
+    return start[0].elapsed_time(end) / max(n - start[1], 1), state
+
+
+def timed(fns: dict, case: str = "") -> dict:
     """Median ms of each callable over ROUNDS rounds, the order reversed every other round: the
-    implementations of one comparison are timed side by side, under the same clock and power state."""
+    implementations of one comparison are timed side by side, under the same clock and power state.
+    With HOLD each is timed by `held` and its state appended to HELD."""
     got = {k: [] for k in fns}
     for r in range(ROUNDS):
         for k in list(fns)[:: 1 if r % 2 == 0 else -1]:
-            got[k].append(bench(fns[k]))
+            if HOLD:
+                ms, state = held(fns[k])
+                HELD.append({"case": case, "impl": " ".join(map(str, k)) if isinstance(k, tuple) else k,
+                             "round": r, "ms": round(ms, 4), **state})
+            else:
+                ms = bench(fns[k])
+            got[k].append(ms)
     return {k: statistics.median(v) for k, v in got.items()}
 
 
@@ -120,7 +159,7 @@ def timed_rows(rows, case, flop, base, ours, diag, errs, extra=None) -> dict:
     `extra` callables side by side (`timed`); appends a row per (variant, baseline) and per diagnostic,
     and returns the times."""
     t = timed({**base, **{("ours", v): f for v, f in ours.items()}, **{("diag", v): f for v, f in diag.items()},
-               **(extra or {})})
+               **(extra or {})}, case)
     for v in ours:
         for bname in base:
             rows.append(row(case, f"moefp8-{v}", tflops(flop, t["ours", v]), bname, tflops(flop, t[bname]), errs[v]))
@@ -193,7 +232,8 @@ def expert_case(rows, name, K, N, counts, variants):
         errs[v] = rel_err(dx[:s1], dy8.dequantize()[:s1] @ w8.dequantize()[0])
         ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False))
     dyb, wb = dy, w
-    t = timed({"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16), **ours})
+    t = timed({"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16), **ours},
+              f"m-grouped dgrad {case}")
     for v in variants:
         rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t[v]),
                         "torch._grouped_mm bf16", tflops(flop, t["bf16"]), errs[v]))
@@ -249,7 +289,7 @@ def dense_case(rows, n, variants):
         set_variant(v)
         errs[v] = rel_err(fp8_gemm(a8, w8, impl="triton"), ref)
     t = timed({"cublas": lambda: fp8_gemm(a8, w8, impl="cublas"), "bf16": lambda: x @ w.t(),
-               **{v: with_variant(v, lambda: fp8_gemm(a8, w8, impl="triton")) for v in variants}})
+               **{v: with_variant(v, lambda: fp8_gemm(a8, w8, impl="triton")) for v in variants}}, f"fprop {case}")
     for v in variants:
         rows.append(row(f"fprop {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), "cuBLAS blockwise _scaled_mm",
                         tflops(flop, t["cublas"]), errs[v]))
@@ -263,7 +303,8 @@ def dense_case(rows, n, variants):
         errs[v] = rel_err(fp8_gemm_dgrad(dy8, w8, impl="triton"), ref)
     t = timed({"transpose": lambda: transpose_weight(w8), "cached": lambda: fp8_gemm(dy8, w8t, impl="cublas"),
                "copy": lambda: fp8_gemm_dgrad(dy8, w8, impl="cublas"),
-               **{v: with_variant(v, lambda: fp8_gemm_dgrad(dy8, w8, impl="triton")) for v in variants}})
+               **{v: with_variant(v, lambda: fp8_gemm_dgrad(dy8, w8, impl="triton")) for v in variants}},
+              f"dgrad {case}")
     print(f"transpose_weight {N}x{K}: {t['transpose'] * 1e3:.1f} us")
     for v in variants:
         rows.append(row(f"dgrad {case}", f"moefp8-triton-{v} incl. Wᵀ copy", tflops(flop, t[v]),
@@ -283,7 +324,7 @@ def dense_case(rows, n, variants):
                "cublas main": lambda: fp8_gemm(dyc, xc, out=main_grad, impl="cublas"),
                **{v: with_variant(v, lambda: fp8_gemm(dyc, xc, impl="triton")) for v in variants},
                **{(v, "main"): with_variant(v, lambda: fp8_gemm(dyc, xc, out=main_grad, impl="triton"))
-                  for v in variants}})
+                  for v in variants}}, f"wgrad {case}")
     bf = "torch mm bf16 (token-major operands)"
     for v in variants:
         rows.append(row(f"wgrad {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), bf, tflops(flop, t["bf16"]),
@@ -338,6 +379,9 @@ def main():
     p.add_argument("--probe", action="store_true", help="only probe cuBLAS blockwise scale layouts")
     p.add_argument("--soak", type=float, default=5.0, help="seconds of FP8 GEMMs before anything is timed")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per comparison (median kept)")
+    p.add_argument("--hold", type=float, default=0.0, help="seconds each implementation runs alone, timed over "
+                   "the second half with its SM clock and power (steady state; default: do_bench)")
+    p.add_argument("--modes", default="balanced,skewed", help="token distributions of the expert cases")
     p.add_argument("--out", default=None, help="results path (default bench/results/gemm-<device>.json)")
     args = p.parse_args()
     if args.probe:
@@ -345,8 +389,8 @@ def main():
         return
     torch.manual_seed(0)
     variants = args.variants.split(",")
-    global ROUNDS
-    ROUNDS = args.rounds
+    global ROUNDS, HOLD
+    ROUNDS, HOLD = args.rounds, args.hold
     idle = gpu_state()
     peak = peak_fp8(soak_s=args.soak)
     soaked = gpu_state()
@@ -358,7 +402,7 @@ def main():
     cases = []
     for E in [int(e) for e in args.experts.split(",")]:
         mean = args.tokens if E <= 8 else max(512, args.tokens * 8 // E)
-        for mode in ("balanced", "skewed"):
+        for mode in args.modes.split(","):
             for name, K, N in shapes:
                 cases.append((name, K, N, counts_for(E, mode, mean)))
     if args.quick:
@@ -372,10 +416,12 @@ def main():
         for key, cfg in getattr(k, "cache", {}).items():
             print(f"best config {name} {key}: {cfg}")
     print_table(rows, ["case", "impl", "value", "baseline", "baseline_value", "ratio", "err"])
+    if HELD:
+        print_table(HELD, ["case", "impl", "round", "ms", "sm_clock_mhz", "power_w", "temperature_c"])
     path = save_results("bench_gemm", rows, {"what": "fp8 per-tensor _scaled_mm 8192^3", "value": round(peak, 1),
                                              "unit": "TFLOP/s"}, path=args.out,
-                        timing={"soak_s": args.soak, "rounds": args.rounds, "gpu_idle": idle,
-                                "gpu_after_soak": soaked, "gpu_at_end": gpu_state()})
+                        timing={"soak_s": args.soak, "rounds": args.rounds, "hold_s": args.hold, "gpu_idle": idle,
+                                "gpu_after_soak": soaked, "gpu_at_end": gpu_state()}, **({"held": HELD} if HELD else {}))
     print(f"wrote {path}")
 
 
