@@ -98,22 +98,23 @@ def held(fn) -> tuple[float, dict]:
     fn()
     torch.cuda.synchronize()
     t0, n, start, samples = time.perf_counter(), 0, None, []
-    while time.perf_counter() - t0 < HOLD:
+    while True:  # batches of 5 calls; the timed half holds at least one batch
         for _ in range(5):
             fn()
         n += 5
         torch.cuda.synchronize()
-        if time.perf_counter() - t0 > HOLD / 2:
-            if start is None:
-                start = (torch.cuda.Event(enable_timing=True), n)
-                start[0].record()
-            else:
-                samples.append(gpu_state())
+        if start is not None:
+            samples.append(gpu_state())
+            if time.perf_counter() - t0 >= HOLD:
+                break
+        elif time.perf_counter() - t0 > HOLD / 2:
+            start = (torch.cuda.Event(enable_timing=True), n)
+            start[0].record()
     end = torch.cuda.Event(enable_timing=True)
     end.record()
     torch.cuda.synchronize()
-    state = {k: round(statistics.mean(s_[k] for s_ in samples)) for k in (samples[0] if samples else {})}
-    return start[0].elapsed_time(end) / max(n - start[1], 1), state
+    state = {k: round(statistics.mean(s_[k] for s_ in samples)) for k in samples[0]}
+    return start[0].elapsed_time(end) / (n - start[1]), state
 
 
 def timed(fns: dict, case: str = "") -> dict:
