@@ -97,11 +97,17 @@ def held(fn) -> tuple[float, dict]:
     second half: the clock and power a long run of it settles at."""
     fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    # batches of ~25 ms between host syncs (and NVML reads), so the GPU idles < 1% of the timed half,
+    # which holds at least one batch
+    batch = max(1, int(0.025 / max(time.perf_counter() - t0, 1e-6)))
     t0, n, start, samples = time.perf_counter(), 0, None, []
-    while True:  # batches of 5 calls; the timed half holds at least one batch
-        for _ in range(5):
+    while True:
+        for _ in range(batch):
             fn()
-        n += 5
+        n += batch
         torch.cuda.synchronize()
         if start is not None:
             samples.append(gpu_state())
