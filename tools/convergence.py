@@ -60,6 +60,7 @@ Saves bench/results/convergence-<device>[-<suffix>].json and .png (CPU runs: out
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -508,7 +509,7 @@ def main() -> None:
                          **{r: {"steps": c["steps"], "loss": c["loss"], "ema": c["ema"],
                                 "val": {str(k): v for k, v in c["val"].items()},
                                 **({} if "spikes" in c else {"grad_norm": c["grad_norm"]}),
-                                "tokens_per_s_median": None if tps[r] != tps[r] else tps[r]} for r, c in curves.items()}})
+                                "tokens_per_s_median": None if math.isnan(tps[r]) else tps[r]} for r, c in curves.items()}})
     print_table([{"run": a, "vs": b, "EMA train max %": st["max_pct"], "at step": st["max_step"],
                   "grad-norm spike <= 30 steps before": ", ".join(st["spikes_before_max"]) or "-",
                   "EMA train mean %": st["mean_pct"], "inside": st["share_within_threshold"],
