@@ -18,9 +18,9 @@ checked against a reference (column `err`, relative error) before it is timed. D
 time the same Triton kernels without the per-128-K promotion (wrong numerics) to show its cost.
 
 Steady state (--hold S): each implementation instead runs alone for S seconds and is timed over the
-second half (CUDA events), with the SM clock and power sampled there (NVML): on an H100 every FP8
-and BF16 GEMM then sits at the 700 W cap, so TFLOP/s measures energy per FLOP as a training step
-meets it. The JSON's `held` list gives each (case, implementation)'s clock and power.
+second half (CUDA events), with the SM clock, power and clock reasons sampled there (`GpuSampler`):
+on an H100 every FP8 and BF16 GEMM then sits at the 700 W cap, so TFLOP/s measures energy per FLOP
+as a training step meets it. The JSON's `held` list gives each (case, implementation)'s clock and power.
 
     python tools/bench_gemm.py            # full sweep -> bench/results/gemm-<device>.json
     python tools/bench_gemm.py --quick    # 2 expert cases + dense
@@ -42,7 +42,7 @@ from moefp8.kernels import grouped_gemm as gg  # noqa: E402
 from moefp8.fp8 import col_major  # noqa: E402
 from moefp8.kernels.gemm import _cublas_weight_scale, fp8_gemm, fp8_gemm_dgrad, transpose_weight  # noqa: E402
 from moefp8.kernels.quant import quant_colwise, quant_rowwise, quant_weight  # noqa: E402
-from moefp8.testing import bench, print_table, rel_err, save_results  # noqa: E402
+from moefp8.testing import GpuSampler, bench, print_table, rel_err, save_results  # noqa: E402
 
 
 def tflops(flop: float, ms: float) -> float:
@@ -75,52 +75,38 @@ def peak_fp8(n: int = 8192, soak_s: float = 0.0) -> float:
     return tflops(2 * n**3, ms)
 
 
-def gpu_state() -> dict:
-    """SM clock (MHz), power (W), temperature (C) now, through NVML where torch can read it."""
-    out = {}
-    for key, fn in (("sm_clock_mhz", "clock_rate"), ("power_w", "power_draw"), ("temperature_c", "temperature")):
-        try:
-            v = getattr(torch.cuda, fn)()
-            out[key] = round(v / 1000) if key == "power_w" else v  # power_draw: mW
-        except Exception:  # noqa: BLE001 (no NVML, or an older torch)
-            pass
-    return out
-
-
 ROUNDS = 3
 HOLD = 0.0  # --hold: seconds each implementation runs alone (0: do_bench, interleaved)
 HELD = []  # with --hold: per (case, implementation) its time, SM clock and power over the timed half
 
 
 def held(fn) -> tuple[float, dict]:
-    """(ms per call of fn, mean GPU state) with fn run back to back for HOLD seconds, timed over the
-    second half: the clock and power a long run of it settles at."""
+    """(ms per call of fn, the GPU's clocks and power) with fn run back to back for HOLD seconds, timed
+    over the second half (CUDA events) while `GpuSampler` samples the GPU: the state a long run of it
+    settles at."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    # batches of ~25 ms between host syncs (and NVML reads), so the GPU idles < 1% of the timed half,
-    # which holds at least one batch
+    # batches of ~25 ms between host syncs (the GPU idles < 1% of the timed half, which holds >= 1 batch)
     batch = max(1, int(0.025 / max(time.perf_counter() - t0, 1e-6)))
-    t0, n, start, samples = time.perf_counter(), 0, None, []
-    while True:
+    t0, start, end = time.perf_counter(), torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while time.perf_counter() - t0 <= HOLD / 2:
         for _ in range(batch):
             fn()
-        n += batch
         torch.cuda.synchronize()
-        if start is not None:
-            samples.append(gpu_state())
-            if time.perf_counter() - t0 >= HOLD:
-                break
-        elif time.perf_counter() - t0 > HOLD / 2:
-            start = (torch.cuda.Event(enable_timing=True), n)
-            start[0].record()
-    end = torch.cuda.Event(enable_timing=True)
-    end.record()
-    torch.cuda.synchronize()
-    state = {k: round(statistics.mean(s_[k] for s_ in samples)) for k in samples[0]}
-    return start[0].elapsed_time(end) / (n - start[1]), state
+    n = 0
+    with GpuSampler() as gpu:
+        start.record()
+        while n == 0 or time.perf_counter() - t0 < HOLD:
+            for _ in range(batch):
+                fn()
+            n += batch
+            torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, gpu.summary.get(torch.cuda.current_device(), {})
 
 
 def timed(fns: dict, case: str = "") -> dict:
@@ -398,11 +384,11 @@ def main():
     variants = args.variants.split(",")
     global ROUNDS, HOLD
     ROUNDS, HOLD = args.rounds, args.hold
-    idle = gpu_state()
-    peak = peak_fp8(soak_s=args.soak)
-    soaked = gpu_state()
-    print(f"fp8 per-tensor _scaled_mm 8192^3: {peak:.0f} TFLOP/s (after {args.soak:g} s of it; GPU idle {idle}, "
-          f"then {soaked})")
+    with GpuSampler() as gpu:
+        peak = peak_fp8(soak_s=args.soak)
+    soaked = gpu.summary.get(torch.cuda.current_device(), {})
+    print(f"fp8 per-tensor _scaled_mm 8192^3: {peak:.0f} TFLOP/s (after {args.soak:g} s of it; GPU over the soak: "
+          f"{soaked})")
     rows = []
     H, N1 = args.hidden, 2 * args.inter
     shapes = [("fc1", H, N1), ("fc2", args.inter, H)]
@@ -424,11 +410,12 @@ def main():
             print(f"best config {name} {key}: {cfg}")
     print_table(rows, ["case", "impl", "value", "baseline", "baseline_value", "ratio", "err"])
     if HELD:
-        print_table(HELD, ["case", "impl", "round", "ms", "sm_clock_mhz", "power_w", "temperature_c"])
+        print_table(HELD, ["case", "impl", "round", "ms", "sm_mhz_median", "power_w_median", "temp_c_max",
+                           "clock_reasons"])
     path = save_results("bench_gemm", rows, {"what": "fp8 per-tensor _scaled_mm 8192^3", "value": round(peak, 1),
                                              "unit": "TFLOP/s"}, path=args.out,
-                        timing={"soak_s": args.soak, "rounds": args.rounds, "hold_s": args.hold, "gpu_idle": idle,
-                                "gpu_after_soak": soaked, "gpu_at_end": gpu_state()}, **({"held": HELD} if HELD else {}))
+                        timing={"soak_s": args.soak, "rounds": args.rounds, "hold_s": args.hold,
+                                "gpu_over_soak": soaked}, **({"held": HELD} if HELD else {}))
     print(f"wrote {path}")
 
 
