@@ -4,11 +4,20 @@ Tokens are the bytes of the text (0..255) and EOS = 256 between documents: no vo
 no download. `prepare` writes a folder of shards:
 
     out/index.json       {"format": "moefp8-bytes-v1", "vocab_size": 257, "eos": 256, "dtype": "uint16",
-                          "shards": [{"file": "shard_00000.bin", "tokens": n}, ...], ...}
+                          "src": "stdlib", "glob": "*.py", "max_bytes": 32000000, "files": n, "bytes": n,
+                          "created": "2025-01-31T12:00:00Z",
+                          "shards": [{"file": "shard_00000.bin", "tokens": n, "sha256": "..."}, ...]}
     out/shard_00000.bin  uint16 tokens (native little-endian), read with np.memmap
+    (indexes written before max_bytes, created and sha256 existed load the same)
 
     python -m moefp8.data prepare --src DIR --out DIR [--glob '*.txt'] [--max-bytes N]
     python -m moefp8.data prepare --src stdlib --out DIR   # the Python standard library's *.py sources
+
+Nothing the user did not create is deleted or overwritten: `prepare` writes only into a folder
+that is absent, empty, or an earlier output of `prepare` (its index.json and the shards it lists,
+nothing else); it builds in a fresh hidden folder beside `out` and renames it into place, and
+removes an earlier output by the files its index lists. `ensure` (the training run's entry) never
+prepares over data nor trains on data prepared from other settings than the ones asked for.
 
 `Loader` cuts each shard into non-overlapping windows of seq_len + 1 tokens, shuffles the windows
 of all shards once per epoch (seeded) and deals each step's global batch to the data-parallel
@@ -16,25 +25,37 @@ ranks: rank r of W takes windows [pos + r*B, pos + (r+1)*B) of the epoch's permu
 position (epoch, pos) is the whole state: `state_dict()` / `load_state_dict()` resume exactly.
 With `val_windows` > 0 that many windows, drawn once with a fixed seed (the same for every
 train.seed, so runs of any seed are evaluated on the same text), are held out of training and
-served by `val_batches()`.
+served by `val_batches()`. Every batch is checked against the vocabulary (a corrupt shard is
+named, not a crash inside the embedding).
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import sysconfig
+import tempfile
+from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from moefp8.errors import UserError, first_line, report
+
 EOS = 256
 VOCAB_SIZE = 257
 FORMAT = "moefp8-bytes-v1"
 SHARD_TOKENS = 1 << 24  # 16M tokens (32 MB) per shard
 VAL_SEED = 0x5EED  # picks the held-out windows; independent of train.seed
+NAMED_SOURCES = ("stdlib", "site-packages")
+
+
+class DataError(UserError):
+    """The training data cannot be prepared or read; the message names the file or value and the fix."""
 
 
 def encode(text: str | bytes) -> np.ndarray:
@@ -59,39 +80,96 @@ def source_dir(name: str) -> Path:
     return Path(name)
 
 
-def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
-            shard_tokens: int = SHARD_TOKENS) -> dict:
-    """Tokenizes the files matching `glob` (one pattern, or several comma-separated: "*.py,*.h")
-    under `src` (a folder, "stdlib": the Python standard library, "site-packages": the installed
-    packages; several comma-separated, read in that order), each folder's files in sorted path order, each file followed by EOS, until
-    max_bytes of text; writes shards and index.json into `out` atomically (built in out.tmp, then
-    renamed). Returns the index."""
-    patterns = [g.strip() for g in glob.split(",") if g.strip()]
-    files, seen = [], set()
-    for root in [r.strip() for r in src.split(",") if r.strip()]:
+def _split(s: str) -> list[str]:
+    """"a, b,c" -> ["a", "b", "c"]: the comma-separated lists of --src and --glob."""
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+# ---- prepare: which files, where the output may go, writing it, putting it in place ----
+
+def _is_output(p: Path, out: Path) -> bool:
+    """p (resolved) lies in `out` (resolved) or in one of its temporary folders (.out.*.prepare,
+    .out.*.old: this or an interrupted earlier prepare's)."""
+    if not p.is_relative_to(out.parent) or p == out.parent:
+        return False
+    top = p.relative_to(out.parent).parts[0]
+    return top == out.name or (top.startswith(f".{out.name}.") and top.endswith((".prepare", ".old")))
+
+
+def _walk(src_dir: Path, skip: set[str], out: Path):
+    """The paths under src_dir (resolved), less those under a folder named in `skip` and those of
+    the output `out` (resolved) when it lies inside src_dir."""
+    inside = out.is_relative_to(src_dir)
+    for p in src_dir.rglob("*"):
+        if not skip & set(p.relative_to(src_dir).parts) and not (inside and _is_output(p, out)):
+            yield p
+
+
+def _census(paths: list[Path]) -> tuple[int, list[str]]:
+    """(number of files among `paths`, their most common suffixes: [".txt (40)", ".md (3)"])."""
+    files = [p for p in paths if p.is_file()]
+    return len(files), [f"{s} ({n})" for s, n in Counter(p.suffix or "(no suffix)" for p in files).most_common(5)]
+
+
+def find_files(src: str, glob: str, out: str) -> list[Path]:
+    """The files `prepare` reads: those matching `glob` (comma-separated patterns, matched from the
+    right as rglob does, so "sub/*.py" keeps its meaning) under each folder of `src` in turn, each
+    folder's in sorted path order, each file once; never those of the output folder `out`."""
+    patterns, out_dir = _split(glob), Path(out).resolve()
+    files, seen, walked = [], set(), []
+    for root in _split(src):
         src_dir = source_dir(root)
         if not src_dir.is_dir():
-            raise FileNotFoundError(f"data prepare: source folder {src_dir} does not exist")
+            raise DataError(f"data prepare: source folder {src_dir} does not exist; set data.prepare_from / --src "
+                            f"to a folder of text files, 'stdlib' or 'site-packages'")
         skip = {"site-packages", "dist-packages"} if root == "stdlib" else set()  # installed packages are not stdlib
-        # one walk of the tree for all the patterns (rglob per pattern walked it once each); match()
-        # matches from the right as rglob does, so "sub/*.py" keeps its meaning
-        found = {p for p in src_dir.rglob("*") if any(p.match(g) for g in patterns)
-                 and p.is_file() and not skip & set(p.relative_to(src_dir).parts)}
+        paths = list(_walk(src_dir.resolve(), skip, out_dir))  # one walk of the tree for all the patterns
+        found = {p for p in paths if any(p.match(g) for g in patterns) and p.is_file()}
         files += sorted(found - seen)
         seen |= found
-    if not files:
-        raise ValueError(f"data prepare: no file matches {glob!r} under {src}")
-    out_dir, tmp = Path(out), Path(str(out) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+        walked += paths
+    if files:
+        return files
+    n, suffixes = _census(walked)
+    if not n:
+        raise DataError(f"data prepare: no file matches {glob!r} under {src}, which holds no files; set "
+                        f"data.prepare_from / --src to a folder of text files")
+    example = next((s.split(" ")[0] for s in suffixes if s.startswith(".")), ".txt")
+    raise DataError(f"data prepare: no file matches {glob!r} under {src} (it holds {n} files: {', '.join(suffixes)}); "
+                    f"set data.glob / --glob to match them, e.g. '*{example}'")
+
+
+def _earlier_output(out: Path) -> list[str]:
+    """The files of an earlier `prepare` output in `out` (index.json and the shards it lists that are
+    there); [] for an absent or empty folder. DataError where out holds anything else."""
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise DataError(f"data prepare: {out} is a file, not a folder; pick a new or empty folder")
+    entries = sorted(os.listdir(out))
+    try:
+        ours = {"index.json", *(s["file"] for s in read_index(str(out))["shards"])} if entries else set()
+    except DataError:  # no index of ours: nothing there was written by prepare
+        ours = set()
+    foreign = [e for e in entries if e not in ours or (out / e).is_symlink() or not (out / e).is_file()]
+    if foreign:
+        foreign.sort(key=lambda e: e == "index.json")  # name the user's file rather than an unreadable index
+        raise DataError(f"data prepare: {out} is not empty and was not written by moefp8's prepare (it holds "
+                        f"{len(entries)} entries, e.g. {foreign[0]}); pick a new or empty folder")
+    return entries
+
+
+def _write_shards(files: list[Path], dest: Path, max_bytes: int, shard_tokens: int) -> tuple[list[dict], int, int]:
+    """Tokenizes `files` (each followed by EOS) until max_bytes of text into dest/shard_NNNNN.bin of
+    shard_tokens tokens (the last shorter). Returns (shard entries, files read, bytes read)."""
     shards, buf, n_buf, total, n_files = [], [], 0, 0, 0
 
     def flush():
         nonlocal buf, n_buf
         if n_buf:
-            name = f"shard_{len(shards):05d}.bin"
-            np.concatenate(buf).tofile(tmp / name)
-            shards.append({"file": name, "tokens": int(n_buf)})
+            name, toks = f"shard_{len(shards):05d}.bin", np.concatenate(buf)
+            toks.tofile(dest / name)
+            shards.append({"file": name, "tokens": int(n_buf), "sha256": hashlib.sha256(toks).hexdigest()})
             buf, n_buf = [], 0
 
     for p in files:
@@ -108,51 +186,178 @@ def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
             if n_buf == shard_tokens:
                 flush()
     flush()
-    index = {"format": FORMAT, "vocab_size": VOCAB_SIZE, "eos": EOS, "dtype": "uint16", "src": src,
-             "glob": glob, "files": n_files, "bytes": total, "shards": shards}
-    (tmp / "index.json").write_text(json.dumps(index, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    return shards, n_files, total
+
+
+def _swap(new: Path, out: Path, old_files: list[str]) -> None:
+    """Renames the folder `new` to `out` (absent, empty, or an earlier output whose files are
+    old_files: renamed aside first, then only those files and the folder removed)."""
+    if not old_files:
+        os.replace(new, out)  # onto an empty folder too: POSIX rename replaces an empty directory
+        return
+    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))  # a unique name
+    try:
+        os.replace(out, aside)
+    except OSError:
+        aside.rmdir()
+        raise
+    try:
+        os.replace(new, out)
+    except OSError:
+        os.replace(aside, out)
+        raise
+    for f in old_files:
+        (aside / f).unlink(missing_ok=True)
+    try:
+        aside.rmdir()
+    except OSError:  # someone wrote into out meanwhile: theirs, so the folder stays
+        pass
+
+
+def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
+            shard_tokens: int = SHARD_TOKENS) -> dict:
+    """Tokenizes the files matching `glob` (one pattern, or several comma-separated: "*.py,*.h")
+    under `src` (a folder, "stdlib": the Python standard library, "site-packages": the installed
+    packages; several comma-separated, read in that order), each folder's files in sorted path
+    order, each file followed by EOS, until max_bytes of text; writes shards and index.json into
+    `out`, which must be absent, empty or an earlier output of prepare (replaced). Built in a fresh
+    folder beside `out` (removed on failure), then renamed into place. Returns the index."""
+    if max_bytes < 1 or shard_tokens < 1:
+        raise DataError(f"data prepare: max_bytes={max_bytes}, shard_tokens={shard_tokens}: must be >= 1")
+    out_dir = Path(out).resolve()  # "." or a link to a folder: the folder itself, and its parent for the temp
+    old_files = _earlier_output(out_dir)  # refuses a folder we did not write before reading anything
+    files = find_files(src, glob, str(out_dir))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = out_dir.stat().st_mode & 0o7777 if out_dir.is_dir() else 0o777 & ~umask
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".prepare"))
+    try:
+        shards, n_files, total = _write_shards(files, tmp, max_bytes, shard_tokens)
+        index = {"format": FORMAT, "vocab_size": VOCAB_SIZE, "eos": EOS, "dtype": "uint16", "src": src,
+                 "glob": glob, "max_bytes": max_bytes, "files": n_files, "bytes": total,
+                 "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "shards": shards}
+        (tmp / "index.json").write_text(json.dumps(index, indent=1))
+        os.chmod(tmp, mode)  # mkdtemp's is 0o700
+        _swap(tmp, out_dir, old_files)
+    except BaseException:
+        if tmp.exists():  # made above: ours to remove
+            shutil.rmtree(tmp)
+        raise
     return index
 
 
-def load_shards(path: str) -> list[np.ndarray]:
-    """The shards of a prepared folder as read-only memmaps; clear errors (naming the file) for a
-    missing index, a missing, empty or truncated shard."""
+# ---- reading: the index, the shards, the training run's entry ----
+
+def read_index(path: str) -> dict:
+    """The index.json of a prepared folder, checked: DataError (naming the file and the fix) for a
+    missing, unparsable or foreign index, or one that lists no shard or a malformed one."""
     index_path = Path(path) / "index.json"
     if not index_path.is_file():
-        raise FileNotFoundError(f"data: {index_path} not found; prepare the folder with "
-                                f"`python -m moefp8.data prepare --src DIR --out {path}`")
-    index = json.loads(index_path.read_text())
-    if index.get("format") != FORMAT:
-        raise ValueError(f"data: {index_path} has format {index.get('format')!r}, expected {FORMAT!r}")
-    if not index["shards"]:
-        raise ValueError(f"data: {index_path} lists no shard")
+        raise DataError(f"data: {index_path} not found; prepare the folder with "
+                        f"`python -m moefp8.data prepare --src DIR --out {path}` (or set data.prepare_from)")
+    again = "prepare the data again into a new folder"
+    try:
+        index = json.loads(index_path.read_bytes())
+    except ValueError as e:  # JSONDecodeError (its message has the line and column), UnicodeDecodeError
+        raise DataError(f"data: {index_path} is not valid JSON ({first_line(e)}): it looks interrupted or "
+                        f"edited; {again}") from None
+    fmt = index.get("format") if isinstance(index, dict) else None
+    if fmt != FORMAT:
+        raise DataError(f"data: {index_path} has format {fmt!r}, expected {FORMAT!r}; {again}")
+    if not isinstance(index.get("shards"), list) or not index["shards"]:
+        raise DataError(f"data: {index_path} lists no shard; {again}")
+    for i, s in enumerate(index["shards"]):  # a plain file name: never a path out of the folder
+        f = s.get("file") if isinstance(s, dict) else None
+        if not (isinstance(f, str) and f not in ("", ".", "..") and Path(f).name == f
+                and isinstance(s.get("tokens"), int) and s["tokens"] >= 0):
+            raise DataError(f"data: {index_path} has a malformed shard entry ({i}): it looks edited; {again}")
+    if not isinstance(index.get("vocab_size"), int):
+        raise DataError(f"data: {index_path} has vocab_size {index.get('vocab_size')!r}, not a number; {again}")
+    return index
+
+
+def load_shards(path: str, index: dict | None = None) -> list[np.ndarray]:
+    """The shards of a prepared folder (`index`: its read_index, read here if None) as read-only
+    memmaps; DataError (naming the file) for a missing, empty or truncated shard."""
+    index = read_index(path) if index is None else index
+    index_path = Path(path) / "index.json"
     out = []
     for s in index["shards"]:
         f = Path(path) / s["file"]
         if not f.is_file():
-            raise FileNotFoundError(f"data: shard {f} listed in {index_path} is missing")
+            raise DataError(f"data: shard {f} listed in {index_path} is missing; prepare the data again")
         size, want = f.stat().st_size, 2 * s["tokens"]
         if size == 0:
-            raise ValueError(f"data: shard {f} is empty (index.json says {s['tokens']} tokens)")
+            raise DataError(f"data: shard {f} is empty (index.json says {s['tokens']} tokens); prepare the data again")
         if size != want:
-            raise ValueError(f"data: shard {f} has {size} bytes, index.json says {s['tokens']} tokens "
-                             f"({want} bytes): truncated or rewritten; prepare the folder again")
+            raise DataError(f"data: shard {f} has {size} bytes, index.json says {s['tokens']} tokens "
+                            f"({want} bytes): truncated or rewritten; prepare the folder again")
         out.append(np.memmap(f, dtype=np.uint16, mode="r"))
     return out
 
 
+def _settings(src, glob, max_bytes) -> str:
+    """"'stdlib' (*.py, max_bytes=32000000)": what data was prepared from, for messages."""
+    return f"{src!r} ({glob}" + (f", max_bytes={max_bytes})" if max_bytes is not None else ")")
+
+
+def _same_source(index: dict, prepare_from: str, glob: str, max_bytes: int) -> bool:
+    """Whether `index` was prepared from these settings: the same sources in the same order (folders
+    compared by real path), the same patterns in any order, and max_bytes where it was recorded."""
+    def roots(src):
+        return [r if r in NAMED_SOURCES else os.path.realpath(r) for r in _split(src or "")]
+    return (roots(index.get("src")) == roots(prepare_from) and set(_split(index.get("glob") or "")) == set(_split(glob))
+            and index.get("max_bytes", max_bytes) == max_bytes)
+
+
+def ensure(path: str, prepare_from: str, glob: str, max_bytes: int, say=print) -> dict:
+    """The index of data.path, prepared first (telling `say` one line) if it has none; what the
+    training run calls on rank 0 before reading data. DataError where `path` holds data prepared from
+    other settings than prepare_from/glob/max_bytes (prepare_from "": whatever it holds is used), holds
+    files of the user's, or has no data and prepare_from is ""."""
+    if (Path(path) / "index.json").exists():
+        index = read_index(path)
+        if not prepare_from or _same_source(index, prepare_from, glob, max_bytes):
+            return index
+        raise DataError(f"data.path={path} holds data prepared from "
+                        f"{_settings(index.get('src'), index.get('glob'), index.get('max_bytes'))}, not from "
+                        f"data.prepare_from={_settings(prepare_from, glob, max_bytes)}: pick a new data.path for it, "
+                        f"or data.prepare_from='' to train on what {path} holds")
+    if not prepare_from:
+        raise DataError(f"data.path={path}: no index.json there and data.prepare_from is empty; set "
+                        f"data.prepare_from=DIR (a folder of texts, or 'stdlib') or run "
+                        f"`python -m moefp8.data prepare --src DIR --out {path}`")
+    if Path(path).is_dir() and any(Path(path).iterdir()):
+        raise DataError(f"data.path={path} holds files moefp8 did not write and no index.json; to train on the "
+                        f"texts in {path}: data.prepare_from={path} data.path=<a new folder>")
+    say(f"data: preparing {path} from {prepare_from!r} ({glob}, <= {max_bytes / 1e6:.0f} MB)")
+    return prepare(prepare_from, path, glob, max_bytes)
+
+
 class Loader:
     """(x, y) int64 batches [B, seq_len] (y = x shifted by one) for data-parallel rank `rank` of
-    `world`; deterministic in (seed, rank, world, position). `val_windows` windows are held out."""
+    `world`; deterministic in (seed, rank, world, position). `val_windows` windows are held out.
+    vocab_size (the model's embedding rows; None: not checked): the index's vocabulary must fit in it.
+    Every batch served is checked: a token id >= the index's vocab_size is a DataError naming the
+    shard and the token's offset in it."""
 
     def __init__(self, path: str, batch: int, seq_len: int, rank: int = 0, world: int = 1, seed: int = 0,
-                 val_windows: int = 0):
+                 val_windows: int = 0, vocab_size: int | None = None):
         if not 0 <= rank < world:
             raise ValueError(f"data loader: rank {rank} not in a world of {world}")
-        self.shards = load_shards(path)
+        index = read_index(path)
+        self.vocab = index["vocab_size"]  # every token id served is below it (and so below vocab_size)
+        if vocab_size is not None and self.vocab > vocab_size:
+            raise DataError(f"data.path={path}: its tokens need a vocabulary of {self.vocab} (index.json), more "
+                            f"than model.vocab_size={vocab_size}: set model.vocab_size >= {self.vocab}")
+        self.files = [Path(path) / s["file"] for s in index["shards"]]  # named in errors
+        # what the data is, whatever folder holds it: the shards' names, sizes and (recorded since
+        # 2026-11) checksums; a checkpoint keeps it, and a resume on other data is refused
+        self.data_id = hashlib.sha256(json.dumps([[s["file"], s["tokens"], s.get("sha256")]
+                                                  for s in index["shards"]]).encode()).hexdigest()[:16]
+        self.path = path
+        self.shards = load_shards(path, index)
         self.batch, self.seq_len, self.rank, self.world, self.seed = batch, seq_len, rank, world, seed
         w = seq_len + 1
         # window i of shard s starts at token i * seq_len (windows share one token: the last target)
@@ -161,7 +366,7 @@ class Loader:
         self.win_start = np.concatenate([np.arange(c, dtype=np.int64) * seq_len for c in counts])
         n_all = len(self.win_start)
         if val_windows and not batch * world <= val_windows <= n_all // 2:
-            raise ValueError(f"data.val_windows={val_windows}: must be between one global batch ({batch} x {world} "
+            raise DataError(f"data.val_windows={val_windows}: must be between one global batch ({batch} x {world} "
                              f"ranks) and half of the {n_all} windows of {w} tokens in {path}")
         held = (torch.randperm(n_all, generator=torch.Generator().manual_seed(VAL_SEED)).numpy()[:val_windows]
                 if val_windows else np.zeros(0, dtype=np.int64))
@@ -170,7 +375,7 @@ class Loader:
         self.val_ids, self.train_ids = np.sort(held), np.flatnonzero(keep)  # window indices
         self.n_windows = len(self.train_ids)
         if self.n_windows < batch * world:
-            raise ValueError(f"data: {path} holds {self.n_windows} windows of {w} tokens, fewer than one global "
+            raise DataError(f"data: {path} holds {self.n_windows} windows of {w} tokens, fewer than one global "
                              f"batch ({batch} x {world} ranks)")
         self.epoch, self.pos = 0, 0
         self._perm_epoch, self._perm = -1, None
@@ -189,8 +394,13 @@ class Loader:
 
     def _rows(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
         rows = np.stack([self.shards[self.win_shard[i]][self.win_start[i]: self.win_start[i] + self.seq_len + 1]
-                         for i in ids]).astype(np.int64)
-        t = torch.from_numpy(rows)
+                         for i in ids])  # [B, seq_len + 1] uint16
+        if rows.size and rows.max() >= self.vocab:  # one max per batch: a corrupt shard, not a crash in the embedding
+            r, c = np.argwhere(rows >= self.vocab)[0]
+            raise DataError(f"data: shard {self.files[self.win_shard[ids[r]]]} holds token id {rows[r, c]} at token "
+                            f"{self.win_start[ids[r]] + c}, outside the vocabulary of {self.vocab} (index.json): "
+                            f"the shard is corrupt; prepare the data again into a new folder")
+        t = torch.from_numpy(rows.astype(np.int64))
         return t[:, :-1], t[:, 1:]
 
     def next(self) -> tuple[Tensor, Tensor]:
@@ -210,7 +420,8 @@ class Loader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "world": self.world,
-                "seq_len": self.seq_len, "batch": self.batch, "val_windows": len(self.val_ids)}
+                "seq_len": self.seq_len, "batch": self.batch, "val_windows": len(self.val_ids),
+                "data_id": self.data_id}
 
     def load_state_dict(self, sd: dict) -> None:
         mine = {"seed": self.seed, "seq_len": self.seq_len, "global batch": self.batch * self.world,
@@ -221,6 +432,10 @@ class Loader:
             if mine[k] != theirs[k]:
                 raise ValueError(f"data loader: the checkpoint was taken with {k}={theirs[k]}, this run has "
                                  f"{k}={mine[k]}; the position would not mean the same tokens")
+        if sd.get("data_id", self.data_id) != self.data_id:  # (checkpoints before 2026-11 have none)
+            raise ValueError(f"data loader: the checkpoint was trained on other data (id {sd['data_id']}) than "
+                             f"data.path={self.path} holds (id {self.data_id}); resume with the data.path it was "
+                             f"trained on (the run dir's config.yaml names it), or start a new train.out_dir")
         self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
 
 
@@ -234,7 +449,10 @@ def main(argv=None) -> None:
     p.add_argument("--glob", default="*.py", help="file pattern; several comma-separated: '*.py,*.h'")
     p.add_argument("--max-bytes", type=int, default=32_000_000)
     a = ap.parse_args(argv)
-    idx = prepare(a.src, a.out, a.glob, a.max_bytes)
+    try:
+        idx = prepare(a.src, a.out, a.glob, a.max_bytes)
+    except DataError as e:
+        report(f"error: {e}")  # one line on stderr, exit status 1
     print(f"{a.out}: {idx['files']} files, {idx['bytes']} bytes, {len(idx['shards'])} shard(s)")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moefp8.data import EOS, Loader, decode, encode, load_shards, main, prepare
+from moefp8.data import EOS, DataError, Loader, decode, encode, load_shards, main, prepare
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_prepare_tokens(texts, tmp_path):
     assert len(toks) == len(want) + 3 and (toks == EOS).sum() == 3
     assert bytes(toks[toks != EOS].astype(np.uint8)) == want
     assert decode(encode("grüße\n")) == "grüße\n"
-    assert not (tmp_path / "out.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temporary folder left
 
 
 def test_prepare_several_globs(texts, tmp_path):
@@ -50,7 +50,7 @@ def test_prepare_several_folders(texts, tmp_path):
     toks = np.concatenate(load_shards(str(tmp_path / "out")))
     want = b"".join(p.read_bytes() for p in (extra / "0.txt", texts / "a.txt", texts / "b.txt", texts / "sub" / "c.txt"))
     assert idx["files"] == 4 and bytes(toks[toks != EOS].astype(np.uint8)) == want
-    with pytest.raises(FileNotFoundError, match=f"source folder {tmp_path / 'missing'} does not exist"):
+    with pytest.raises(DataError, match=f"source folder {tmp_path / 'missing'} does not exist"):
         prepare(f"{texts},{tmp_path / 'missing'}", str(tmp_path / "o2"), glob="*.txt")
 
 
@@ -162,20 +162,20 @@ def test_held_out_windows(data):
 
 
 def test_errors_name_the_path(data, tmp_path):
-    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope" / "index.json")):
+    with pytest.raises(DataError, match=str(tmp_path / "nope" / "index.json")):
         Loader(str(tmp_path / "nope"), 1, 8)
     shard = tmp_path / "d" / "shard_00001.bin"
     raw = shard.read_bytes()
     shard.write_bytes(raw[:-6])
-    with pytest.raises(ValueError, match=f"{shard} has {len(raw) - 6} bytes.*truncated"):
+    with pytest.raises(DataError, match=f"{shard} has {len(raw) - 6} bytes.*truncated"):
         Loader(data, 1, 8)
     shard.write_bytes(b"")
-    with pytest.raises(ValueError, match=f"{shard} is empty"):
+    with pytest.raises(DataError, match=f"{shard} is empty"):
         Loader(data, 1, 8)
     shard.unlink()
-    with pytest.raises(FileNotFoundError, match=f"{shard} listed in"):
+    with pytest.raises(DataError, match=f"{shard} listed in"):
         Loader(data, 1, 8)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist"):
         prepare(str(tmp_path / "missing"), str(tmp_path / "o"))
-    with pytest.raises(ValueError, match="no file matches"):
+    with pytest.raises(DataError, match="no file matches"):
         prepare(str(tmp_path / "d"), str(tmp_path / "o"), glob="*.rst")
