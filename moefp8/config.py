@@ -32,29 +32,32 @@ BYTE_VOCAB = 257  # 256 byte values + EOS (moefp8.data)
 class ModelConfig:
     """Decoder-only MoE transformer (moefp8.model). Attention: n_heads x head_dim (RoPE);
     the first n_dense_layers MLPs are dense SwiGLU (dense_inter), the rest MoE layers."""
-    name: str = "tiny"
-    vocab_size: int = BYTE_VOCAB
-    hidden: int = 128
-    n_layers: int = 3
-    n_dense_layers: int = 1
-    n_heads: int = 2
-    head_dim: int = 64
+    name: str = "tiny"  # the preset's name; names the default run dir, outputs/runs/<name>-<recipe>
+    vocab_size: int = BYTE_VOCAB  # embedding and LM-head rows; >= 257 (the byte tokenizer: 256 bytes + EOS)
+    hidden: int = 128  # H, the residual stream width; a multiple of 128 with recipe=fp8
+    n_layers: int = 3  # transformer blocks, dense and MoE together
+    n_dense_layers: int = 1  # the first N blocks have a dense SwiGLU MLP, the others MoE; 0: all MoE
+    n_heads: int = 2  # attention heads (multi-head: as many key/value heads)
+    head_dim: int = 64  # per head; even (RoPE); n_heads * head_dim a multiple of 128 with recipe=fp8
     dense_inter: int = 256  # SwiGLU intermediate size of the dense MLPs
     moe_inter: int = 128  # intermediate size I of each routed (and shared) expert
-    n_experts: int = 8
-    topk: int = 2
-    n_shared: int = 1
-    score_func: str = "sigmoid"
-    n_groups: int = 1  # group-limited routing: keep the best topk_groups of n_groups groups
-    topk_groups: int = 1
-    route_scale: float = 1.0
-    bias_update_rate: float = 1e-3  # aux-loss-free balancing step per optimizer step
+    n_experts: int = 8  # E, routed experts per MoE layer; divisible by dispatch.ep_size and n_groups
+    topk: int = 2  # K, routed experts per token
+    n_shared: int = 1  # shared experts (of moe_inter each) that every token passes through; 0: none
+    score_func: str = "sigmoid"  # router scores: sigmoid (DeepSeek-V3; top-k weights renormalized to 1) | softmax
+    # group-limited routing: the experts in n_groups equal groups, each token picks its top-k from
+    # the best topk_groups of them; 1: off
+    n_groups: int = 1
+    topk_groups: int = 1  # groups a token picks from (1 <= topk_groups <= n_groups)
+    route_scale: float = 1.0  # multiplies the picked experts' routing weights (DeepSeek-V3: 2.5)
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step; 0: off
     seq_aux_alpha: float = 1e-4  # sequence-wise balance loss weight (0: off)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init of matrices and experts (wo, w2: also / sqrt(2 n_layers))
 
 
+# Which linears compute in FP8 and how their scales are stored (moefp8.fp8, moefp8.linear).
 @dataclass
 class RecipeConfig:
     recipe: str = "fp8"  # fp8: the DeepSeek-V3 recipe for every linear but embedding/head/router/wo; bf16: baseline
@@ -70,35 +73,37 @@ class RecipeConfig:
     bf16_linears: list[str] = field(default_factory=lambda: ["wo"])
 
 
+# Expert parallelism: how tokens travel to the ranks that hold their experts (dispatch/).
 @dataclass
 class DispatchConfig:
-    backend: str = "local"
+    backend: str = "local"  # local (EP=1, no communication) | all_to_all (torch.distributed) | deepep (DeepEP)
     ep_size: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
     overlap: bool = False  # two micro-batches per block (MoE layers), communication overlapped (moefp8.overlap)
     # all_to_all: "exact" (count exchange + host sync), "capacity" (fixed blocks, no sync) or "auto"
-    # (capacity on GPUs when ep_size <= model.topk); capacity: the most tokens a rank passes to one
-    # dispatch, 0: train.micro_batch * train.seq_len (with overlap: the larger micro-batch's tokens)
+    # (capacity on GPUs when ep_size <= model.topk)
     mode: str = "auto"
+    # capacity mode: the most tokens a rank passes to one dispatch; 0: train.micro_batch * train.seq_len
+    # (with overlap: the larger micro-batch's tokens)
     capacity: int = 0
     # all_to_all: "collective" (torch.distributed: NCCL kernels / gloo) or "copy_engine" (NVLink peer
     # copies, no SMs taken: one host, GPUs, the capacity mode only)
     transport: str = "collective"
     slots: int = 4  # copy_engine: send slots in its ring (more: fewer waits for the slowest peer, more memory)
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
-    # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off.
-    # ranks_per_node: 0 = torchrun's LOCAL_WORLD_SIZE
+    # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off
     max_nodes: int = 0
-    ranks_per_node: int = 0
+    ranks_per_node: int = 0  # node-limited routing: ranks per node; 0: torchrun's LOCAL_WORLD_SIZE
 
 
+# AdamW on fp32 master weights (moefp8.optim): linear warm-up, then cosine decay to train.steps.
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
-    warmup_steps: int = 10
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    warmup_steps: int = 10  # linear warm-up steps (clamped to train.steps)
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # added to Adam's denominator
     weight_decay: float = 0.1  # on matrices only: not norms, biases or embeddings
     grad_clip: float = 1.0  # global grad norm; 0: off
     moment_dtype: str = "bf16"  # Adam moments: bf16 (DeepSeek-V3) or fp32
@@ -110,28 +115,36 @@ class DataConfig:
     from `prepare_from`: "stdlib" (the Python standard library's *.py sources: real text found
     offline on any machine), "site-packages" (torch's folder of installed packages), a folder of text files
     (several of these comma-separated, read in that order), or "" (then a missing path is an error)."""
-    path: str = "outputs/data/stdlib"
-    prepare_from: str = "stdlib"
+    path: str = "outputs/data/stdlib"  # the prepared shards (index.json); prepared on first use if absent
+    prepare_from: str = "stdlib"  # what to prepare data.path from: stdlib | site-packages | DIR[,DIR...] | ""
     glob: str = "*.py"  # file pattern under prepare_from; several comma-separated: "*.py,*.h"
     max_bytes: int = 32_000_000  # cap on the text read when preparing
     val_windows: int = 0  # windows of train.seq_len + 1 tokens held out of training for train.eval_every
 
 
+# The training loop (moefp8.train): length, batch, logging, checkpoints, resume, failures.
 @dataclass
 class TrainConfig:
-    steps: int = 150  # the tiny default trains ~70 s on 2 CPU cores
+    steps: int = 150  # optimizer steps in all (the tiny default trains ~70 s on 2 CPU cores)
     micro_batch: int = 8  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step
-    seq_len: int = 256
-    log_every: int = 10
+    seq_len: int = 256  # tokens per sequence (windows of seq_len + 1 tokens: inputs, shifted targets)
+    log_every: int = 10  # a console line every N steps (metrics.jsonl gets every step)
     fp8_stats_every: int = 100  # FP8 recipe: tile-scale statistics (fp8/* metrics) of one step in N; 0: off
-    ckpt_every: int = 50  # 0: only at the end
+    ckpt_every: int = 50  # a checkpoint every N steps and at the end; 0: only at the end
+    # checkpoints kept in the run dir: the newest keep_last (0: all), plus any you pin by creating a
+    # file named `keep` in its step_N/ folder; older ones are deleted after each save
+    keep_last: int = 3
     eval_every: int = 0  # held-out loss (`val_loss`) over data.val_windows every N steps and at the end; 0: off
     out_dir: str = "outputs/runs/default"  # the run dir: checkpoints, metrics, wandb files
-    resume: str = "auto"  # auto: the latest complete checkpoint in out_dir if any; none; or a step dir
-    seed: int = 0
+    # auto: the checkpoint `latest` names in out_dir (a damaged one stops the run, named); last_good: the
+    # newest checkpoint that passes its checksums (says which newer ones it passed over and why); none: a
+    # fresh start (refused in a run dir that already holds a run); or a step_N/ path
+    resume: str = "auto"
+    seed: int = 0  # model init and data order (the held-out windows do not depend on it)
     device: str = "auto"  # auto: cuda if available, else cpu
     nan_policy: str = "stop"  # non-finite loss or grad norm: stop (keep the last good checkpoint) | skip the step
+    max_skipped_steps: int = 10  # nan_policy=skip: stop with an error after this many skipped steps in a row
     peak_tflops: float = 0.0  # for MFU; 0: look up the GPU (H100/H200 dense BF16 or FP8), none on CPU
     progress: bool = True  # a progress bar when the console is a terminal
     # seconds a collective waits for its peers before this rank gives up (a peer died or hangs,
@@ -145,10 +158,11 @@ class TrainConfig:
     deterministic: bool = False
 
 
+# wandb, on rank 0 (metrics.jsonl in the run dir is written either way).
 @dataclass
 class LoggerConfig:
     mode: str = "offline"  # wandb: offline (run files in the run dir), online (needs a key), disabled
-    project: str = "moefp8"
+    project: str = "moefp8"  # wandb project
     name: str = ""  # wandb run name; "": the run dir's name
 
 
@@ -259,8 +273,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"dispatch.ep_size={d.ep_size}: dispatch=local is EP=1; use dispatch=all_to_all")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
-    if not 0 <= o.warmup_steps <= t.steps:
-        raise ValueError(f"optim.warmup_steps={o.warmup_steps}: must be in [0, train.steps={t.steps}]")
+    if o.warmup_steps < 0:
+        raise ValueError(f"optim.warmup_steps={o.warmup_steps}: must be >= 0 (it is clamped to train.steps)")
     if o.grad_clip < 0 or o.weight_decay < 0:
         raise ValueError(f"optim.grad_clip={o.grad_clip}, optim.weight_decay={o.weight_decay}: must be >= 0")
     for key, v, lo, hi in (("model.norm_eps", m.norm_eps, 0, None), ("model.rope_theta", m.rope_theta, 1, None),
@@ -273,6 +287,10 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"{key}={v}: must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi})"))
     if t.ckpt_every < 0:
         raise ValueError(f"train.ckpt_every={t.ckpt_every}: must be >= 0 (0: only at the end)")
+    if t.keep_last < 0:
+        raise ValueError(f"train.keep_last={t.keep_last}: must be >= 0 (0: keep every checkpoint)")
+    if t.max_skipped_steps < 1:
+        raise ValueError(f"train.max_skipped_steps={t.max_skipped_steps}: must be >= 1")
     if t.eval_every < 0 or data.val_windows < 0:
         raise ValueError(f"train.eval_every={t.eval_every}, data.val_windows={data.val_windows}: must be >= 0")
     if t.eval_every and not data.val_windows:

@@ -71,10 +71,12 @@ class AdamW:
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Linear warm-up over warmup_steps (step 0 gets lr/warmup), then cosine from lr to
-    lr * min_lr_ratio at total_steps. `step` counts optimizer steps from 0."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    lr * min_lr_ratio at total_steps. `step` counts optimizer steps from 0; warmup_steps is clamped
+    to total_steps (a run shorter than the warm-up warms up over the whole run)."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 

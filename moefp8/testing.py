@@ -166,6 +166,29 @@ def git_commit() -> str:
         return "unknown"
 
 
+def torchrun_worker_pid(launcher_pid: int, local_rank: int) -> int | None:
+    """The torchrun worker with LOCAL_RANK=local_rank among the launcher's descendants (/proc)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            stat = (d / "stat").read_text().split()
+        except OSError:
+            continue
+        if f"LOCAL_RANK={local_rank}".encode() in env and b"moefp8.train" in (d / "cmdline").read_bytes():
+            pid = int(d.name)
+            ppid = int(stat[3])
+            while ppid > 1:  # walk up to the launcher
+                if ppid == launcher_pid:
+                    return pid
+                try:
+                    ppid = int((Path("/proc") / str(ppid) / "stat").read_text().split()[3])
+                except OSError:
+                    break
+    return None
+
+
 def boot_id() -> str:
     """This machine's boot id (Linux; "" elsewhere): tells machines apart where every host has the
     same name (the lent GPU machines are all "vm"), and a reboot of one."""

@@ -143,7 +143,7 @@ def test_command_line_errors_are_one_line(data_dir, tmp_path):
         (["train.stpes=10"], None, "config error: train.stpes=10: Key 'stpes' not in 'TrainConfig'"),
         (["model=broken"], {"MOEFP8_CONFIG_DIR": str(cfg_dir)},
          f"config error: {cfg_dir / 'model' / 'broken.yaml'}:2:11: malformed YAML: mapping values are not allowed"),
-        ([f"data.path={d}", "train.micro_batch=2", "train.seq_len=32"], None,
+        ([f"data.path={d}", "data.max_bytes=200000", "train.micro_batch=2", "train.seq_len=32"], None,
          f"error: data: shard {d / 'shard_00000.bin'} has 99998 bytes"),
     ]
     if importlib.util.find_spec("deep_ep") is None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moefp8.testing import torchrun_worker_pid
+
 REPO = Path(__file__).resolve().parent.parent
 # One CPU thread: multi-threaded CPU matmuls may split their sums differently from run to run (seen
 # in CI: two fresh runs differed at step 2), which is not what these tests are about.
@@ -96,29 +98,6 @@ def test_resume_after_a_torn_metrics_line(tmp_path):
     assert sorted(losses(tmp_path / "run")) == list(range(1, 9))
 
 
-def _worker_pid(launcher_pid: int, local_rank: int) -> int | None:
-    """The torchrun worker with LOCAL_RANK=local_rank among the launcher's descendants (/proc)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-            stat = (d / "stat").read_text().split()
-        except OSError:
-            continue
-        if f"LOCAL_RANK={local_rank}".encode() in env and b"moefp8.train" in (d / "cmdline").read_bytes():
-            pid = int(d.name)
-            ppid = int(stat[3])
-            while ppid > 1:  # walk up to the launcher
-                if ppid == launcher_pid:
-                    return pid
-                try:
-                    ppid = int((Path("/proc") / str(ppid) / "stat").read_text().split()[3])
-                except OSError:
-                    break
-    return None
-
-
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_run_quickly_and_is_named(tmp_path):
     """torchrun, 2 gloo ranks (EP 2): SIGKILL rank 1 mid-training; the launcher stops rank 0 and
@@ -134,7 +113,7 @@ def test_a_dead_rank_ends_the_run_quickly_and_is_named(tmp_path):
         deadline = time.time() + 300
         while p.poll() is None and time.time() < deadline and max(_logged(run), default=0) < 3:
             time.sleep(0.1)
-        victim = _worker_pid(p.pid, 1)
+        victim = torchrun_worker_pid(p.pid, 1)
         assert p.poll() is None and victim, "the run did not reach step 3 with two workers"
         os.kill(victim, 9)
         t0 = time.time()

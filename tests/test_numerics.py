@@ -16,7 +16,8 @@ from moefp8.train import Diverged, train
 
 def tiny(data_dir, out, **kw):
     o = {"model": "tiny", "train.micro_batch": 2, "train.seq_len": 32, "train.log_every": 1, "train.progress": False,
-         "train.ckpt_every": 0, "logger.mode": "disabled", "data.path": data_dir, "train.out_dir": str(out),
+         "train.ckpt_every": 0, "logger.mode": "disabled", "data.path": data_dir, "data.max_bytes": 2000000,
+         "train.out_dir": str(out),
          "optim.warmup_steps": 1, "train.steps": 4}
     o.update(kw)
     return compose_config([f"{k}={v}" for k, v in o.items()])

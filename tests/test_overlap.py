@@ -263,7 +263,8 @@ def test_training_with_overlap(tmp_path, data_dir):
         out = tmp_path / f"run-{ov}"
         train(compose_config([f"dispatch.overlap={ov}", "train.steps=3", "train.log_every=1", "train.micro_batch=2",
                               "train.seq_len=64", "train.progress=false", "logger.mode=disabled", "optim.warmup_steps=1",
-                              f"data.path={data_dir}", f"train.out_dir={out}", "train.ckpt_every=0"]))
+                              f"data.path={data_dir}", "data.max_bytes=2000000", f"train.out_dir={out}",
+                              "train.ckpt_every=0"]))
         losses[ov] = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["true"]) == 3 and all(torch.isfinite(torch.tensor(losses["true"])))
     assert losses["true"][0] == losses["false"][0]

@@ -17,7 +17,7 @@ def test_soak_smoke(tmp_path, data_dir):
     out = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, "tools/soak.py", "--minutes", "0.25", "--sample-s", "0.5", "--ckpt-every", "5",
                         "--device", "cpu", "--out-dir", str(tmp_path / "run"), "--json", str(out), "model=tiny",
-                        "train.micro_batch=1", "train.seq_len=32", f"data.path={data_dir}"],
+                        "train.micro_batch=1", "train.seq_len=32", f"data.path={data_dir}", "data.max_bytes=2000000"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode in (0, 1), r.stdout[-2000:] + r.stderr[-2000:]  # 1: not flat (too short to judge)
     doc = json.loads(out.read_text())

@@ -44,7 +44,7 @@ def test_train_summary_writes_results_json(data_dir, tmp_path):
 
     run = tmp_path / "run"
     train(compose_config(["model=tiny", "train.steps=12", "train.micro_batch=2", "train.seq_len=64",
-                          "train.progress=false", "logger.mode=disabled", f"data.path={data_dir}",
+                          "train.progress=false", "logger.mode=disabled", f"data.path={data_dir}", "data.max_bytes=2000000",
                           f"train.out_dir={run}", "train.ckpt_every=0", "train.eval_every=6", "data.val_windows=8"]))
     out = tmp_path / "train.json"
     tool = Path(__file__).resolve().parent.parent / "tools" / "train_summary.py"

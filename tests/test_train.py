@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def base(data_dir, out, **kw):
     o = {"train.micro_batch": 4, "train.seq_len": 64, "train.log_every": 5, "train.progress": False,
-         "logger.mode": "disabled", "data.path": data_dir, "train.out_dir": str(out), "optim.warmup_steps": 2}
+         "logger.mode": "disabled", "data.path": data_dir, "data.max_bytes": 2000000, "train.out_dir": str(out),
+         "optim.warmup_steps": 2}
     o.update(kw)
     return [f"{k}={v}" for k, v in o.items()]
 
@@ -180,7 +181,7 @@ def test_nan_policy_skip(data_dir, tmp_path):
     (["train.time_limit_s=-60"], "config error: train.time_limit_s=-60.0: must be >= 0 (0: no limit)"),
 ])
 def test_errors_are_one_line(data_dir, tmp_path, overrides, error):
-    r = cli([*overrides, f"data.path={data_dir}", "logger.mode=disabled", f"train.out_dir={tmp_path / 'r'}"],
+    r = cli([*overrides, f"data.path={data_dir}", "data.max_bytes=2000000", "logger.mode=disabled", f"train.out_dir={tmp_path / 'r'}"],
             timeout=120)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()

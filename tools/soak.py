@@ -24,8 +24,8 @@ last third of the rest with the first third (medians):
     per wall-clock second ("wall"; the host's CPU time there is mostly spinning on the device).
     The other figures (and the median per-step tokens/s from metrics.jsonl) are reported too.
 
-The run keeps its two newest checkpoints (older ones are deleted by this tool, as a cluster job
-would). Writes bench/results/soak-<device>.json (rows: the two comparisons, DESIGN.md §6; the
+The run keeps its two newest checkpoints (train.keep_last=2, as a cluster job would). Writes
+bench/results/soak-<device>.json (rows: the two comparisons, DESIGN.md §6; the
 samples) and the log (the run's output and the samples) beside it, or --json/--log. Exit status
 1 if memory or throughput was not flat.
 """
@@ -33,7 +33,6 @@ samples) and the log (the run's output and the samples) beside it, or --json/--l
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -85,12 +84,6 @@ class Metrics:
         return new
 
 
-def prune_checkpoints(run_dir: Path, keep: int = 2) -> None:
-    steps = sorted(p for p in run_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for p in steps[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
-
-
 def thirds(xs: list[float]) -> tuple[float, float]:
     n = len(xs) // 3
     return statistics.median(xs[:n]), statistics.median(xs[-n:])
@@ -136,7 +129,7 @@ def main() -> int:
     ap.add_argument("--tps-tol", type=float, default=0.10)
     ap.add_argument("--tps-metric", choices=["cpu_s", "s_wall"], default=None,
                     help="throughput figure that decides: tokens per CPU-second (default on CPU) or per wall second")
-    ap.add_argument("--out-dir", default=str(REPO / "outputs" / "soak"), help="the run dir (started afresh)")
+    ap.add_argument("--out-dir", default=None, help="the run dir, a new one (default: outputs/soak/<date>)")
     ap.add_argument("--json", default=None, help="default: bench/results/soak-<device>.json")
     ap.add_argument("--log", default=None, help="default: the JSON path with .log")
     a, overrides = ap.parse_known_args()
@@ -147,10 +140,11 @@ def main() -> int:
     dev = device_name().replace(" ", "-") if cuda else "cpu"
     json_path = Path(a.json) if a.json else REPO / "bench" / "results" / f"soak-{dev}.json"
     log_path = Path(a.log) if a.log else json_path.with_suffix(".log")
-    run_dir = Path(a.out_dir)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir = Path(a.out_dir or REPO / "outputs" / "soak" / time.strftime("%Y%m%d-%H%M%S"))
+    if run_dir.exists() and any(run_dir.iterdir()):  # a soak starts afresh, and deletes nothing of anyone's
+        raise SystemExit(f"soak: --out-dir {run_dir} is not empty; pick a new folder")
     cmd = [sys.executable, "-m", "moefp8.train", f"train.device={'cuda' if cuda else 'cpu'}",
-           "train.steps=1000000000", f"train.ckpt_every={a.ckpt_every}", "train.log_every=100",
+           "train.steps=1000000000", f"train.ckpt_every={a.ckpt_every}", "train.keep_last=2", "train.log_every=100",
            "train.resume=none", "train.progress=false", "logger.mode=disabled", f"train.out_dir={run_dir}",
            *(["model=small"] if cuda and not any(o.startswith(("model=", "experiment=")) for o in overrides) else []),
            *overrides]
@@ -178,7 +172,6 @@ def main() -> int:
                 steps.append({"t_s": now, **m})
             if not steps:
                 continue  # still starting (imports, data preparation)
-            prune_checkpoints(run_dir)
             step, cpu = steps[-1]["step"], cpu_s(proc.pid)
             if started is None:
                 started, last_t, last_step, last_cpu = now, now, step, cpu

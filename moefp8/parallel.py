@@ -1,0 +1,139 @@
+"""The process layout of a training run and its guards: data x expert parallel groups
+(`Parallel`), rank-0 decisions every rank learns (`Parallel.on_main`), and the step watchdog that
+ends a rank blocked on a dead or hung peer (`StepWatchdog`).
+
+    par = Parallel(cfg, device)               # one process: no process group, everything local
+    index = par.on_main(lambda: prepare(...))  # rank 0 runs it; its UserError is raised everywhere
+"""
+
+import datetime
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from moefp8.config import Config
+from moefp8.dispatch import build_ep_group
+from moefp8.errors import UserError, first_line
+
+
+def check_parallel(cfg: Config, world: int) -> None:
+    """The checks that need the process count (torchrun's WORLD_SIZE): ValueError naming the value."""
+    ep, backend = cfg.dispatch.ep_size, cfg.dispatch.backend
+    if backend != "local" and world == 1:
+        raise ValueError(f"dispatch={backend}: expert parallelism needs several processes (torchrun "
+                         f"--nproc_per_node N -m moefp8.train ...); use dispatch=local on one process")
+    if world % ep:
+        raise ValueError(f"dispatch.ep_size={ep}: does not divide the {world} processes")
+
+
+class Parallel:
+    """This process's place in the data x expert parallel layout (all ranks read different data;
+    consecutive groups of dispatch.ep_size ranks share one copy of the routed experts).
+
+    world, rank: all processes (torchrun's WORLD_SIZE, RANK); ep_group: this rank's EP group (None
+    on one process); ep_rank = rank % ep_size; expert_dp_group: the ranks holding the same expert
+    shard (rank % ep_size equal), over which the experts' gradients are summed; None when alone."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        ep, d = cfg.dispatch.ep_size, cfg.dispatch
+        check_parallel(cfg, self.world)
+        self.ep_size, self.ep_rank = ep, self.rank % ep
+        self.ep_group = self.expert_dp_group = None
+        if self.world == 1:
+            return
+        # Every collective of every group waits at most this long for its peers (a dead or hung
+        # rank on another node); gloo then raises, NCCL's watchdog aborts the process.
+        timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        # new_group is collective: every rank creates every group, in order, each with the timeout
+        # (new_group's default is 30 min for gloo, 10 for NCCL, not the world's).
+        if d.backend != "local":
+            self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts, timeout)
+        for r in range(ep):
+            g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout)
+            if r == self.ep_rank:
+                self.expert_dp_group = g
+
+    def all_reduce_(self, x: torch.Tensor, group=None) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x, group=group)
+        return x
+
+    def on_main(self, fn):
+        """fn() on rank 0 alone; its result there (None on the other ranks). Whatever it raises is
+        raised on every rank: its UserError as it is on rank 0 and as a quiet copy (the same
+        message, not printed again) on the others, so that each rank exits with one report. Other
+        exceptions (bugs) are raised on rank 0 with their traceback, quietly elsewhere."""
+        out, err = None, None
+        if self.rank == 0:
+            try:
+                out = fn()
+            except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
+                err = e
+        if self.world > 1:
+            box = [None if err is None else (str(err) if isinstance(err, UserError)
+                                             else f"rank 0 failed: {type(err).__name__}: {first_line(err)}")]
+            dist.broadcast_object_list(box)
+            if box[0] is not None and self.rank != 0:
+                raise UserError(box[0], quiet=True)
+        if err is not None:
+            raise err
+        return out
+
+
+class StepWatchdog:
+    """Multi-process runs: ends the process with one line when no step (or checkpoint save) has
+    finished for `limit_s()` seconds, counted from the end of the first step (the first one
+    compiles). Collectives already wait at most train.dist_timeout_s, and NCCL's own watchdog is
+    meant to take the process down after it, but a rank blocked on a stopped or dead peer may
+    stay blocked in a CUDA synchronisation; this thread does not depend on either.
+
+    limit_s = dist_timeout_s + 3 x the slowest step after the first + grace_s (30 s); around a
+    checkpoint save `allow(s)` adds s seconds once (the save's collectives have their own timeout).
+    With enabled=False (one process) no thread runs and the calls do nothing."""
+
+    def __init__(self, rank: int, dist_timeout_s: float, exit_fn=None, poll_s: float = 1.0, grace_s: float = 30.0,
+                 enabled: bool = True):
+        self.rank, self.timeout_s, self.poll_s, self.grace_s = rank, dist_timeout_s, poll_s, grace_s
+        self.exit_fn = exit_fn or (lambda: os._exit(1))
+        self.last = self.slowest = self.extra = None
+        self.stop_evt = threading.Event()
+        if enabled:
+            threading.Thread(target=self._run, name="moefp8-step-watchdog", daemon=True).start()
+
+    def limit_s(self) -> float:
+        return self.timeout_s + 3 * (self.slowest or 0.0) + self.grace_s + (self.extra or 0.0)
+
+    def beat(self, step_s: float | None = None) -> None:
+        """A step (of step_s seconds) or a save finished: progress. The first step arms the
+        watchdog without counting (its compilation would stretch every later limit)."""
+        if step_s is not None and self.last is not None:
+            self.slowest = max(self.slowest or 0.0, step_s)
+        self.last, self.extra = time.monotonic(), None
+
+    def allow(self, extra_s: float) -> None:
+        self.extra = extra_s
+
+    def stop(self) -> None:
+        self.stop_evt.set()
+
+    def __enter__(self) -> "StepWatchdog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self.stop_evt.wait(self.poll_s):
+            if self.last is not None and time.monotonic() - self.last > self.limit_s():
+                print(f"error: rank {self.rank}: no training step finished in {self.limit_s():.0f} s "
+                      f"(train.dist_timeout_s={self.timeout_s:g} s + 3 x the slowest step + {self.grace_s:g} s): "
+                      f"a peer rank died or hangs, or a collective is stuck; stopping", file=sys.stderr, flush=True)
+                self.exit_fn()
+                return
+
