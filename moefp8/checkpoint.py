@@ -499,3 +499,11 @@ def load(path: str | Path, state: dict, optional: tuple[str, ...] = ()) -> dict:
                                       f"model config?): {first_line(misfit[0])}") from None
             raise _damaged(p, f"a data file is unreadable ({type(errs[0]).__name__}: {first_line(errs[0])})") from None
     return meta
+
+
+def latest_name(run_dir: Path) -> str:
+    """What `latest` names (unverified: for messages), or "none"."""
+    try:
+        return str(run_dir / (run_dir / "latest").read_text().strip())
+    except OSError:
+        return "none"

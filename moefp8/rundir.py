@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from moefp8 import checkpoint
 from moefp8.errors import UserError
 from moefp8.testing import boot_id
 
@@ -163,3 +164,14 @@ class RunLock:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
+
+
+def take(out_dir: str, resume: str, say) -> RunLock:
+    """Rank 0 at start: the run dir created or checked (`open_run_dir`), locked for this run, and
+    the leftovers of killed checkpoint saves removed. Returns the held lock."""
+    run_dir = open_run_dir(out_dir, resume)
+    lock = RunLock(run_dir, say)
+    lock.acquire()
+    for p in checkpoint.remove_partial(run_dir):
+        say(f"run dir: removed {p.name}, a checkpoint save that did not finish")
+    return lock

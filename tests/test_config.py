@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import moefp8.hydra_config as hydra_config
-from moefp8.data import prepare
 from moefp8.hydra_config import ConfigError, compose_config, load_config
-from moefp8.train import DataError, check_gpus, check_launch, train
+from moefp8.data import DataError, prepare
+from moefp8.launch import check_gpus, check_launch
+from moefp8.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from moefp8.config import Config
 from moefp8.model import Transformer, param_counts
 from moefp8.hydra_config import ConfigError, load_config
-from moefp8.train import check_launch
+from moefp8.launch import check_launch
 
 N = int(os.environ.get("MOEFP8_FUZZ_EXAMPLES", "0"))
 SETTINGS = settings(max_examples=N or 150, deadline=None, derandomize=not N, database=None,

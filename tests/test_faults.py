@@ -145,11 +145,11 @@ def _free_port() -> int:
 
 
 def test_step_watchdog_fires_only_after_the_limit(capfd):
-    """moefp8.train.StepWatchdog, the multi-process runs' own bound on a blocked rank (NCCL's
+    """moefp8.parallel.StepWatchdog, the multi-process runs' own bound on a blocked rank (NCCL's
     watchdog may leave a rank blocked in a CUDA synchronisation): silent before the first beat and
     while steps keep coming, one line and the exit once no step finished for the limit, extra
     time granted once around a save."""
-    from moefp8.train import StepWatchdog
+    from moefp8.parallel import StepWatchdog
 
     fired = []
     with StepWatchdog(rank=3, dist_timeout_s=0.5, exit_fn=lambda: fired.append(time.monotonic()), poll_s=0.02,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moefp8.errors import EXIT_STOPPED
-from moefp8.train import job_dir_name
+from moefp8.launch import job_dir_name
 
 REPO = Path(__file__).resolve().parent.parent
 # one CPU thread: multi-threaded CPU matmuls may sum in another order from run to run
@@ -106,6 +106,19 @@ def test_prepare_from_a_folder_that_matches_nothing_is_one_line(data_dir, tmp_pa
     before = digest(tmp_path)
     r = run(TRAIN + tiny(data_dir, tmp_path / "run", f"data.path={tmp_path / 'prepared'}", f"data.prepare_from={texts}"))
     one_line(r, 1, "*.py", ".txt")
+    assert digest(tmp_path, skip=[tmp_path / "run"]) == before
+
+
+def test_prepare_from_with_a_data_path_prepared_from_other_data_is_refused(data_dir, tmp_path):
+    """data.path already holds data prepared from the standard library: data.prepare_from=<my texts>
+    is not silently ignored (the run would train on the old data), nor prepared over it."""
+    texts = user_folder(tmp_path)
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    before = digest(tmp_path)
+    r = run(TRAIN + tiny(data, tmp_path / "run", f"data.prepare_from={texts}", "data.glob=*.txt"))
+    one_line(r, 1, f"data.path={data} holds data prepared from 'stdlib'", f"not from data.prepare_from='{texts}'",
+             "pick a new data.path")
     assert digest(tmp_path, skip=[tmp_path / "run"]) == before
 
 
@@ -419,6 +432,7 @@ def test_old_checkpoints_are_pruned_but_pinned_ones_kept(data_dir, tmp_path):
 
 
 def test_a_sigkilled_run_keeps_its_wandb_records(data_dir, tmp_path):
+    pytest.importorskip("wandb")
     out = tmp_path / "run"
     p = subprocess.Popen(TRAIN + tiny(data_dir, out, "train.steps=100000", "train.ckpt_every=0",
                                       "logger.mode=offline"), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,

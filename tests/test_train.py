@@ -19,7 +19,8 @@ from moefp8.model import Transformer
 from moefp8.optim import AdamW
 from moefp8.hydra_config import compose_config
 from moefp8.testing import boot_id
-from moefp8.train import Diverged, model_state, train
+from moefp8.state import model_state
+from moefp8.train import Diverged, train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -254,7 +255,7 @@ def test_resume_from_a_checkpoint_without_held_out_windows(data_dir, tmp_path, m
     """Checkpoints written before data.val_windows existed (no such key in the loader state)
     resume with none held out, and are refused, naming the values, with some held out."""
     from moefp8.data import Loader
-    from moefp8.train import DataError
+    from moefp8.data import DataError
 
     run = tmp_path / "old"
     new_state = Loader.state_dict

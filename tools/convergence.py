@@ -407,12 +407,11 @@ def main() -> None:
                              f"{args.nproc}), {torch.cuda.device_count()} visible")
     if to_train:
         if args.parallel:  # prepare the data once here: the runs would race to write the same shards
-            from rich.console import Console
-
+            from moefp8.data import ensure
             from moefp8.hydra_config import compose_config
-            from moefp8.train import ensure_data
 
-            ensure_data(compose_config(overrides), Console())
+            d = compose_config(overrides).data
+            ensure(d.path, d.prepare_from, d.glob, d.max_bytes)
         train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split(), args.nproc)
     earlier = read_earlier(Path(args.earlier)) if args.earlier else {}
     from_earlier = [n for n in names if n in earlier and n not in to_train

@@ -13,7 +13,7 @@ comes from a torch.profiler trace of --profile-steps further steps. Host-boundne
 enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
 memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
-dense BF16 / FP8 peak (moefp8.train.peak_flops). Writes a JSON (rows per recipe, the top
+dense BF16 / FP8 peak (moefp8.launch.peak_flops). Writes a JSON (rows per recipe, the top
 kernels) with --json.
 """
 
@@ -32,7 +32,7 @@ from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import Transformer, flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
-from moefp8.train import peak_flops, resolve_device  # noqa: E402
+from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 
 
 def build(cfg, device: torch.device):

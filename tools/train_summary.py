@@ -9,7 +9,7 @@ Reads the run's metrics.jsonl (rank 0's, one line per step) and config.yaml. Fig
 first / last loss, last held-out loss, median tokens/s (all ranks together) and step time over
 the steps after --skip (compilation and autotuning happen in the first ones), median MFU, the
 largest expert-load max/mean, peak memory. Speed of light: the dense BF16 peak of all the ranks'
-GPUs, the one MFU is reported against (moefp8.train.peak_flops).
+GPUs, the one MFU is reported against (moefp8.launch.peak_flops).
 """
 
 import argparse
@@ -72,7 +72,7 @@ def main():
     a = p.parse_args()
     rows, fields = summarize(a.run_dir, a.skip)
     ep = fields["dispatch"].get("ep_size", 1)
-    from moefp8.train import PEAK_BF16_TFLOPS
+    from moefp8.launch import PEAK_BF16_TFLOPS
     from moefp8.testing import device_name
 
     per_gpu = next((tf for key, tf in PEAK_BF16_TFLOPS.items() if key in device_name()), None)

@@ -11,7 +11,7 @@ from moefp8.dispatch import node_limited_groups
 from moefp8.kernels.pack import dispatch_layout_ref
 from moefp8.model import Transformer
 from moefp8.router import Router
-from moefp8.train import check_launch, dispatch_capacity, routing_config
+from moefp8.launch import check_launch, dispatch_capacity, routing_config
 
 
 @pytest.mark.parametrize("ep,rpn,E,K,max_nodes,want", [
