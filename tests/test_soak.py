@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_soak_smoke(tmp_path, data_dir):
     out = tmp_path / "soak.json"
-    r = subprocess.run([sys.executable, "tools/soak.py", "--minutes", "0.25", "--sample-s", "0.5", "--ckpt-every", "5",
+    r = subprocess.run([sys.executable, "tools/soak.py", "--minutes", "0.5", "--sample-s", "0.5", "--ckpt-every", "5",
                         "--device", "cpu", "--out-dir", str(tmp_path / "run"), "--json", str(out), "model=tiny",
                         "train.micro_batch=1", "train.seq_len=32", f"data.path={data_dir}", "data.max_bytes=2000000"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)

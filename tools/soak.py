@@ -191,6 +191,9 @@ def main() -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
+    if len(samples) < 3:
+        raise SystemExit(f"soak: only {len(samples)} samples in {a.minutes:g} min (the run was still starting); "
+                         f"give it more --minutes (see {log_path})")
     rows = analyse(samples, steps, a)
     ok = all(r["ok"] for r in rows if r["decides"])
     summary = (f"soak: {samples[-1]['step']} steps in {samples[-1]['t_s'] / 60:.1f} min; "
