@@ -1,6 +1,6 @@
-"""Expert-parallel dispatch backends (DESIGN.md §3). Installed as `moefp8.dispatch`.
+"""Expert-parallel dispatch backends (docs/design.md §3). Installed as `moefp8.dispatch`.
 
-The interface (`Dispatcher`, two methods):
+The interface (`Dispatcher`, two methods and what the MoE layer and the overlap read of it):
 
 * ``dispatch(x, topk_idx, topk_w, handle=None) -> Dispatched``: sends each token's row (an
   "1x128" `Fp8Tensor` in the FP8 recipe, BF16 in the BF16 recipe) to the ranks owning its
@@ -10,6 +10,9 @@ The interface (`Dispatcher`, two methods):
   ignored: that is how the backward pass sends the combine's gradient (FP8) along the same routes.
 * ``combine(y, handle) -> out``: sums the rows a rank computed for each token back on the token's
   own rank, in BF16. It is also the backward of ``dispatch``.
+* what it was built for (``num_experts``, ``num_local_experts``, ``scale_fmt``, ``communicates``),
+  where the next combine's input may be written (``combine_buffer``), and the stream its exchanges
+  run on (``exchange_stream``, ``packs_on_caller_stream``). Every backend implements all of it.
 
 Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.distributed
 all_to_all_single, `all_to_all.py`; an "exact" mode that exchanges counts first and a
@@ -26,6 +29,7 @@ all_to_all capacity mode calls it at the handle's first use (combine, or a dispa
 
 from typing import NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 
 from moefp8.fp8 import Fp8Tensor
@@ -39,13 +43,30 @@ class Dispatched(NamedTuple):
 
 
 class Dispatcher(Protocol):
-    num_local_experts: int
+    num_experts: int  # E, the global experts it routes to
+    num_local_experts: int  # E_l = E / group size: this rank's experts [rank * E_l, (rank + 1) * E_l)
+    scale_fmt: str | None  # the FP8 scale format it sends ("pow2" | "fp32"); None: any (nothing travels)
     communicates: bool  # False: rows never leave the process (gradients arrive unquantized)
+    # The CUDA stream the exchanges run on, set by the caller around its calls (moefp8.overlap does,
+    # for dispatchers that `packs_on_caller_stream`); None: the caller's stream. Backends that never
+    # split their work across streams (local, deepep) keep it None.
+    exchange_stream: "torch.cuda.Stream | None"
 
     def dispatch(self, x, topk_idx: Tensor | None = None, topk_w: Tensor | None = None,
                  handle: object | None = None) -> Dispatched: ...
 
     def combine(self, y: Tensor, handle: object) -> Tensor: ...
+
+    def combine_buffer(self, handle: object, C: int, device: torch.device) -> Tensor | None:
+        """A bf16 [T_recv, C] tensor to write the next combine's input into (a transport's send
+        slot, so that the combine moves it without staging it), or None: any tensor will do."""
+        ...
+
+    def packs_on_caller_stream(self, topk: int) -> bool:
+        """Whether a dispatch of CUDA tensors with top-k `topk`, with `exchange_stream` set,
+        quantizes and packs on the caller's stream and only exchanges and unpacks on
+        `exchange_stream` (else all of it belongs on one stream)."""
+        ...
 
 
 DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.com/deepseek-ai/DeepEP "

@@ -1,5 +1,5 @@
 """Expert parallelism over `torch.distributed` all-to-all (NCCL on GPUs, gloo on CPU): the
-reference for the DeepEP backend (DESIGN.md §3).
+reference for the DeepEP backend (docs/design.md §3).
 
 Experts are sharded contiguously: rank r of the EP group (R ranks) owns the global experts
 [r * E_l, (r + 1) * E_l), E_l = E / R.
@@ -249,6 +249,11 @@ class AllToAllDispatcher:
         if self.transport == "copy_engine":
             return "capacity"
         return "capacity" if self.capacity is not None and self.world <= K and cuda else "exact"
+
+    def packs_on_caller_stream(self, topk: int) -> bool:
+        """The capacity mode packs on the caller's stream and exchanges and unpacks on
+        `exchange_stream`; the exact mode runs wholly on it (its count exchange comes first)."""
+        return self.mode_for(topk, True) == "capacity"
 
     # ------------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Expert parallelism over DeepEP's NVLink kernels (`deep_ep.Buffer`, normal intranode mode): the
-`deepep` dispatch backend (DESIGN.md §3). DeepEP is not on PyPI: see the README to install it.
+`deepep` dispatch backend (docs/design.md §3). DeepEP is not on PyPI: see the README to install it.
 
 The same `Dispatcher` contract as `all_to_all.py` (its exact mode is this backend's reference):
 
@@ -100,9 +100,11 @@ class DeepEPDispatcher:
     """`Dispatcher` over DeepEP's normal intranode kernels in `group` (None: the default group).
 
     scale_fmt: the layer's FP8 scale format (DeepEP carries fp32 scales, so both formats travel
-    exactly; kept for the layer's consistency check)."""
+    exactly; kept for the layer's consistency check). Its calls run on the caller's stream
+    (`exchange_stream` stays None: the overlap calls it on its communication stream)."""
 
     communicates = True
+    exchange_stream = None
 
     def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2", num_sms: int = 20):
         import deep_ep
@@ -138,6 +140,13 @@ class DeepEPDispatcher:
             B.num_sms = old
         self.num_sms = num_sms
         self.hidden_bytes = 0  # the buffer is sized per config: re-checked at the next dispatch
+
+    def combine_buffer(self, handle: DeepEPHandle, C: int, device) -> None:
+        """No send buffer of ours: DeepEP copies y into its own."""
+        return None
+
+    def packs_on_caller_stream(self, topk: int) -> bool:
+        return False
 
     def capture(self):
         """A DeepEP event on the current stream (for `previous_event`)."""

@@ -17,10 +17,14 @@ class LocalHandle:
 
 
 class LocalDispatcher:
+    """`Dispatcher` for EP=1: every expert is local; dispatch returns its inputs, combine its input."""
+
     communicates = False
+    scale_fmt = None  # no row travels: any scale format
+    exchange_stream = None  # nothing is exchanged
 
     def __init__(self, num_experts: int):
-        self.num_local_experts = num_experts
+        self.num_experts = self.num_local_experts = num_experts
 
     def dispatch(self, x, topk_idx: Tensor | None = None, topk_w: Tensor | None = None,
                  handle: LocalHandle | None = None) -> Dispatched:
@@ -32,3 +36,10 @@ class LocalDispatcher:
 
     def combine(self, y: Tensor, handle: LocalHandle) -> Tensor:
         return y
+
+    def combine_buffer(self, handle: LocalHandle, C: int, device) -> None:
+        """No send buffer: y is any tensor."""
+        return None
+
+    def packs_on_caller_stream(self, topk: int) -> bool:
+        return False

@@ -1,4 +1,4 @@
-"""Dense FP8 blockwise GEMMs (DESIGN.md §1): the three GEMMs of a linear layer.
+"""Dense FP8 blockwise GEMMs (docs/design.md §1): the three GEMMs of a linear layer.
 
 * fprop `Y = X · Wᵀ`: X "1x128" [M, K], W "128x128" [N, K] -> BF16 [M, N]
 * dgrad `dX = dY · W`: dY "1x128" [M, N], W "128x128" [N, K] -> BF16 [M, K]
@@ -7,7 +7,8 @@
 
 ``impl``: None (default: cuBLAS blockwise ``torch._scaled_mm`` where it supports the case, else
 the Triton kernels of `moefp8.kernels.grouped_gemm` run with one group), "cublas", "triton" or
-"ref" (dequantize, multiply in fp32). CPU tensors default to "ref".
+"ref" (dequantize, multiply in fp32). CPU tensors default to "ref". ``policy``: the
+`GemmPolicy` (its `variant` for the Triton kernels, `dense_wgrad_cublas` for the wgrad).
 
 cuBLAS blockwise on sm90 (torch 2.11, probed with tools/bench_gemm.py --probe on an H200):
 fprop takes A row-major [M, K] with scale_a [M, K/128] column-major and B column-major (Wᵀ of
@@ -22,13 +23,10 @@ K-major, so dgrad multiplies by `transpose_weight(W)`, an FP8 copy of Wᵀ (cuBL
 import torch
 from torch import Tensor
 
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
-from moefp8.kernels.grouped_gemm import check_fp8, launch_kgrouped, launch_mgrouped, transpose_weight
+from moefp8.fp8 import TILE, Fp8Tensor, col_major
+from moefp8.kernels.grouped_gemm import GemmPolicy, check_fp8, launch_kgrouped, launch_mgrouped, transpose_weight
 
 _IMPLS = (None, "cublas", "triton", "ref")
-# Dense wgrad default: cuBLAS blockwise 1x128 x 1x128 (FP32 out, then added into `out`) when
-# M % 128 == 0; measured 938 vs 529 TFLOP/s for our Triton k-grouped kernel at 8192^3 (H200).
-WGRAD_CUBLAS = True
 
 
 def _pick(x: Tensor, impl: str | None, cublas_ok: bool) -> str:
@@ -60,14 +58,15 @@ def _cublas_ok(M: int, N: int, K: int) -> bool:
     return M % 16 == 0 and N % TILE == 0 and (K // TILE) % 4 == 0
 
 
-def _triton_nt(a: Fp8Tensor, b: Fp8Tensor) -> Tensor:
+def _triton_nt(a: Fp8Tensor, b: Fp8Tensor, policy: GemmPolicy) -> Tensor:
     M, N = a.data.shape[0], b.data.shape[0]
     off = torch.tensor([0, M], dtype=torch.int32, device=a.data.device)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=a.data.device)
-    return launch_mgrouped(a, Fp8Tensor(b.data.unsqueeze(0), b.scale.unsqueeze(0), b.layout), off, out)
+    return launch_mgrouped(a, Fp8Tensor(b.data.unsqueeze(0), b.scale.unsqueeze(0), b.layout), off, out, policy)
 
 
-def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str | None = None) -> Tensor:
+def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str | None = None,
+             policy: GemmPolicy = GemmPolicy()) -> Tensor:
     """Dense FP8 GEMM, chosen by the operands' layouts:
 
     * a "1x128" [M, K], b "128x128" [N, K] -> BF16 [M, N] = A · Bᵀ (fprop; dgrad when b is
@@ -76,7 +75,7 @@ def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str
       [N, K] = dYᵀ · X (wgrad), any M; accumulated into `out` (FP32 [N, K]) when given.
     """
     if isinstance(a, Fp8Tensor) and a.layout == "128x1":
-        return _fp8_wgrad(a, b, out, impl)
+        return _fp8_wgrad(a, b, out, impl, policy)
     check_fp8("fp8_gemm: a", a, "1x128", 2)
     check_fp8("fp8_gemm: b", b, "128x128", 2)
     if out is not None:
@@ -92,11 +91,11 @@ def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, *, out: Tensor | None = None, impl: str
         return torch.zeros(M, N, dtype=torch.bfloat16, device=a.data.device)
     if which == "cublas":
         return _cublas_nt(a, b)
-    return _triton_nt(a, b)
+    return _triton_nt(a, b, policy)
 
 
 def fp8_gemm_dgrad(dy: Fp8Tensor, w: Fp8Tensor, *, w_t: Fp8Tensor | None = None,
-                   impl: str | None = None) -> Tensor:
+                   impl: str | None = None, policy: GemmPolicy = GemmPolicy()) -> Tensor:
     """dX = dY · W: dy "1x128" [M, N], w "128x128" [N, K] (N % 128 == 0) -> BF16 [M, K].
     Multiplies by `w_t` = transpose_weight(w) (made here when not given) with `fp8_gemm`."""
     check_fp8("fp8_gemm_dgrad: dy", dy, "1x128", 2)
@@ -107,10 +106,10 @@ def fp8_gemm_dgrad(dy: Fp8Tensor, w: Fp8Tensor, *, w_t: Fp8Tensor | None = None,
         raise ValueError(f"fp8_gemm_dgrad: dy has {N} columns, w has N={Nw} rows")
     if _pick(dy.data, impl, True) == "ref":
         return fp8_gemm_dgrad_ref(dy, w)
-    return fp8_gemm(dy, w_t if w_t is not None else transpose_weight(w), impl=impl)
+    return fp8_gemm(dy, w_t if w_t is not None else transpose_weight(w), impl=impl, policy=policy)
 
 
-def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None) -> Tensor:
+def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None, policy: GemmPolicy) -> Tensor:
     check_fp8("fp8_gemm (wgrad): a", dy, "128x1", 2)
     check_fp8("fp8_gemm (wgrad): b", x, "128x1", 2)
     N, M = dy.data.shape
@@ -121,7 +120,7 @@ def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None
         raise ValueError(f"fp8_gemm (wgrad): out must be float32 [{N}, {K}] with a contiguous last dim, "
                          f"got {out.dtype} {tuple(out.shape)}")
     which = _pick(dy.data, impl, dy.data.is_cuda and M % TILE == 0 and N % 16 == 0 and K % 16 == 0
-                  and WGRAD_CUBLAS)
+                  and policy.dense_wgrad_cublas)
     if which == "ref":
         return fp8_gemm_wgrad_ref(dy, x, out)
     if which == "cublas":
@@ -132,7 +131,7 @@ def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None
     if out is None:
         out = torch.empty(N, K, dtype=torch.float32, device=dy.data.device)
     off = torch.tensor([0, M], dtype=torch.int32, device=dy.data.device)
-    launch_kgrouped(dy, x, off, out.unsqueeze(0), accumulate)
+    launch_kgrouped(dy, x, off, out.unsqueeze(0), accumulate, policy)
     return out
 
 
@@ -156,5 +155,5 @@ def fp8_gemm_wgrad_ref(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None = None) -
     return out
 
 
-__all__ = ["fp8_gemm", "fp8_gemm_dgrad", "transpose_weight", "WGRAD_CUBLAS", "fp8_gemm_ref", "fp8_gemm_dgrad_ref",
+__all__ = ["fp8_gemm", "fp8_gemm_dgrad", "transpose_weight", "GemmPolicy", "fp8_gemm_ref", "fp8_gemm_dgrad_ref",
            "fp8_gemm_wgrad_ref"]

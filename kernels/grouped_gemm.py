@@ -1,4 +1,4 @@
-"""FP8 blockwise grouped GEMMs for the experts (DESIGN.md §1): Triton kernel -> public wrapper
+"""FP8 blockwise grouped GEMMs for the experts (docs/design.md §1): Triton kernel -> public wrapper
 -> `_ref` twin.
 
 Two shapes, both with per-128-K "promotion": every 128-wide block of the contraction is
@@ -30,6 +30,7 @@ The dense GEMMs (`moefp8.kernels.gemm`) reuse these kernels with one group and a
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
+from moefp8.kernels import grouped_gemm_ws as ws
 from moefp8.kernels import num_sms, use_triton
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -318,48 +320,95 @@ _kgrouped_tma_tuned = triton.autotune(
     key=["N", "K", "M_HINT", "ACCUMULATE"], restore_value=["c_ptr"], do_bench=_tune_bench)(
     _kgrouped_gemm_tma_kernel)
 
-# Which kernel family the GPU path uses: "ws" (the warp-specialized Gluon kernels of
-# kernels/grouped_gemm_ws.py, on Hopper; elsewhere "tma"), "tma" (tensor descriptors) or "ptr"
-# (pointer loads). H200: ws 1.18-1.40x tma (bench/notes/gemm.md, session 14); tma 10-15% faster
-# than ptr for the m-grouped GEMM and 10x for the k-grouped one.
-GPU_VARIANT = {"mgrouped": "ws", "kgrouped": "ws"}
-# Default GPU path of fp8_grouped_gemm_wgrad: "triton" (k-grouped kernel, no host sync) or
-# "cublas" (a loop of blockwise cuBLAS GEMMs per expert, one host sync). Measured (H200): the
-# cuBLAS loop is 1.1-1.25x faster with >= 1000 tokens per expert, slower at 1024 tokens x 32
-# experts; "triton" stays the default because the MoE layer must not sync with the host.
-WGRAD_IMPL = "triton"
-# Defaults when the caller passes `host_offsets` (no sync needed for a loop): the per-expert
-# cuBLAS loop measured faster than the Triton TMA kernels for the m-grouped GEMM in every
-# DeepSeek-V3 case (tma / loop 0.73-0.98), but not than the warp-specialized kernel (ws / loop
-# 0.94-1.18, bench/results/gemm-NVIDIA-H200.json, session 14): where that kernel runs (Hopper), the
-# m-grouped GEMM never loops. For the wgrad with >= 2048 tokens per expert the loop stays ahead
-# (loop / ws 1.02-1.07 at 4096 tokens x 8 experts, session 14; 1.21-1.28x BF16).
-# Below LOOP_MIN_MACS multiply-adds per non-empty expert the loop's per-expert launches (and
-# scale copies) cost more than the GEMMs: the small training preset (H 1024, I 512, 32 experts,
-# ~2048 rows each, 2.1e9 MACs) spent 72 ms of a 145 ms step in ~1700 tiny cuBLAS calls; the
-# single-launch Triton kernels are used there. The small preset of session 5 (H 2048, I 1024, 8
-# experts, ~4096 rows each: fc1 1.7e10 MACs per expert) trained at 168.4k tokens/s with the
-# Triton kernels against 161.2k with the loop for fc1 (whole step, H200, host-bound): the bar is
-# above it. DeepSeek-V3 shapes (>= 1024 rows x 4096 x 7168 = 3e10) keep the loop.
-MGROUPED_IMPL = "cublas"
-WGRAD_IMPL_HOST = "cublas"
-LOOP_MIN_MACS = 3 * 2**33  # 2.6e10
+VARIANTS = ("ws", "tma", "ptr")  # GemmPolicy.variant
+LOOP_IMPLS = ("triton", "cublas")  # GemmPolicy's *_impl* fields
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """Which FP8 GEMM implementation runs on the GPU, as a value handed to the GEMMs (the MoE layer,
+    the dense linears and the tools pass it down; nothing here reads a global). The defaults are
+    the measured best on Hopper; `GemmPolicy()` is what training runs. On CPU and under the Triton
+    interpreter every field is ignored: the reference twins or the interpreted Triton kernels run.
+
+    variant: the grouped kernels' family (also the dense GEMMs' Triton fallback, one group): "ws"
+      (the warp-specialized Gluon kernels of kernels/grouped_gemm_ws.py, on Hopper where they take
+      the operands; else "tma"), "tma" (tensor descriptors) or "ptr" (pointer loads). H200: ws
+      1.18-1.40x tma (bench/notes/gemm.md, session 14); tma 10-15% faster than ptr for the m-grouped
+      GEMM and 10x for the k-grouped one. (On a GPU without the ws kernels, "ws" runs "ptr".)
+    wgrad_impl: the k-grouped wgrad without host offsets: "triton" (no host sync) or "cublas" (a loop
+      of blockwise cuBLAS GEMMs per expert: one host sync for the offsets). Measured (H200): the
+      loop is 1.1-1.25x faster with >= 1000 tokens per expert, slower at 1024 tokens x 32 experts;
+      "triton" stays the default because the MoE layer must not sync with the host.
+    mgrouped_impl_host, wgrad_impl_host: with `host_offsets` (no sync needed for a loop), "cublas":
+      the per-expert loop where `loop_pays`, else the kernels; "triton": the kernels always. The
+      m-grouped loop measured faster than the Triton TMA kernels in every DeepSeek-V3 case (tma /
+      loop 0.73-0.98), but not than the warp-specialized kernel (ws / loop 0.94-1.18,
+      bench/results/gemm-NVIDIA-H200.json, session 14): where that kernel runs (Hopper), the
+      m-grouped GEMM never loops. For the wgrad with >= 2048 tokens per expert the loop stays ahead
+      (loop / ws 1.02-1.07 at 4096 tokens x 8 experts, session 14; 1.21-1.28x BF16).
+    loop_min_macs: below this many multiply-adds per non-empty expert the loop's per-expert launches
+      (and scale copies) cost more than the GEMMs: the small training preset (H 1024, I 512, 32
+      experts, ~2048 rows each, 2.1e9 MACs) spent 72 ms of a 145 ms step in ~1700 tiny cuBLAS
+      calls. The small preset of session 5 (H 2048, I 1024, 8 experts, ~4096 rows each: fc1 1.7e10
+      MACs per expert) trained at 168.4k tokens/s with the Triton kernels against 161.2k with the
+      loop for fc1 (whole step, H200, host-bound): the bar is above it. DeepSeek-V3 shapes
+      (>= 1024 rows x 4096 x 7168 = 3e10) keep the loop. inf: never loop.
+    dense_wgrad_cublas: the dense wgrad (`gemm.fp8_gemm` on two "128x1" operands) through cuBLAS
+      blockwise 1x128 x 1x128 (FP32 out, then added into `out`) when M % 128 == 0: 938 vs 529
+      TFLOP/s for the Triton k-grouped kernel at 8192^3 (H200). False: the Triton kernel.
+    sm_reserve: SMs the warp-specialized kernels' persistent grids leave free, for communication
+      kernels running at the same time (the two micro-batch overlap sets it from its
+      `OverlapPolicy.gemm_sm_reserve` for the GEMMs it runs). 0: all SMs.
+    kg_stages: depth of the warp-specialized k-grouped kernel's operand ring.
+    """
+
+    variant: str = "ws"
+    wgrad_impl: str = "triton"
+    mgrouped_impl_host: str = "cublas"
+    wgrad_impl_host: str = "cublas"
+    loop_min_macs: float = 3 * 2**33  # 2.6e10
+    dense_wgrad_cublas: bool = True
+    sm_reserve: int = 0
+    kg_stages: int = ws.KG_STAGES
+
+    def __post_init__(self):
+        for name, value, allowed in (("variant", self.variant, VARIANTS), ("wgrad_impl", self.wgrad_impl, LOOP_IMPLS),
+                                     ("mgrouped_impl_host", self.mgrouped_impl_host, LOOP_IMPLS),
+                                     ("wgrad_impl_host", self.wgrad_impl_host, LOOP_IMPLS)):
+            if value not in allowed:
+                raise ValueError(f"GemmPolicy: {name}={value!r}, expected one of {allowed}")
+        if not isinstance(self.sm_reserve, int) or self.sm_reserve < 0:
+            raise ValueError(f"GemmPolicy: sm_reserve={self.sm_reserve!r}, expected an integer >= 0")
+        if not isinstance(self.kg_stages, int) or self.kg_stages < 1:
+            raise ValueError(f"GemmPolicy: kg_stages={self.kg_stages!r}, expected an integer >= 1")
+
+    def loop_pays(self, h: list, N: int, K: int, min_rows: int = 0) -> bool:
+        """Whether the per-expert cuBLAS loop is the faster default at host offsets h (N x K per
+        expert): at least `min_rows` rows and `loop_min_macs` multiply-adds per non-empty expert."""
+        nonempty = sum(1 for e in range(len(h) - 1) if h[e + 1] > h[e])
+        rows = (h[-1] - h[0]) / max(nonempty, 1)
+        return rows >= min_rows and rows * N * K >= self.loop_min_macs
 
 
 def _ws_available(device: torch.device) -> bool:
     """Whether the warp-specialized kernels (kernels/grouped_gemm_ws.py) run on `device`."""
+    return not _INTERPRET and device.type == "cuda" and ws.available(device)
+
+
+def _kernel(variant: str, device: torch.device, ws_takes, tma_takes: bool) -> str:
+    """The one place a grouped GEMM's kernel is chosen -> "interp" (CPU tensors or TRITON_INTERPRET:
+    the pointer kernel with small fixed blocks), "ws", "tma" or "ptr". variant: the policy's (or a
+    caller's); ws_takes(): whether the warp-specialized kernel takes these operands (asked only
+    where it runs); tma_takes: whether the TMA kernel does. "ws" falls back to "tma" where the ws
+    kernel runs but refuses the operands; on a GPU without it, "ws" runs "ptr"."""
     if _INTERPRET or device.type != "cuda":
-        return False
-    from moefp8.kernels import grouped_gemm_ws
-
-    return grouped_gemm_ws.available(device)
-
-
-def loop_pays(h: list, N: int, K: int, min_rows: int = 0) -> bool:
-    """Whether the per-expert cuBLAS loop is the faster default at host offsets h (N x K per expert)."""
-    nonempty = sum(1 for e in range(len(h) - 1) if h[e + 1] > h[e])
-    rows = (h[-1] - h[0]) / max(nonempty, 1)
-    return rows >= min_rows and rows * N * K >= LOOP_MIN_MACS
+        return "interp"
+    if variant == "ws" and ws.available(device):
+        if ws_takes():
+            return "ws"
+        variant = "tma"
+    return "tma" if variant == "tma" and tma_takes else "ptr"
 
 
 def _scratch(size: int, align: int, stream):
@@ -434,34 +483,32 @@ def _m_hint(M: int) -> int:
     return 1 << max(M - 1, 1).bit_length()
 
 
-def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, variant: str | None = None,
-                    _promote: bool = True) -> Tensor:
+def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, policy: GemmPolicy = GemmPolicy(),
+                    variant: str | None = None, _promote: bool = True) -> Tensor:
     """Launches the m-grouped kernel on validated operands: a "1x128" [M, K], b "128x128"
     [E, N, K], off int32 [E+1] on the device, out [M, N] (bf16, or fp32 for tests).
-    variant: None (`GPU_VARIANT`), "ws" (Hopper, BF16 out; else "tma"), "tma" or "ptr"."""
+    The kernel: `_kernel` of variant (None: `policy.variant`): "ws" (Hopper, BF16 out; else
+    "tma"), "tma" or "ptr"."""
     M, K = a.data.shape
     E, N, _ = b.data.shape
     if M == 0 or N == 0:
         return out
-    variant = variant or GPU_VARIANT["mgrouped"]
-    if variant == "ws" and _ws_available(a.data.device):
-        from moefp8.kernels import grouped_gemm_ws
-
-        if _promote and grouped_gemm_ws.supported(a, b, out):
-            return grouped_gemm_ws.launch_mgrouped_ws(a, b, off, out)
-        variant = "tma"
+    kernel = _kernel(variant or policy.variant, a.data.device, lambda: _promote and ws.supported(a, b, out),
+                     N % 16 == 0 and out.is_contiguous())
+    if kernel == "ws":
+        return ws.launch_mgrouped_ws(a, b, off, out, policy.sm_reserve)
     a_data, b_data, b_scale = a.data.contiguous(), b.data.contiguous(), b.scale.contiguous()
     ast = a.scale.t().contiguous()  # [K/128, M]: contiguous per-step loads (a few MB, ~us)
     sms = num_sms(a.data.device)
     e_pow2 = max(triton.next_power_of_2(E), 2)
-    if _INTERPRET or not a.data.is_cuda:
+    if kernel == "interp":
         bm, bn = 32, 32
         grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
         _mgrouped_gemm_kernel[grid](a_data, ast, b_data, b_scale, out, off, M, N, K, E, _m_hint(M),
                                     a_data.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0),
                                     NUM_SMS=grid[0], E_POW2=e_pow2, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=2)
         return out
-    if variant == "tma" and N % 16 == 0 and out.is_contiguous():
+    if kernel == "tma":
         _ensure_allocator()
         grid = lambda meta: (min(meta["OCC"] * sms,
                                  triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
@@ -476,25 +523,23 @@ def launch_mgrouped(a: Fp8Tensor, b: Fp8Tensor, off: Tensor, out: Tensor, varian
 
 
 def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accumulate: bool,
-                    variant: str | None = None, _promote: bool = True) -> Tensor:
+                    policy: GemmPolicy = GemmPolicy(), variant: str | None = None, _promote: bool = True) -> Tensor:
     """Launches the k-grouped kernel on validated operands: dy "128x1" data [N, M], x "128x1"
     data [K, M], off int32 [E+1], out [E, N, K] fp32 (accumulated into when `accumulate`).
-    variant: None (`GPU_VARIANT`), "ws" (Hopper, N and K % 128 == 0; else "tma"), "tma" or "ptr"."""
+    The kernel: `_kernel` of variant (None: `policy.variant`): "ws" (Hopper, N and K % 128 == 0;
+    else "tma"), "tma" or "ptr"."""
     N, M = dy.data.shape
     K = x.data.shape[0]
     E = off.numel() - 1
     if E == 0 or N == 0 or K == 0:
         return out
-    variant = variant or GPU_VARIANT["kgrouped"]
-    if variant == "ws" and _ws_available(dy.data.device):
-        from moefp8.kernels import grouped_gemm_ws
-
-        if _promote and grouped_gemm_ws.kgrouped_supported(dy, x, out):
-            return grouped_gemm_ws.launch_kgrouped_ws(dy, x, off, out, accumulate)
-        variant = "tma"
+    kernel = _kernel(variant or policy.variant, dy.data.device,
+                     lambda: _promote and ws.kgrouped_supported(dy, x, out), M % 16 == 0)
+    if kernel == "ws":
+        return ws.launch_kgrouped_ws(dy, x, off, out, accumulate, policy.sm_reserve, policy.kg_stages)
     a, b = dy.data.contiguous(), x.data.contiguous()
     ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N|K]
-    if _INTERPRET or not a.is_cuda:
+    if kernel == "interp":
         bn, bk = 32, 32
         grid = (triton.cdiv(N, bn) * triton.cdiv(K, bk), E)
         _kgrouped_gemm_kernel[grid](a, ast, b, bst, out, off, N, K, _m_hint(M), a.stride(0), b.stride(0),
@@ -502,7 +547,7 @@ def launch_kgrouped(dy: Fp8Tensor, x: Fp8Tensor, off: Tensor, out: Tensor, accum
                                     BLOCK_N=bn, BLOCK_K=bk, GROUP_N=2)
         return out
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]), E)
-    if variant == "tma" and M % 16 == 0:
+    if kernel == "tma":
         _ensure_allocator()
         _kgrouped_tma_tuned[grid](a, ast, b, bst, out, off, M, N, K, _m_hint(M), out.stride(0), out.stride(1),
                                   ACCUMULATE=accumulate, PROMOTE=_promote)
@@ -537,7 +582,8 @@ def transpose_weight(w: Fp8Tensor, impl: str | None = None) -> Fp8Tensor:
 
 
 def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: bool = False,
-                     validate: bool = True, impl: str | None = None, host_offsets: list | None = None) -> Tensor:
+                     validate: bool = True, impl: str | None = None, host_offsets: list | None = None,
+                     policy: GemmPolicy = GemmPolicy()) -> Tensor:
     """m-grouped FP8 GEMM (experts fprop / dgrad) -> BF16 [M, N_out].
 
     a: "1x128" [M, Kc] (the stacked, 128-aligned segments of all local experts).
@@ -547,9 +593,10 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     by `transpose_weight(b)` (pass that yourself with transpose_b=False to reuse the copy).
     group_offsets: see the module docstring (rows outside every segment come out 0).
     host_offsets: the same offsets as a host list, when the caller has them (the MoE layer does):
-    then the GPU default is `MGROUPED_IMPL`, which may be the per-expert cuBLAS loop (no sync)
-    on GPUs where the warp-specialized kernel does not run.
-    impl: None, "triton", "cublas" (per-expert loop of blockwise torch._scaled_mm) or "ref".
+    then the GPU default is `policy.mgrouped_impl_host`, which may be the per-expert cuBLAS loop
+    (no sync) on GPUs where the warp-specialized kernel does not run.
+    impl: None (the policy's choice), "triton", "cublas" (per-expert loop of blockwise
+    torch._scaled_mm) or "ref". policy: `GemmPolicy`, which implementation runs on the GPU.
     """
     check_fp8("fp8_grouped_gemm: a", a, "1x128", 2)
     check_fp8("fp8_grouped_gemm: b", b, "128x128", 3)
@@ -570,8 +617,9 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     if impl == "cublas" and not cublas_ok:
         raise ValueError(f"fp8_grouped_gemm: impl='cublas' needs CUDA, K/128 % 4 == 0 and N % 128 == 0 "
                          f"(K={Kb}, N={Nout})")
-    if impl == "cublas" or (impl is None and cublas_ok and MGROUPED_IMPL == "cublas" and host_offsets is not None
-                            and loop_pays(host_offsets, Nout, Kb) and not _ws_available(a.data.device)):
+    if impl == "cublas" or (impl is None and cublas_ok and policy.mgrouped_impl_host == "cublas"
+                            and host_offsets is not None and policy.loop_pays(host_offsets, Nout, Kb)
+                            and not _ws_available(a.data.device)):
         if transpose_b:
             b = transpose_weight(b)
         h = host_offsets if host_offsets is not None else off.tolist()
@@ -581,17 +629,19 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     if transpose_b:
         b = transpose_weight(b, impl)
     out = torch.empty(M, b.data.shape[1], dtype=torch.bfloat16, device=a.data.device)
-    return launch_mgrouped(a, b, off, out)
+    return launch_mgrouped(a, b, off, out, policy)
 
 
 def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tensor | None = None, *,
-                           validate: bool = True, impl: str | None = None, host_offsets: list | None = None) -> Tensor:
+                           validate: bool = True, impl: str | None = None, host_offsets: list | None = None,
+                           policy: GemmPolicy = GemmPolicy()) -> Tensor:
     """k-grouped FP8 GEMM (experts wgrad) -> FP32 [E, N, K]: out[e] (+)= dY_eᵀ · X_e.
 
     dy: "128x1" of dY [M, N] (data [N, M], scale [N, ceil(M/128)]).
     x:  "128x1" of X [M, K]  (data [K, M], scale [K, ceil(M/128)]).
     out: optional FP32 [E, N, K] (contiguous) to accumulate into (a main grad).
-    impl: None (GPU: `WGRAD_IMPL`), "triton", "cublas" (per-expert loop, CUDA only) or "ref".
+    impl: None (GPU: `policy.wgrad_impl`, or with host_offsets the loop where `policy.wgrad_impl_host`
+    says it pays), "triton", "cublas" (per-expert loop, CUDA only) or "ref".
     group_offsets [E+1]: see the module docstring; E is len(group_offsets) - 1. Experts with no
     tokens give exact zeros (or leave out unchanged).
     """
@@ -609,17 +659,17 @@ def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tens
         if out.shape != (E, N, K) or out.dtype != torch.float32 or not out.is_contiguous():
             raise ValueError(f"fp8_grouped_gemm_wgrad: out must be a contiguous float32 [{E}, {N}, {K}], "
                              f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    if impl == "cublas" or (impl is None and dy.data.is_cuda and WGRAD_IMPL == "cublas"):
+    if impl == "cublas" or (impl is None and dy.data.is_cuda and policy.wgrad_impl == "cublas"):
         return _wgrad_cublas_loop(dy, x, host_offsets if host_offsets is not None else off.tolist(), out)
-    if (impl is None and dy.data.is_cuda and host_offsets is not None and WGRAD_IMPL_HOST == "cublas"
-            and loop_pays(host_offsets, N, K, min_rows=2048)):
+    if (impl is None and dy.data.is_cuda and host_offsets is not None and policy.wgrad_impl_host == "cublas"
+            and policy.loop_pays(host_offsets, N, K, min_rows=2048)):
         return _wgrad_cublas_loop(dy, x, host_offsets, out)
     if not use_triton(dy.data, impl):
         return fp8_grouped_gemm_wgrad_ref(dy, x, off, out)
     accumulate = out is not None
     if out is None:
         out = torch.empty(E, N, K, dtype=torch.float32, device=dy.data.device)
-    return launch_kgrouped(dy, x, off, out, accumulate)
+    return launch_kgrouped(dy, x, off, out, accumulate, policy)
 
 
 def _mgrouped_cublas_loop(a: Fp8Tensor, b: Fp8Tensor, h: list, out: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
 """The grouped FP8 GEMMs for Hopper (sm_90), warp-specialized, in Gluon (Triton's explicit
 dialect): the GPU defaults of `moefp8.kernels.grouped_gemm.launch_mgrouped` (experts fprop and
-dgrad) and `launch_kgrouped` (experts wgrad). Same contracts and numerics as that module's Triton
+dgrad) and `launch_kgrouped` (experts wgrad), which choose between these and the Triton kernels
+(this module imports nothing of that one). Same contracts and numerics as that module's Triton
 kernels, bit for bit; reference twins: `grouped_gemm.fp8_grouped_gemm_ref` and
-`fp8_grouped_gemm_wgrad_ref` (re-exported here as `mgrouped_ws_ref` / `kgrouped_ws_ref`).
+`fp8_grouped_gemm_wgrad_ref`.
 
 Structure (DeepGEMM's, and cuBLAS's "coop" blockwise kernel's): per CTA one 1-warp TMA producer
 and two 4-warp consumer warpgroups. The producer fills a STAGES-slot ring with the 128 x 128 A
@@ -12,7 +13,7 @@ once per 128 rows. A slot is handed back when both consumers have arrived on its
 barrier (count 2). Nothing else joins the warpgroups, so one's FP32 promotion runs while the
 other's wgmma keeps the tensor cores busy.
 
-Per-128-K promotion (DESIGN.md §1) inside one consumer: K blocks go in pairs, both wgmma in
+Per-128-K promotion (docs/design.md §1) inside one consumer: K blocks go in pairs, both wgmma in
 flight, the first promoted (acc += d * scale) while the second still runs. The pair is the unit
 on purpose: a wgmma accumulator that is still in flight must never be copied, and a loop that
 carries one across iterations (`p = p_next`) makes the compiler copy it at the loop edges, after
@@ -28,15 +29,11 @@ Measured (one H200, bench/results/gemm-NVIDIA-H200.json, DeepSeek-V3 expert shap
 1.06-1.10x BF16 `_grouped_mm` at 1024 tokens x 32 experts (FP32 dW: twice BF16's output bytes).
 """
 
-from contextlib import contextmanager
-
 import torch
 import triton
 
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels import num_sms
-from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_ref as mgrouped_ws_ref  # noqa: F401 (the twins)
-from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_wgrad_ref as kgrouped_ws_ref  # noqa: F401
 
 try:
     from triton.experimental import gluon
@@ -49,12 +46,9 @@ except ImportError:  # an older Triton: launch_mgrouped keeps its Triton kernels
     HAVE_GLUON = False
 
 TILE_M, BLOCK_N, STAGES, GROUP_M = 128, 128, 4, 8
-# SMs the persistent kernels leave free (`reserve_sms`): a CTA of theirs fills an SM (227 KB of shared
-# memory, the whole register file), so a collective launched while one runs finds no SM to start on.
-_RESERVED_SMS = 0
 CONSUMER_REGS, PRODUCER_REGS, MAXNREG = 232, 40, 168  # 232 + 232 + 40 = 3 x 168: the 12 warps' register file
 KG_CONSUMER_REGS, KG_PRODUCER_REGS = 240, 24  # the wgrad's column scales need more: 240 + 240 + 24 = 504
-KG_STAGES = 4
+KG_STAGES = 4  # the k-grouped ring's default depth (grouped_gemm.GemmPolicy.kg_stages)
 
 if HAVE_GLUON:
     # Triton 3.6 (the device's) names the TMA copies async_copy_*; 3.9 renamed them async_load / async_store.
@@ -343,20 +337,11 @@ if HAVE_GLUON:
                 TensorDescriptor(out, [M, N], [N, 1], [64, BLOCK_N], c_l))
 
 
-@contextmanager
-def reserve_sms(n: int):
-    """Inside: the kernels' persistent grids leave `n` SMs free (for communication kernels that
-    run concurrently, e.g. the two micro-batch overlap's all-to-alls)."""
-    global _RESERVED_SMS
-    old, _RESERVED_SMS = _RESERVED_SMS, max(int(n), 0)
-    try:
-        yield
-    finally:
-        _RESERVED_SMS = old
-
-
-def _grid_sms(device: torch.device) -> int:
-    return max(1, num_sms(device) - _RESERVED_SMS)
+def _grid_sms(device: torch.device, reserved: int) -> int:
+    """Programs of a persistent grid that leaves `reserved` SMs free: a CTA of these kernels fills an
+    SM (227 KB of shared memory, the whole register file), so a collective launched while one runs
+    finds no SM to start on (the two micro-batch overlap's all-to-alls). Never below one."""
+    return max(1, num_sms(device) - reserved)
 
 
 def available(device: torch.device) -> bool:
@@ -374,16 +359,18 @@ def supported(a: Fp8Tensor, b: Fp8Tensor, out: torch.Tensor) -> bool:
     return M > 0 and K > 0 and N % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a.data, b.data, out))
 
 
-def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def launch_mgrouped_ws(a: Fp8Tensor, b: Fp8Tensor, off: torch.Tensor, out: torch.Tensor,
+                       reserved_sms: int = 0) -> torch.Tensor:
     """Validated operands (as `grouped_gemm.launch_mgrouped`, where `supported`): a "1x128"
-    [M, K], b "128x128" [E, N, K], off int32 [E+1] on the device, out BF16 [M, N]."""
+    [M, K], b "128x128" [E, N, K], off int32 [E+1] on the device, out BF16 [M, N]; the persistent
+    grid leaves `reserved_sms` SMs free."""
     M, K = a.data.shape
     E, N, _ = b.data.shape
     a_data, b_data, b_scale = a.data.contiguous(), b.data.contiguous(), b.scale.contiguous()
     ast = a.scale.t().contiguous()  # [K/128, M]; free when the scales are stored column-major
     a_d, b_d, c_d = descriptors(a_data, b_data, out)
     tiles = triton.cdiv(M, TILE_M) * triton.cdiv(N, BLOCK_N)
-    grid = (max(1, min(_grid_sms(out.device), tiles)),)
+    grid = (max(1, min(_grid_sms(out.device, reserved_sms), tiles)),)
     _mgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, b_scale, off, M, N, K, E, b_scale.stride(0), b_scale.stride(1),
                               E_POW2=max(triton.next_power_of_2(E), 2), GROUP_M=GROUP_M, STAGES=STAGES,
                               CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
@@ -403,19 +390,20 @@ def kgrouped_supported(dy: Fp8Tensor, x: Fp8Tensor, out: torch.Tensor) -> bool:
         t.data_ptr() % 16 == 0 for t in (dy.data, x.data, out))
 
 
-def launch_kgrouped_ws(dy: Fp8Tensor, x: Fp8Tensor, off: torch.Tensor, out: torch.Tensor,
-                       accumulate: bool) -> torch.Tensor:
+def launch_kgrouped_ws(dy: Fp8Tensor, x: Fp8Tensor, off: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                       reserved_sms: int = 0, stages: int = KG_STAGES) -> torch.Tensor:
     """Validated operands (as `grouped_gemm.launch_kgrouped`, where `kgrouped_supported`): dy
-    "128x1" data [N, M], x "128x1" data [K, M], off int32 [E+1], out fp32 [E, N, K]."""
+    "128x1" data [N, M], x "128x1" data [K, M], off int32 [E+1], out fp32 [E, N, K]; the persistent
+    grid leaves `reserved_sms` SMs free; `stages`: the depth of the operand ring."""
     N, M = dy.data.shape
     K = x.data.shape[0]
     E = off.numel() - 1
     a, b = dy.data.contiguous(), x.data.contiguous()
     ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N | K]
     a_d, b_d, c_d = kg_descriptors(a, b, out)
-    grid = (max(1, min(_grid_sms(out.device), E * (N // 128) * (K // 128))),)
+    grid = (max(1, min(_grid_sms(out.device, reserved_sms), E * (N // 128) * (K // 128))),)
     _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, out, off, N, K, E, ACCUMULATE=accumulate, GROUP_M=GROUP_M,
-                              STAGES=KG_STAGES,
+                              STAGES=stages,
                               CONSUMER_REGS=KG_CONSUMER_REGS, PRODUCER_REGS=KG_PRODUCER_REGS, num_warps=4,
                               maxnreg=MAXNREG)
     return out

@@ -1,4 +1,4 @@
-"""FP8 quantization kernels (DESIGN.md §1): Triton kernel -> public wrapper -> `_ref` twin.
+"""FP8 quantization kernels (docs/design.md §1): Triton kernel -> public wrapper -> `_ref` twin.
 
 Every public function takes ``impl=None|"triton"|"ref"``: by default CUDA tensors go to the
 Triton kernel and CPU tensors to the pure-PyTorch reference (Triton also runs on CPU tensors
@@ -558,7 +558,8 @@ def _dequant_swiglu_quant_colwise_strips_kernel(h_ptr, hs_ptr, o_ptr, os_ptr, M1
 # ----------------------------------------------------------------------------------------------
 # Public wrappers: validate, allocate, launch. Kernels assume valid input.
 
-# Launch configurations, as data: `tools/bench_quant.py --sweep` times alternatives on the GPU.
+# Launch configurations, as data: read, never written. A wrapper's `launch=` replaces its kernel's
+# entry for that call (`tools/bench_quant.py --sweep` times alternatives on the GPU so).
 # BLOCK_M: rows per program (row-wise kernels); BLOCK_K: columns per program (col-wise).
 LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and tables: bench/notes/quant.md)
     "rowwise": dict(BLOCK_M=32, num_warps=8),
@@ -621,7 +622,7 @@ def _check_fp8(name: str, q: Fp8Tensor, layout: str) -> None:
 
 
 def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
-                  colmajor_scale: bool = False) -> Fp8Tensor:
+                  colmajor_scale: bool = False, launch: dict | None = None) -> Fp8Tensor:
     """x [..., K] bf16|fp16|fp32, K % 128 == 0 -> "1x128": q [..., K] e4m3, s [..., K/128] fp32
     (stored column-major with colmajor_scale: what the GEMMs read, no transposing copy)."""
     _check_input("quant_rowwise", x)
@@ -636,14 +637,15 @@ def quant_rowwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     s = _scales(M, K // TILE, x.device, colmajor_scale)
     if M:
-        cfg = LAUNCH["rowwise"]
+        cfg = launch or LAUNCH["rowwise"]
         grid = (K // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
         _quant_rowwise_kernel[grid](x2, q, s, M, x2.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
                                     **cfg)
     return Fp8Tensor(q.view(x.shape), s.view(*x.shape[:-1], K // TILE), "1x128")
 
 
-def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                  launch: dict | None = None) -> Fp8Tensor:
     """x [M, K] -> "128x1" (128 tokens per tile along M): q = [K, M] e4m3 (transposed, M
     contiguous, the K-major operand of the wgrad GEMM), s [K, ceil(M/128)] fp32 (column-major,
     as every "128x1" scale grid). Any M."""
@@ -661,14 +663,15 @@ def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -
     q = torch.empty(K, M, dtype=FP8_DTYPE, device=x.device)
     s = _scales(K, triton.cdiv(M, TILE), x.device, True)
     if M:
-        cfg = LAUNCH["colwise"]
+        cfg = launch or LAUNCH["colwise"]
         grid = (triton.cdiv(K, cfg["BLOCK_K"]), triton.cdiv(M, TILE))
         _quant_colwise_kernel[grid](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=pow2,
                                     PACK=_packs(M), **cfg)
     return Fp8Tensor(q, s, "128x1")
 
 
-def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                 launch: dict | None = None) -> Fp8Tensor:
     """w [N, K] or a stack [E, N, K], K % 128 == 0 -> "128x128": q like w (e4m3),
     s [(E,) ceil(N/128), K/128] fp32. The same blocks serve fprop and dgrad."""
     _check_input("quant_weight", w)
@@ -686,13 +689,14 @@ def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None) ->
     if E and N:
         grid = (K // TILE, triton.cdiv(N, TILE), E)
         _quant_weight_kernel[grid](w3, q, s, N, K, w3.stride(0), w3.stride(1), s.stride(0), s.stride(1),
-                                   POW2=pow2, **LAUNCH["weight"])
+                                   POW2=pow2, **(launch or LAUNCH["weight"]))
     if w.dim() == 2:
         q, s = q[0], s[0]
     return Fp8Tensor(q, s, "128x128")
 
 
-def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                    launch: dict | None = None) -> Fp8Tensor:
     """"1x128" [M, K] -> "128x1" ([K, M] data) in one pass: dequantize in registers, requantize
     along M. With pow2 scales this equals `quant_colwise` of the original except where a value
     was subnormal in one of the two quantizations (tested)."""
@@ -707,7 +711,7 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     if not M:
         return Fp8Tensor(out, out_s, "128x1")
     if _words_ok(data, pow2):
-        cfg = dict(LAUNCH["requant_colwise"])
+        cfg = dict(launch or LAUNCH["requant_colwise"])
         num_kb, num_mb = K // cfg["BLOCK_K"], triton.cdiv(M, TILE)
         grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * num_sms(data.device))
         _requant_colwise_words_kernel[(grid,)](
@@ -722,7 +726,8 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     return Fp8Tensor(out, out_s, "128x1")
 
 
-def quant_rowwise_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
+def quant_rowwise_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                          launch: dict | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
     """x [M, K] -> ("1x128" [M, K] with column-major scales, "128x1" [K, M] data) in one pass, equal
     to ``r = quant_rowwise(x, colmajor_scale=True)`` and ``requant_colwise(r)``: the col-wise copy is
     made from the row-wise FP8 values (the recipe's backward requantization), x is read once and
@@ -748,12 +753,12 @@ def quant_rowwise_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None =
         grid = (K // TILE, triton.cdiv(M, TILE))
         _quant_rowwise_colwise_kernel[grid](x, q, s, c, cs, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                             c.stride(0), cs.stride(0), cs.stride(1), POW2=pow2, PACK=_packs(M),
-                                            **LAUNCH["rowwise_colwise"])
+                                            **(launch or LAUNCH["rowwise_colwise"]))
     return Fp8Tensor(q, s, "1x128"), Fp8Tensor(c, cs, "128x1")
 
 
 def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
-                 colmajor_scale: bool = False) -> Fp8Tensor:
+                 colmajor_scale: bool = False, launch: dict | None = None) -> Fp8Tensor:
     """h [M, 2I] = [gate | up], I % 128 == 0 -> a = silu(gate) * up as "1x128" FP8 [M, I]
     (scales column-major with colmajor_scale: fc2's GEMM operand)."""
     _check_input("swiglu_quant", h)
@@ -762,15 +767,16 @@ def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(h, impl):
         return swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale)
-    return _swiglu_quant(h, pow2, colmajor_scale, store_h=False)[1]
+    return _swiglu_quant(h, pow2, colmajor_scale, store_h=False, launch=launch)[1]
 
 
 def swiglu_quant_cache(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
-                       colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+                       colmajor_scale: bool = False, launch: dict | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
     """The expert MLP's forward in one pass over h [M, 2I]: (h8 = quant_rowwise(h), the cache
     backward recomputes SwiGLU from; a8 = swiglu_quant(h), fc2's input), both with column-major
     scales if asked (h8's are read by the col-wise dequant_swiglu_quant_colwise: 128 consecutive
-    rows' scales in one run instead of one sector each, bench/notes/quant.md, session 30)."""
+    rows' scales in one run instead of one sector each, bench/notes/quant.md, session 30). launch:
+    replaces LAUNCH["swiglu_quant"], the kernel it shares with `swiglu_quant`."""
     _check_input("swiglu_quant_cache", h)
     if h.dim() != 2 or h.shape[1] % (2 * TILE):
         raise ValueError(f"swiglu_quant_cache: expected h [M, 2I] with I % {TILE} == 0, got shape {tuple(h.shape)}")
@@ -778,10 +784,11 @@ def swiglu_quant_cache(h: Tensor, scale_fmt: str = "pow2", impl: str | None = No
     if not use_triton(h, impl):
         return (quant_rowwise_ref(h, scale_fmt, colmajor_scale=colmajor_scale),
                 swiglu_quant_ref(h, scale_fmt, colmajor_scale=colmajor_scale))
-    return _swiglu_quant(h, pow2, colmajor_scale, store_h=True)
+    return _swiglu_quant(h, pow2, colmajor_scale, store_h=True, launch=launch)
 
 
-def _swiglu_quant(h: Tensor, pow2: bool, colmajor_scale: bool, store_h: bool) -> tuple[Fp8Tensor | None, Fp8Tensor]:
+def _swiglu_quant(h: Tensor, pow2: bool, colmajor_scale: bool, store_h: bool,
+                  launch: dict | None) -> tuple[Fp8Tensor | None, Fp8Tensor]:
     if h.stride(-1) != 1:
         h = h.contiguous()
     M, I = h.shape[0], h.shape[1] // 2
@@ -790,14 +797,15 @@ def _swiglu_quant(h: Tensor, pow2: bool, colmajor_scale: bool, store_h: bool) ->
     hq = torch.empty(M, 2 * I, dtype=FP8_DTYPE, device=h.device) if store_h else q
     hs = _scales(M, 2 * I // TILE, h.device, colmajor_scale) if store_h else s
     if M:
-        cfg = LAUNCH["swiglu_quant"]
+        cfg = launch or LAUNCH["swiglu_quant"]
         grid = (I // TILE, triton.cdiv(M, cfg["BLOCK_M"]))
         _swiglu_quant_kernel[grid](h, q, s, hq, hs, M, I, h.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                    hq.stride(0), hs.stride(0), hs.stride(1), POW2=pow2, STORE_H=store_h, **cfg)
     return (Fp8Tensor(hq, hs, "1x128") if store_h else None), Fp8Tensor(q, s, "1x128")
 
 
-def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> Fp8Tensor:
+def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
+                                 launch: dict | None = None) -> Fp8Tensor:
     """Backward recompute: cached "1x128" h [M, 2I] -> a = silu(gate) * up -> "128x1" FP8
     ([I, M] data, for the fc2 wgrad), in one pass."""
     _check_fp8("dequant_swiglu_quant_colwise", h8, "1x128")
@@ -811,7 +819,7 @@ def dequant_swiglu_quant_colwise(h8: Fp8Tensor, scale_fmt: str = "pow2", impl: s
     q = torch.empty(I, M, dtype=FP8_DTYPE, device=data.device)
     s = _scales(I, triton.cdiv(M, TILE), data.device, True)
     if M and _words_ok(data, pow2):
-        cfg = LAUNCH["dequant_swiglu_quant_colwise"]
+        cfg = launch or LAUNCH["dequant_swiglu_quant_colwise"]
         num_kb, num_mb = I // cfg["BLOCK_K"], triton.cdiv(M, TILE)
         _dequant_swiglu_quant_colwise_strips_kernel[(num_kb * num_mb,)](
             data.view(torch.int32), sc, q.view(torch.int32), s, M // 16, data.stride(0) // 16, I // 16, sc.stride(0),

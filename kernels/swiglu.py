@@ -123,9 +123,10 @@ def _check_h(name: str, h_cols: int) -> None:
 
 
 def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
-                          colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+                          colmajor_scale: bool = False, launch: dict | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
     """h8 "1x128" [M, 2I], da [M, I] -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M]); the
-    "1x128" scales column-major with colmajor_scale (fc1's dgrad operand)."""
+    "1x128" scales column-major with colmajor_scale (fc1's dgrad operand). launch: replaces
+    quant.LAUNCH["swiglu_backward_quant"] for this call."""
     if not isinstance(h8, Fp8Tensor) or h8.layout != "1x128" or h8.data.dim() != 2:
         raise ValueError("swiglu_backward_quant: expected h8 as an Fp8Tensor [M, 2I] with layout '1x128'")
     M, I2 = h8.data.shape
@@ -145,7 +146,8 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
         _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
             h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
             h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
-            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False, **LAUNCH["swiglu_backward_quant"])
+            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False,
+            **(launch or LAUNCH["swiglu_backward_quant"]))
     return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
 
 

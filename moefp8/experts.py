@@ -1,4 +1,4 @@
-"""The routed experts' MLP, fc1 -> SwiGLU -> fc2, on permuted rows (DESIGN.md §2).
+"""The routed experts' MLP, fc1 -> SwiGLU -> fc2, on permuted rows (docs/design.md §2).
 
 Rows are the local experts' tokens stacked in 128-aligned segments (`group_offsets`, the grouped
 GEMM contract); padding rows are zeros and stay zeros through the MLP, so they never reach a
@@ -18,16 +18,18 @@ BF16 recipe: the same data flow with BF16 grouped GEMMs (`torch._grouped_mm` on 
 matmuls elsewhere), fused BF16 SwiGLU kernels and h cached in BF16: the like-for-like baseline.
 
 FP8 weights are quantized once per optimizer step: `WeightCache` keys them on the parameter's
-version counter, which the optimizer's in-place update bumps.
+version counter, which the optimizer's in-place update bumps. The FP8 functions take the GEMM
+policy (`moefp8.kernels.grouped_gemm.GemmPolicy`: which GEMM implementation runs) and the scale
+statistics recorder (`moefp8.fp8.ScaleStats`) of the layer that calls them.
 """
 
 import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from moefp8.fp8 import SCALE_STATS, Fp8Tensor
+from moefp8.fp8 import Fp8Tensor, ScaleStats
 from moefp8.kernels.gemm import fp8_gemm
-from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
+from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
 from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, requant_colwise, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 
@@ -56,39 +58,40 @@ class WeightCache:
 # FP8
 
 
-def _mm(a8: Fp8Tensor, w8: Fp8Tensor, off: Tensor | None, off_host: list | None) -> Tensor:
+def _mm(a8: Fp8Tensor, w8: Fp8Tensor, off: Tensor | None, off_host: list | None, gemm: GemmPolicy) -> Tensor:
     """a8 "1x128" [M, K] · w8ᵀ -> BF16 [M, N]: m-grouped over `off`, or dense when off is None."""
     if off is None:
-        return fp8_gemm(a8, w8)
-    return fp8_grouped_gemm(a8, w8, off, validate=False, host_offsets=off_host)
+        return fp8_gemm(a8, w8, policy=gemm)
+    return fp8_grouped_gemm(a8, w8, off, validate=False, host_offsets=off_host, policy=gemm)
 
 
-def _wgrad(dy_col: Fp8Tensor, x_col: Fp8Tensor, off: Tensor | None, off_host: list | None,
+def _wgrad(dy_col: Fp8Tensor, x_col: Fp8Tensor, off: Tensor | None, off_host: list | None, gemm: GemmPolicy,
            out: Tensor | None = None) -> Tensor:
     """dYᵀ · X per segment ("128x1" operands) -> FP32 [E, N, K] (added into `out` when given: one
     fp32 rounding, as `out + dYᵀ · X`), or [N, K] when off is None."""
     if off is None:
-        return fp8_gemm(dy_col, x_col)
-    return fp8_grouped_gemm_wgrad(dy_col, x_col, off, out, validate=False, host_offsets=off_host)
+        return fp8_gemm(dy_col, x_col, policy=gemm)
+    return fp8_grouped_gemm_wgrad(dy_col, x_col, off, out, validate=False, host_offsets=off_host, policy=gemm)
 
 
 def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
-                    off_host: list | None = None):
+                    off_host: list | None = None, *, gemm: GemmPolicy, stats: ScaleStats):
     """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I] the cache for backward, a8 "1x128"
     [M, I] fc2's input: y = fp8_grouped_gemm(a8, w2_8) again gives y bit for bit).
     off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop)."""
     with record_function("fc1"):
-        h = _mm(x8, w1_8, off, off_host)
+        h = _mm(x8, w1_8, off, off_host, gemm)
     with record_function("swiglu"):
         h8, a8 = swiglu_quant_cache(h, scale_fmt, colmajor_scale=True)
-        SCALE_STATS.record("act", a8)
+        stats.record("act", a8)
     with record_function("fc2"):
-        return _mm(a8, w2_8, off, off_host), h8, a8
+        return _mm(a8, w2_8, off, off_host, gemm), h8, a8
 
 
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None, w1: Tensor, w2: Tensor,
                      cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None,
-                     dy_col: Fp8Tensor | None = None, dw_into: tuple | None = None):
+                     dy_col: Fp8Tensor | None = None, dw_into: tuple | None = None, *, gemm: GemmPolicy,
+                     stats: ScaleStats):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
     x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1"; dy_col: dy8's "128x1"
     copy if the caller made it (`quant_rowwise_colwise`), else requantized here. dw_into: grouped
@@ -96,16 +99,17 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
     micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies."""
     into1, into2 = dw_into if dw_into is not None and off is not None else (None, None)
     with record_function("bwd_fc2"):
-        da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host)
+        da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host, gemm)
         dy_col = dy_col if dy_col is not None else requant_colwise(dy8, scale_fmt)
-        dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host, into2)
+        dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host, gemm, into2)
         del dy_col
     with record_function("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
-        SCALE_STATS.record("grad", dh8)
+        stats.record("grad", dh8)
     with record_function("bwd_fc1"):
-        dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host, into1)
-        dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host) if want_dx else None
+        dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host, gemm,
+                     into1)
+        dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host, gemm) if want_dx else None
     return dx, dw1, dw2
 
 

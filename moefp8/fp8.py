@@ -1,4 +1,4 @@
-"""The FP8 tensor format of the recipe (DESIGN.md §1).
+"""The FP8 tensor format of the recipe (docs/design.md §1).
 
 Elements are E4M3 (``torch.float8_e4m3fn``, max 448) for activations, weights and gradients.
 Each 128-element tile carries one fp32 scale, ``x ~= q * s``. Three tile layouts:
@@ -43,9 +43,9 @@ from torch import Tensor
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TILE = 128  # quantization tile length along the contraction dimension
-# DESIGN.md §1 clamps amax at 1e-4, as DeepSeek's reference casts of activations do. Gradients are
-# far smaller: training the small model at 16k tokens per step, the median backward 1x128 tile has
-# scale 2**-25 at step 1 and 2**-29..2**-31 later, so the 1e-4 floor (scale 2**-22) left them
+# The first design clamped amax at 1e-4, as DeepSeek's reference casts of activations do (docs/design.md
+# §1). Gradients are far smaller: training the small model at 16k tokens per step, the median
+# backward 1x128 tile has scale 2**-25 at step 1 and 2**-29..2**-31 later, so the 1e-4 floor (scale 2**-22) left them
 # 2**3..2**9 below their own scale, their values in E4M3's subnormals or flushed to 0. Measured on
 # H200s (bench/notes/convergence.md, session 8), 32 x 1024 tokens: FP8 vs BF16 mean loss gap +0.55%
 # with 1e-4, +0.07% with 1e-30; the clamp now only keeps 0/0 out.
@@ -136,12 +136,13 @@ def unpack_ue8m0(e8: Tensor) -> Tensor:
 
 
 class ScaleStats:
-    """Statistics of the FP8 tile scales the recipe makes, recorded while `on` (the training loop turns
-    it on for one step every `train.fp8_stats_every`). Per kind, "act" (activations quantized for a
-    GEMM or the dispatch) and "grad" (output gradients quantized for dgrad/wgrad): the tiles, the
-    share at the amax-clamp floor (all-zero tiles, or, with a clamp that bites, tiles too small for
-    their own scale: what exposed the old 1e-4 clamp on gradients) and the mean and min log2 of the
-    other finite scales. Sums stay on the device; `report` reads them once and resets.
+    """Statistics of the FP8 tile scales the recipe makes, recorded while `on`. A model owns one
+    (`moefp8.model.Transformer.scale_stats`) and hands it to every layer that quantizes; the training
+    loop turns it on for one step every `train.fp8_stats_every`. Per kind, "act" (activations
+    quantized for a GEMM or the dispatch) and "grad" (output gradients quantized for dgrad/wgrad):
+    the tiles, the share at the amax-clamp floor (all-zero tiles, or, with a clamp that bites, tiles
+    too small for their own scale: what exposed the old 1e-4 clamp on gradients) and the mean and
+    min log2 of the other finite scales. Sums stay on the device; `report` reads them once and resets.
     """
 
     def __init__(self):
@@ -178,6 +179,3 @@ class ScaleStats:
                 out[f"fp8/{kind}_log2_scale_min"] = r[:, 4].min().item()
         self._rows.clear()
         return out
-
-
-SCALE_STATS = ScaleStats()  # the one recorder the layers report to (see ScaleStats)

@@ -4,12 +4,17 @@
     Block:  h = x + Attention(RMSNorm(x));  out = h + MLP(RMSNorm(h))
     MLP:    the first n_dense_layers are dense SwiGLU, the rest `MoELayer` (routed + shared experts)
 
-Precision (DESIGN.md §1): every weight is an fp32 master; activations between layers are BF16.
-Under recipe "fp8" the attention projections and the dense MLPs are `Fp8Linear`s and the experts
-run the FP8 MoE path, except the linears named in `bf16_linears` (the training config's default: wo,
-bench/notes/convergence.md session 11); under "bf16" the same linears compute in BF16 (`Bf16Linear`).
-Embedding, LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention, causal) and the
-router stay in high precision. Attention is multi-head attention with RoPE, not DeepSeek-V3's MLA.
+Precision (docs/design.md §1): every weight is an fp32 master; activations between layers are BF16.
+Under `Recipe("fp8")` the attention projections and the dense MLPs are `Fp8Linear`s and the experts
+run the FP8 MoE path, except the linears named in the recipe's `bf16_linears` (the training config's
+default: wo, bench/notes/convergence.md session 11); under "bf16" the same linears compute in BF16
+(`Bf16Linear`). Embedding, LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention,
+causal) and the router stay in high precision. Attention is multi-head attention with RoPE, not
+DeepSeek-V3's MLA.
+
+What the model runs with is passed in as values: the `Recipe`, the `GemmPolicy` (which GEMMs run)
+and the MoE layers' `OverlapPolicy` (None: no overlap). It owns the FP8 scale statistics recorder
+(`scale_stats`, moefp8.fp8.ScaleStats) that every layer reports to.
 
 Shapes: B batch, S sequence, H hidden, T = B*S tokens, L layers, E experts, V vocabulary.
 """
@@ -23,11 +28,14 @@ from torch import Tensor, nn
 
 from moefp8.config import ModelConfig
 from moefp8.dispatch import Dispatcher, build_dispatcher
-from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_bf16
+from moefp8.fp8 import ScaleStats
+from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.rope import rope, rope_tables
-from moefp8.linear import Fp8Linear
+from moefp8.linear import make_linear
+from moefp8.mlp import DenseMLP
 from moefp8.moe import MoELayer
-from moefp8.overlap import Handoff, OverlappedBlock, mean_over_halves
+from moefp8.overlap import Handoff, OverlappedBlock, OverlapPolicy, mean_over_halves
+from moefp8.recipe import Recipe
 
 BF16 = torch.bfloat16
 
@@ -40,22 +48,6 @@ class ModelOutput(NamedTuple):
     # order (embed, layers.i.attn, layers.i.mlp, ..., head). One isfinite reduction per stage, no
     # host sync: the training loop reads it only once the loss is non-finite.
     nonfinite: Tensor
-
-
-class Bf16Linear(nn.Module):
-    """nn.Linear without bias on an fp32 master weight [N, K], computed in BF16 (the baseline)."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.to(BF16), self.weight.to(BF16))
-
-
-def make_linear(in_features: int, out_features: int, recipe: str, scale_fmt: str) -> nn.Module:
-    return Fp8Linear(in_features, out_features, scale_fmt=scale_fmt) if recipe == "fp8" else Bf16Linear(
-        in_features, out_features)
 
 
 class RMSNorm(nn.Module):
@@ -72,12 +64,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, recipe: str, scale_fmt: str, bf16_linears=frozenset()):
+    def __init__(self, cfg: ModelConfig, recipe: Recipe, stats: ScaleStats | None = None,
+                 gemm: GemmPolicy = GemmPolicy()):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         d = cfg.n_heads * cfg.head_dim
-        self.wqkv = make_linear(cfg.hidden, 3 * d, "bf16" if "wqkv" in bf16_linears else recipe, scale_fmt)
-        self.wo = make_linear(d, cfg.hidden, "bf16" if "wo" in bf16_linears else recipe, scale_fmt)
+        self.wqkv = make_linear(cfg.hidden, 3 * d, recipe, "wqkv", stats, gemm)
+        self.wo = make_linear(d, cfg.hidden, recipe, "wo", stats, gemm)
 
     def forward(self, x_BSH: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x_BSH.shape
@@ -91,51 +84,27 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up of h [..., 2I] BF16 -> [..., I] BF16, fp32 inside: the fused kernels the BF16
-    experts use, one pass each way, h saved (the composite of fp32 ops with autograd took ~10
-    elementwise kernels over fp32 copies of h)."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor) -> Tensor:
-        ctx.save_for_backward(h)
-        return swiglu_bf16(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)
-
-    @staticmethod
-    def backward(ctx, da: Tensor) -> Tensor:
-        (h,) = ctx.saved_tensors
-        return swiglu_backward_bf16(h.reshape(-1, h.shape[-1]), da.reshape(-1, da.shape[-1])).view(h.shape)
-
-
-class DenseMLP(nn.Module):
-    """SwiGLU: w1 [2I, H] (gate rows, then up rows) -> silu(gate) * up -> w2 [H, I]."""
-
-    def __init__(self, hidden: int, inter: int, recipe: str, scale_fmt: str):
-        super().__init__()
-        self.w1 = make_linear(hidden, 2 * inter, recipe, scale_fmt)
-        self.w2 = make_linear(inter, hidden, recipe, scale_fmt)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(_SwiGLU.apply(self.w1(x)))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, recipe: str, scale_fmt: str, dispatcher: Dispatcher,
-                 overlap: bool = False, bf16_linears=frozenset()):
+    """A transformer block (the `layer`-th): attention, then a dense MLP or a MoE layer. recipe,
+    dispatcher, overlap, gemm: as `Transformer`'s; stats: the recorder its layers report to (the
+    model's; None: one of its own, off)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, recipe: Recipe, dispatcher: Dispatcher | None,
+                 stats: ScaleStats | None = None, overlap: OverlapPolicy | None = None,
+                 gemm: GemmPolicy = GemmPolicy()):
         super().__init__()
+        stats = stats if stats is not None else ScaleStats()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, recipe, scale_fmt, bf16_linears)
+        self.attn = Attention(cfg, recipe, stats, gemm)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.is_moe = layer >= cfg.n_dense_layers
         if self.is_moe:
-            self.mlp = MoELayer(cfg.hidden, cfg.moe_inter, cfg.n_experts, cfg.topk, cfg.n_shared, recipe, scale_fmt,
-                                dispatcher, score_func=cfg.score_func, n_groups=cfg.n_groups,
+            self.mlp = MoELayer(cfg.hidden, cfg.moe_inter, cfg.n_experts, cfg.topk, cfg.n_shared, recipe, dispatcher,
+                                overlap, gemm, stats, score_func=cfg.score_func, n_groups=cfg.n_groups,
                                 topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
-                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha,
-                                overlap=overlap)
+                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha)
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, "bf16" if "dense_mlp" in bf16_linears else recipe,
-                                scale_fmt)
+            self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, recipe, stats, gemm)
 
     def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The block up to its MLP: -> (attention output a, x + a, the MLP's input RMSNorm(x + a))."""
@@ -149,7 +118,7 @@ class Block(nn.Module):
         blocks (moefp8.overlap.Handoff): x's second half may still be pending from the previous
         block, and an overlapped block leaves its own output's second half pending; None: x and
         the output are whole on return."""
-        if self.is_moe and self.mlp.overlap and x.shape[0] > 1:
+        if self.is_moe and self.mlp.overlap is not None and x.shape[0] > 1:
             # two micro-batches (the batch halves): attention and experts overlap the exchanges
             out, aux_2, load, nf_attn, nf_mlp = OverlappedBlock.apply(x, cos, sin, self, handoff, *self.parameters())
             flags += [nf_attn, nf_mlp]
@@ -171,19 +140,22 @@ def _nonfinite(x: Tensor) -> Tensor:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, recipe: str = "fp8", scale_fmt: str = "pow2",
-                 dispatcher: Dispatcher | None = None, ep_rank: int = 0, seed: int = 0, overlap: bool = False,
-                 bf16_linears=frozenset()):
-        """dispatcher: this rank's expert-parallel dispatcher, shared by the MoE layers (default:
-        the EP=1 `local` backend); ep_rank: this rank's index in its EP group (it holds global
-        experts [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed; overlap: the
-        MoE layers' two micro-batch overlap (moefp8.overlap); bf16_linears: under the FP8 recipe,
-        these dense linears compute in BF16 ("wqkv", "wo", "dense_mlp"; config.bf16_linears)."""
+    def __init__(self, cfg: ModelConfig, recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
+                 ep_rank: int = 0, seed: int = 0, overlap: OverlapPolicy | None = None,
+                 gemm: GemmPolicy = GemmPolicy()):
+        """recipe: the `Recipe` (training builds it with `Recipe.from_config`); dispatcher: this
+        rank's expert-parallel dispatcher, shared by the MoE layers (default: the EP=1 `local`
+        backend); ep_rank: this rank's index in its EP group (it holds global experts
+        [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed; overlap: the MoE
+        layers' two micro-batch overlap (an `OverlapPolicy`; None: off); gemm: the `GemmPolicy`
+        every GEMM runs with. `scale_stats`: the model's FP8 tile-scale recorder (off until the
+        caller turns it on)."""
         super().__init__()
         self.cfg, self.recipe = cfg, recipe
+        self.scale_stats = ScaleStats()
         dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, i, recipe, scale_fmt, dispatcher, overlap, frozenset(bf16_linears))
+        self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)

@@ -1,5 +1,5 @@
 """AdamW on FP32 master weights with BF16 (default) or FP32 moments, the LR schedule and grad
-clipping (DESIGN.md §1: "optimizer moments BF16 by default, FP32 optional").
+clipping (docs/design.md §1: Adam moments BF16 by default, FP32 optional).
 
 Hand-written because torch.optim.AdamW keeps its moments in the parameters' dtype (fp32 here).
 The moments are stored in `moment_dtype`; each update reads them in fp32, updates in fp32 and

@@ -1,4 +1,4 @@
-"""Two micro-batch overlap (DESIGN.md §4): one micro-batch's dispatch or combine runs while the
+"""Two micro-batch overlap (docs/design.md §4): one micro-batch's dispatch or combine runs while the
 other computes, in forward and backward.
 
 Two schedules, the same stages:
@@ -7,11 +7,11 @@ Two schedules, the same stages:
   dispatch in the forward and A's gradient combine in the backward, the experts hide the rest
   (its docstring has the order); consecutive blocks pass a `Handoff`, so that a block's B combine
   runs behind the next block's A attention.
-* `OverlappedMoE`, the MoE layer alone (a lone sequence, or `MoELayer(overlap=True)` used by
-  itself), below: only the shared experts are there to hide A's dispatch and B's combine.
+* `OverlappedMoE`, the MoE layer alone (a lone sequence, or `MoELayer(overlap=OverlapPolicy())`
+  used by itself), below: only the shared experts are there to hide A's dispatch and B's combine.
 
-The MoE layer's tokens are split in two micro-batches A (first half) and B. Their stages (moefp8.moe:
-dispatch, layout, experts, combine; the shared experts of each half) run in an explicit order on
+The MoE layer's tokens are split in two micro-batches A (first half) and B. Their stages (moefp8.moe_stages:
+dispatch, layout, experts, combine; the shared experts of each half, moefp8.mlp) run in an explicit order on
 three streams (compute, communication, layouts), so that one micro-batch's communication runs
 while something else computes:
 
@@ -31,10 +31,11 @@ starts late). The backward is one autograd node with this order written out (aut
 run the two micro-batches' nodes one after the other on one stream).
 
 On CUDA the communication stages run on a side stream and the layouts on another (one each per
-device, at high priority: SIDE_STREAM_PRIORITY), ordered against the compute stream by events;
+device, at high priority: `OverlapPolicy.side_stream_priority`), ordered against the compute stream by events;
 tensors crossing streams are handed over with `record_stream`. In the all_to_all capacity mode a
 dispatch's quantize and pack kernels run on the compute stream right behind its inputs and only
-its exchange and unpacking on the communication stream (`_Streams.packs_on_compute`); with
+its exchange and unpacking on the communication stream (`_Streams.packs_on_compute`,
+`Dispatcher.packs_on_caller_stream`); with
 `dispatch.transport=copy_engine` that exchange's transfers take no SMs (dispatch/copy_engine.py).
 On the CPU (gloo) there are no streams: the same order runs serially.
 Either way the arithmetic is that of running the two micro-batches one after the other
@@ -42,6 +43,9 @@ Either way the arithmetic is that of running the two micro-batches one after the
 unsplit layer the weight gradients differ: their col-wise FP8 tiles (128 tokens of one expert)
 group other tokens once split, and dW_A + dW_B adds in another fp32 order (measured on 4x H200:
 2.4e-3 relative on dW1).
+
+What the schedules run with is the layer's `OverlapPolicy` (`MoELayer.overlap`, None: the plain
+schedule): the side streams' priority, the SMs the GEMMs leave free, a `Timeline` to record.
 
 Host syncs: the layout stage reads the per-expert counts on the host (one sync per micro-batch,
 on the layout stream: it waits for that micro-batch's dispatch only), and the exact-mode
@@ -51,55 +55,42 @@ streams while the compute stream keeps working.
 
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from moefp8.fp8 import record_stream
-from moefp8.kernels.grouped_gemm_ws import reserve_sms
-from moefp8.moe import (_RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout,
-                        restore, save, shared_backward, shared_forward)
+from moefp8.kernels.grouped_gemm import GemmPolicy
+from moefp8.mlp import shared_backward, shared_forward
+from moefp8.moe_stages import (RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts,
+                               fwd_layout, restore, save)
 
-_SIDE_STREAMS: dict = {}
-# SMs the GEMMs leave free while an overlapped layer runs, for the concurrent all-to-alls: the
-# warp-specialized grouped GEMMs' persistent grids (grouped_gemm_ws.reserve_sms) and, where torch
-# has the knob, cuBLAS's (its SM carveout). A persistent GEMM whose CTA cannot start on an SM that
-# a communication kernel holds ends that much later. 0: all SMs. tools/bench_overlap.py
-# --gemm-sm-reserve measures other values.
-GEMM_SM_RESERVE = 0
+_SIDE_STREAMS: dict = {}  # (device index, role, priority) -> stream: a cache, made once per key
 
 
 @contextmanager
-def _sm_reserve():
-    n = GEMM_SM_RESERVE
+def _cublas_sm_carveout(n: int):
+    """Inside: cuBLAS leaves n SMs free (torch's SM carveout, where torch has the knob); 0: nothing."""
     carve = getattr(torch._C, "_set_sm_carveout_experimental", None) if n else None
     old = torch._C._get_sm_carveout_experimental() if carve else None
     if carve:
         carve(n)
     try:
-        with reserve_sms(n):
-            yield
+        yield
     finally:
         if carve:
             carve(old)
 
 
-# Priority of the side streams (CUDA: lower is higher, torch.cuda.Stream.priority_range()). Their
-# kernels are short (quantize, pack, the receive side's copies and sums, the layouts the host
-# waits for); at the default priority they queue behind the compute stream's next kernel, a
-# persistent GEMM that holds every SM for milliseconds. At a higher one they take the SMs at
-# the next kernel boundary. 0: the default priority. tools/bench_overlap.py --side-priority.
-SIDE_STREAM_PRIORITY = -1
-
-
-def side_stream(device: torch.device, role: str = "comm"):
+def side_stream(device: torch.device, role: str, priority: int):
     """The side stream that `role` ("comm": communication stages, "layout": the layouts) uses on
-    `device` (None on CPU), at SIDE_STREAM_PRIORITY."""
+    `device` at `priority` (None on CPU)."""
     if device.type != "cuda":
         return None
-    key = (device.index if device.index is not None else torch.cuda.current_device(), role, SIDE_STREAM_PRIORITY)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), role, priority)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=SIDE_STREAM_PRIORITY)
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=priority)
     return _SIDE_STREAMS[key]
 
 
@@ -112,7 +103,7 @@ class Timeline:
     a stage until the next mark, when nothing was enqueued in between (nonzero: the stream ran
     dry, the host was late: host-paced), `... done` what follows the schedule in the same autograd
     call and the engine's own work up to the next mark. Each mark also keeps the host clock when it
-    was enqueued. Off unless `TIMELINE` is set; one event record per mark then."""
+    was enqueued. Recorded only where an `OverlapPolicy` carries one; one event record per mark then."""
 
     def __init__(self):
         self.marks: list = []  # (label, stream name, event or None on CPU, host seconds)
@@ -136,18 +127,48 @@ class Timeline:
         return [(lab, nm, ev0.elapsed_time(ev), (h - h0) * 1e3) for lab, nm, ev, h in self.marks]
 
 
-TIMELINE: Timeline | None = None  # set by tools/bench_overlap.py --timeline
+@dataclass(frozen=True)
+class OverlapPolicy:
+    """How the two micro-batch schedules run (a `MoELayer.overlap`; the model passes one to every
+    MoE layer, tools/bench_overlap.py its variants). The defaults are what training runs.
+
+    gemm_sm_reserve: SMs the GEMMs leave free while an overlapped layer runs, for the concurrent
+      all-to-alls: the warp-specialized grouped GEMMs' persistent grids (`GemmPolicy.sm_reserve` of
+      the GEMMs of the MoE stages and shared experts) and, where torch has the knob, cuBLAS's (its
+      SM carveout, for every cuBLAS GEMM inside the schedule; `OverlappedBlock`'s attention
+      projections keep their own GEMM policy, so only the carveout applies to them). A persistent
+      GEMM whose CTA cannot start on an SM that a communication kernel holds ends that much later.
+      0: all SMs. tools/bench_overlap.py --gemm-sm-reserve measures other values.
+    side_stream_priority: of the side streams (CUDA: lower is higher,
+      torch.cuda.Stream.priority_range()). Their kernels are short (quantize, pack, the receive
+      side's copies and sums, the layouts the host waits for); at the default priority they queue
+      behind the compute stream's next kernel, a persistent GEMM that holds every SM for
+      milliseconds. At a higher one they take the SMs at the next kernel boundary. 0: the default
+      priority. tools/bench_overlap.py --side-priorities.
+    timeline: a `Timeline` the schedules mark their stages in (tools/bench_overlap.py --timeline);
+      None: nothing recorded.
+    """
+
+    gemm_sm_reserve: int = 0
+    side_stream_priority: int = -1
+    timeline: Timeline | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.gemm_sm_reserve, int) or self.gemm_sm_reserve < 0:
+            raise ValueError(f"OverlapPolicy: gemm_sm_reserve={self.gemm_sm_reserve!r}, expected an integer >= 0")
 
 
 class _Streams:
     """compute (the current stream), comm and layout; on CPU all are None and every call is a no-op
-    (but `tick`, which then reads the host clock)."""
+    (but `tick`, which then reads the host clock). gemm: the GEMM policy the schedule's GEMMs run
+    with (the layer's, with the policy's SM reserve)."""
 
-    def __init__(self, device: torch.device):
-        self.comm = side_stream(device, "comm")
-        self.layout = side_stream(device, "layout")
+    def __init__(self, device: torch.device, policy: OverlapPolicy, gemm: GemmPolicy):
+        self.comm = side_stream(device, "comm", policy.side_stream_priority)
+        self.layout = side_stream(device, "layout", policy.side_stream_priority)
         self.compute = torch.cuda.current_stream(device) if self.comm is not None else None
-        self.tl = TIMELINE
+        self.tl = policy.timeline
+        self.gemm = replace(gemm, sm_reserve=policy.gemm_sm_reserve)
 
     def tick(self, label: str, comm: bool = False) -> None:
         """A `Timeline` mark on the compute (or comm) stream, when one is being recorded."""
@@ -186,9 +207,7 @@ class _Streams:
         stream those two kernels wait for the compute stream's running persistent GEMM to end
         (it holds every SM), which delays the exchange by up to a GEMM; on the compute stream,
         enqueued right after their inputs, they run at once (~0.1 ms per dispatch at EP4)."""
-        disp = layer.dispatcher
-        return (self.comm is not None and hasattr(disp, "exchange_stream")
-                and disp.mode_for(layer.topk, True) == "capacity")
+        return self.comm is not None and layer.dispatcher.packs_on_caller_stream(layer.topk)
 
     @contextmanager
     def sending(self, disp, split: bool, label: str, ev_in):
@@ -205,7 +224,8 @@ class _Streams:
 
     @contextmanager
     def exchanging(self, disp):
-        """Calls of `disp` inside run their exchanges on the comm stream (results valid there)."""
+        """Calls of `disp` inside run their exchanges on the comm stream (results valid there): its
+        `Dispatcher.exchange_stream`, set for the duration."""
         disp.exchange_stream = self.comm
         try:
             yield
@@ -218,7 +238,8 @@ class _Streams:
         record_stream(stream, *objs)
 
 
-def _halves(n: int) -> list[slice]:
+def halves(n: int) -> list[slice]:
+    """The two micro-batches of n rows (tokens, or sequences): [0, ceil(n/2)) and the rest."""
     h = (n + 1) // 2
     return [slice(0, h), slice(h, n)]
 
@@ -282,7 +303,8 @@ class _MoEForward:
         st.tick(f"wait {'AB'[i]} rows")
         st.wait(st.compute, self.ev_d[i])  # implies ev_s[i]: the layout stream waited for the dispatch first
         with st.stage(f"{'AB'[i]} experts"):
-            self.z[i], self.saves[i] = fwd_experts(self.layer, self.d[i], self.L[i], self.w1, self.w2, self.want_dw)
+            self.z[i], self.saves[i] = fwd_experts(self.layer, self.d[i], self.L[i], self.w1, self.w2, self.want_dw,
+                                                   st.gemm)
         self.ev_z[i] = st.mark(st.compute)
         st.hand_to(st.comm, self.z[i])
 
@@ -298,7 +320,8 @@ class _MoEForward:
     def shared(self, i: int) -> None:  # no communication: fills the compute stream while the comm stream works
         if self.layer.shared is not None:
             with self.st.stage(f"{'AB'[i]} shared"):
-                self.s_out[i], self.s_saved[i] = shared_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2)
+                self.s_out[i], self.s_saved[i] = shared_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2,
+                                                                self.st.gemm)
 
     def routed(self, i: int) -> Tensor:
         """Micro-batch i's combined routed output, once the compute stream may read it."""
@@ -308,7 +331,7 @@ class _MoEForward:
         return self.out[i]
 
     def save(self, ctx, *extra) -> None:
-        """What the backward needs on ctx (moefp8.moe.save), `extra` tensors after the weights."""
+        """What the backward needs on ctx (moefp8.moe_stages.save), `extra` tensors after the weights."""
         sh = self.layer.shared is not None
         save(ctx, self.saves, self.w1, self.w2,
              *((self.sw1, self.sw2, *self.s_saved[0], *self.s_saved[1]) if sh else ()), *extra)
@@ -317,7 +340,7 @@ class _MoEForward:
 class _MoEBackward:
     """The MoE layer's backward stages for two micro-batches (as `_MoEForward`). douts[i] [T_i, H]:
     micro-batch i's gradient of the MoE output, contiguous, ready at construction; params: what
-    `_MoEForward.save` saved after the Saved of each micro-batch (moefp8.moe.restore)."""
+    `_MoEForward.save` saved after the Saved of each micro-batch (moefp8.moe_stages.restore)."""
 
     def __init__(self, layer, st: _Streams, douts, saves, params, want_dx: bool):
         self.layer, self.st, self.douts, self.saves, self.want_dx = layer, st, douts, saves, want_dx
@@ -344,9 +367,9 @@ class _MoEBackward:
         # FP8: the second micro-batch's wgrad GEMMs add into the first one's dW (the same fp32 sums
         # as dW_A + dW_B, without reading two full fp32 copies: ~2.3 ms per block at EP4)
         first = self.res[1 - i]
-        into = first[2:] if first is not None and self.layer.recipe == "fp8" else None
+        into = first[2:] if first is not None and self.layer.recipe.fp8 else None
         self.res[i] = bwd_experts(self.layer, self.dz[i], self.douts[i], self.saves[i], self.w1, self.w2,
-                                  self.want_dx, dw_into=into)
+                                  self.want_dx, st.gemm, dw_into=into)
         st.tick(f"/{'AB'[i]} experts bwd")
         self.ev_res[i] = st.mark(st.compute)
         st.hand_to(st.comm, self.res[i][:2])
@@ -365,7 +388,8 @@ class _MoEBackward:
         if self.has_shared:
             sw1, sw2, saved = self.sparams[0], self.sparams[1], self.sparams[2 + 4 * i:6 + 4 * i]
             with self.st.stage(f"{'AB'[i]} shared bwd"):
-                self.sh[i] = shared_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx)
+                self.sh[i] = shared_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx,
+                                             self.st.gemm)
 
     def routed(self, i: int) -> tuple:
         """(dx [T_i, H] or None, d topk_w [T_i, K] or None) of micro-batch i's routed path, once the
@@ -394,18 +418,19 @@ class OverlappedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
-        with _sm_reserve():
+        ctx.policy = layer.overlap  # the backward runs with the forward's
+        with _cublas_sm_carveout(ctx.policy.gemm_sm_reserve):
             return OverlappedMoE._forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer)
 
     @staticmethod
     def backward(ctx, dout):
-        with _sm_reserve():
+        with _cublas_sm_carveout(ctx.policy.gemm_sm_reserve):
             return OverlappedMoE._backward(ctx, dout)
 
     @staticmethod
     def _forward(ctx, x_TH, topk_w_TK, w1, w2, sw1, sw2, topk_idx_TK, layer):
-        st = _Streams(x_TH.device)
-        parts = _halves(x_TH.shape[0])
+        st = _Streams(x_TH.device, ctx.policy, layer.gemm)
+        parts = halves(x_TH.shape[0])
         f = _MoEForward(layer, st, [x_TH[p] for p in parts], [topk_idx_TK[p] for p in parts],
                         [topk_w_TK[p] for p in parts], w1, w2, sw1, sw2, want_dw=ctx.needs_input_grad[1])
         st.tick("forward")
@@ -439,8 +464,8 @@ class OverlappedMoE(torch.autograd.Function):
         layer = ctx.layer
         saves, params = restore(ctx)
         dout = dout.contiguous()
-        parts = _halves(dout.shape[0])
-        st = _Streams(dout.device)
+        parts = halves(dout.shape[0])
+        st = _Streams(dout.device, ctx.policy, layer.gemm)
         b = _MoEBackward(layer, st, [dout[p] for p in parts], saves, params, want_dx=ctx.needs_input_grad[0])
         st.tick("backward")
         b.send(0)
@@ -467,8 +492,8 @@ def serialized(layer, x_TH: Tensor) -> Tensor:
     A then B through the plain routed path on one stream, then the shared experts of A and B.
     layer: a moefp8.moe.MoELayer; x [T, H] -> routed + shared [T, H]."""
     r = layer.router(x_TH)
-    parts = _halves(x_TH.shape[0])
-    out = torch.cat([_RoutedExperts.apply(x_TH[p], r.topk_w_TK[p], layer.w1, layer.w2, r.topk_idx_TK[p], layer)
+    parts = halves(x_TH.shape[0])
+    out = torch.cat([RoutedExperts.apply(x_TH[p], r.topk_w_TK[p], layer.w1, layer.w2, r.topk_idx_TK[p], layer)
                      for p in parts])
     return out + torch.cat([layer.shared(x_TH[p]) for p in parts]) if layer.shared is not None else out
 
@@ -503,19 +528,20 @@ class OverlappedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_BSH, cos, sin, block, handoff, *params):
-        with _sm_reserve():
+        ctx.policy = block.mlp.overlap  # the backward runs with the forward's
+        with _cublas_sm_carveout(ctx.policy.gemm_sm_reserve):
             return OverlappedBlock._forward(ctx, x_BSH, cos, sin, block, handoff, params)
 
     @staticmethod
     def backward(ctx, dy, daux, *_):
-        with _sm_reserve():
+        with _cublas_sm_carveout(ctx.policy.gemm_sm_reserve):
             return OverlappedBlock._backward(ctx, dy, daux)
 
     @staticmethod
     def _forward(ctx, x, cos, sin, block, handoff, params):
-        layer, st = block.mlp, _Streams(x.device)
+        layer, st = block.mlp, _Streams(x.device, ctx.policy, block.mlp.gemm)
         B, S, H = x.shape
-        parts = _halves(B)
+        parts = halves(B)
         sh = layer.shared
         f = _MoEForward(layer, st, [None] * 2, [None] * 2, [None] * 2, layer.w1, layer.w2,
                         sh.w1 if sh else None, sh.w2 if sh else None, want_dw=False)
@@ -590,10 +616,10 @@ class OverlappedBlock(torch.autograd.Function):
         block, pre = ctx.block, ctx.pre
         layer = block.mlp
         saves, mparams = restore(ctx)
-        st = _Streams(dy.device)
+        st = _Streams(dy.device, ctx.policy, layer.gemm)
         dy = dy.contiguous()
         B, S, H = dy.shape
-        parts = _halves(B)
+        parts = halves(B)
         want_dm = pre[0][2].requires_grad  # the MoE input's gradient feeds the attention graph
         b = _MoEBackward(layer, st, [dy[p].view(-1, H) for p in parts], saves, mparams, want_dx=want_dm)
         grads: dict[int, Tensor] = {}
@@ -651,7 +677,7 @@ def mean_over_halves(aux_2: Tensor | None, B: int) -> Tensor | None:
     """The balance loss of the whole batch (a mean over its B sequences) from those of its two halves."""
     if aux_2 is None:
         return None
-    n = [p.stop - p.start for p in _halves(B)]
+    n = [p.stop - p.start for p in halves(B)]
     return (aux_2[0] * n[0] + aux_2[1] * n[1]) / B
 
 
@@ -659,9 +685,9 @@ def serialized_block(block, x_BSH: Tensor, cos: Tensor, sin: Tensor) -> tuple:
     """The serialized schedule of `OverlappedBlock`, its bit-exact reference: the block
     (moefp8.model.Block) on batch half A, then on B, the MoE layer not overlapped.
     -> (out [B, S, H], aux [2] or None, load_E)."""
-    ov, block.mlp.overlap = block.mlp.overlap, False
+    ov, block.mlp.overlap = block.mlp.overlap, None
     try:
-        outs = [block(x_BSH[p], cos, sin, []) for p in _halves(x_BSH.shape[0])]
+        outs = [block(x_BSH[p], cos, sin, []) for p in halves(x_BSH.shape[0])]
     finally:
         block.mlp.overlap = ov
     aux = torch.stack([o[1] for o in outs]) if outs[0][1] is not None else None

@@ -1,4 +1,4 @@
-"""The MoE router (DESIGN.md §2), in fp32, after DeepSeek-V3's gate.
+"""The MoE router (docs/design.md §2), in fp32, after DeepSeek-V3's gate.
 
 scores = softmax|sigmoid(x · Wgᵀ) [T, E]; the selection adds a per-expert bias (aux-loss-free
 balancing: the bias only steers which experts are picked, never the weights), optionally first

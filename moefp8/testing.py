@@ -14,16 +14,6 @@ from torch import Tensor
 REPO = Path(__file__).resolve().parent.parent
 
 
-def calc_diff(x: Tensor, y: Tensor) -> float:
-    """DeepGEMM's similarity error: 1 - 2<x,y>/(|x|^2+|y|^2) in float64; 0 means identical.
-    Below 1e-3 is DeepGEMM's bar for an FP8 GEMM against its dequantized reference."""
-    x, y = x.detach().double(), y.detach().double()
-    denom = (x * x + y * y).sum()
-    if denom == 0:
-        return 0.0
-    return float(1 - 2 * (x * y).sum() / denom)
-
-
 def rel_err(out: Tensor, ref: Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf (NaN never passes)."""
     out, ref = out.detach().double(), ref.detach().double()
@@ -199,14 +189,14 @@ def boot_id() -> str:
 
 
 def results_path(name: str, ep: int | None = None) -> Path:
-    """bench/results/<name>-<device>[-ep<N>].json (DESIGN.md §6); CPU runs go to outputs/."""
+    """bench/results/<name>-<device>[-ep<N>].json (docs/design.md §6); CPU runs go to outputs/."""
     dev = device_name().replace(" ", "-")
     folder = REPO / ("bench/results" if torch.cuda.is_available() else "outputs")
     return folder / f"{name}-{dev}{f'-ep{ep}' if ep else ''}.json"
 
 
 def save_results(tool: str, rows: list[dict], peak: dict, path: Path | None = None, **extra) -> Path:
-    """Writes the DESIGN.md §6 results JSON and returns its path."""
+    """Writes the docs/design.md §6 results JSON and returns its path."""
     path = Path(path) if path else results_path(tool.removeprefix("bench_"))
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {

@@ -29,17 +29,18 @@ import torch.distributed as dist
 from rich.console import Console
 
 from moefp8 import checkpoint
-from moefp8.config import Config, bf16_linears, validate
+from moefp8.config import Config, validate
 from moefp8.data import DataError, Loader, ensure
 from moefp8.dispatch import build_dispatcher
 from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line, report
-from moefp8.fp8 import SCALE_STATS
 from moefp8.hydra_config import CONFIG_DIR, config_help, load_config, register_schema
 from moefp8.launch import (check_launch, comm_failure, dispatch_capacity, job_dir_name, peak_flops, resolve_device,
                            routing_config)
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
+from moefp8.overlap import OverlapPolicy
 from moefp8.parallel import Parallel, StepWatchdog
+from moefp8.recipe import Recipe
 from moefp8.router import load_stats
 from moefp8.rundir import open_run_dir, take
 from moefp8.runlog import RunLog, memory_mb, record_start, start_wandb
@@ -111,9 +112,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
         dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
                                       capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode,
                                       transport=cfg.dispatch.transport, slots=cfg.dispatch.slots)
-        model = Transformer(routing_config(cfg, par.world), cfg.recipe.recipe, cfg.recipe.scale_fmt, dispatcher,
-                            par.ep_rank, t.seed, overlap=cfg.dispatch.overlap,
-                            bf16_linears=bf16_linears(cfg.recipe)).to(device)
+        model = Transformer(routing_config(cfg, par.world), Recipe.from_config(cfg.recipe), dispatcher, par.ep_rank,
+                            t.seed, overlap=OverlapPolicy() if cfg.dispatch.overlap else None).to(device)
         opt = AdamW(model.named_parameters(), cfg.optim)
         ckpt = find_resume(t.resume, run_dir, console.print)
         start = restore(ckpt, model, opt, loader, device) if ckpt is not None else 0
@@ -155,8 +155,8 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         loss_sum = torch.zeros((), device=device)
         aux_sum = torch.zeros((), device=device)
         load_LE = nonfinite_S = None
-        SCALE_STATS.on = (cfg.recipe.recipe == "fp8" and t.fp8_stats_every > 0
-                          and ((step + 1) % t.fp8_stats_every == 0 or step == start))
+        model.scale_stats.on = (model.recipe.fp8 and t.fp8_stats_every > 0
+                                and ((step + 1) % t.fp8_stats_every == 0 or step == start))
         for _ in range(t.grad_accum):
             x, y = loader.next()
             out = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
@@ -176,7 +176,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
                 par.all_reduce_(p.grad, par.expert_dp_group if name in sharded else None).div_(world)
             par.all_reduce_(sums)
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
-        SCALE_STATS.on = False
+        model.scale_stats.on = False
         gnorm = clip_grad_norm(replicated_params, o.grad_clip, sharded_params, par.ep_group)
         loss_s, aux_s, signalled, time_up, gn = torch.cat([sums, gnorm.view(1)]).tolist()  # one host sync
         loss, aux = loss_s / world / t.grad_accum, aux_s / world / t.grad_accum
@@ -194,7 +194,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
                 raise Diverged(f"{msg}; {skipped} steps skipped in a row, more than train.max_skipped_steps="
                                f"{t.max_skipped_steps}; last good checkpoint: {good}", quiet=par.rank != 0)
             console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip), {skipped} in a row")
-            SCALE_STATS.report()  # dropped with the step
+            model.scale_stats.report()  # dropped with the step
             opt.zero_grad()
             watchdog.beat()
             if stop_now:  # no checkpoint of weights that just gave a non-finite step
@@ -214,7 +214,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
              "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
              "load_max_over_mean_by_layer": [s["load_max_over_mean"] for s in stats],
              "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(device),
-             **SCALE_STATS.report()}  # this rank's FP8 tile scales, on stats steps (train.fp8_stats_every)
+             **model.scale_stats.report()}  # this rank's FP8 tile scales, on stats steps (train.fp8_stats_every)
         if log.peak:
             m["mfu"] = log.mfu(m["tokens_per_s"])
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):

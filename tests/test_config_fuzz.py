@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from moefp8.config import Config
 from moefp8.model import Transformer, param_counts
+from moefp8.recipe import Recipe
 from moefp8.hydra_config import ConfigError, load_config
 from moefp8.launch import check_launch
 
@@ -92,7 +93,7 @@ def test_random_overrides_give_a_config_or_one_line(overrides):
     assert isinstance(cfg, Config)
     touched_model = any(o.lstrip("+~").startswith("model") for o in overrides)
     if touched_model and param_counts(cfg.model)["total"] < 3e6 and cfg.model.n_layers <= 4:
-        model = Transformer(cfg.model, cfg.recipe.recipe, cfg.recipe.scale_fmt)
+        model = Transformer(cfg.model, Recipe(cfg.recipe.recipe, cfg.recipe.scale_fmt))
         x = torch.randint(0, 256, (1, 8))
         loss = model(x, x).out
         assert math.isfinite(loss.item()), f"{overrides}: a validated config gives loss {loss.item()} at init"

@@ -1,4 +1,4 @@
-"""Fp8Linear / fp8_grouped_linear: output and gradients against BF16 autograd.
+"""Fp8Linear: output and gradients against BF16 autograd.
 
 Tolerance: each FP8 GEMM sees two E4M3 operands (3 mantissa bits, relative rounding error up to
 2**-4, ~2.5% rms within a tile once the tile's amax sets the scale); measured on these random
@@ -8,8 +8,7 @@ operands, for y, dx and dw alike; a BF16 nn.Linear is 0.17% from it. Bound: 0.07
 import pytest
 import torch
 
-from moefp8.kernels.permute import segment_offsets
-from moefp8.linear import Fp8Linear, fp8_grouped_linear
+from moefp8.linear import Fp8Linear
 from moefp8.testing import rel_err
 
 TOL = 0.07
@@ -69,41 +68,7 @@ def test_fp8_linear_errors():
         lin(torch.randn(4, 256).bfloat16())
 
 
-def test_fp8_grouped_linear_vs_bf16(device="cpu"):
-    torch.manual_seed(1)
-    counts = [100, 0, 256, 30]
-    off = segment_offsets(counts)
-    E, K, N, M = len(counts), 256, 128, off[-1]
-    x = torch.zeros(M, K, device=device).bfloat16()
-    for e, c in enumerate(counts):  # real rows, then zero padding to the next 128
-        x[off[e]:off[e] + c] = torch.randn(c, K, device=device).bfloat16()
-    w = torch.randn(E, N, K, device=device) / K ** 0.5
-    dy = torch.randn(M, N, device=device).bfloat16()
-    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y = fp8_grouped_linear(xg, wg, off)
-    y.backward(dy)
-    y = y.detach()
-    assert y.dtype == torch.bfloat16 and wg.grad.dtype == torch.float32
-
-    def loop(x, w):
-        return torch.cat([x[off[e]:off[e + 1]] @ w[e].t() for e in range(E)])
-    y_e, dx_e, dw_e = _grads(loop, x.double(), w.to(torch.bfloat16).double(), dy.double())
-    assert rel_err(y, y_e) < TOL
-    assert rel_err(xg.grad, dx_e) < TOL
-    assert rel_err(wg.grad, dw_e) < TOL
-    assert torch.equal(wg.grad[1], torch.zeros_like(wg.grad[1]))  # empty expert: exact zeros
-
-
-def test_fp8_grouped_linear_errors():
-    w = torch.randn(2, 128, 128)
-    with pytest.raises(ValueError, match="not a multiple of 128"):
-        fp8_grouped_linear(torch.randn(256, 128).bfloat16(), w, [0, 64, 256])
-    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
-        fp8_grouped_linear(torch.randn(256, 128).bfloat16(), w[0], [0, 128, 256])
-
-
 @pytest.mark.gpu
 def test_gpu_fp8_linear():
     test_fp8_linear_vs_bf16(4096, 2048, 7168, torch.float32, device="cuda")
     test_fp8_linear_vs_bf16(200, 7168, 4096, torch.float32, device="cuda")
-    test_fp8_grouped_linear_vs_bf16(device="cuda")

@@ -9,13 +9,14 @@ import torch
 
 from moefp8.config import Config, ModelConfig, validate
 from moefp8.model import Transformer, flops_per_token, param_counts
+from moefp8.recipe import Recipe
 from moefp8.testing import sqnr
 
 TINY = ModelConfig()  # the schema's defaults are the tiny preset
 
 
 def build(recipe="fp8", cfg=TINY, seed=0, **kw):
-    return Transformer(cfg, recipe, seed=seed, **kw)
+    return Transformer(cfg, Recipe(recipe), seed=seed, **kw)
 
 
 def tokens(B=2, S=64, seed=1, V=257):
@@ -101,7 +102,8 @@ def test_init_independent_of_expert_sharding():
     """Rank 1 of an EP group of 2 holds exactly the second half of the experts the EP=1 model has;
     every other weight is identical; a different seed changes everything."""
     full = build("bf16").state_dict()
-    half = SimpleNamespace(num_local_experts=TINY.n_experts // 2, communicates=False)
+    half = SimpleNamespace(num_experts=TINY.n_experts, num_local_experts=TINY.n_experts // 2, communicates=False,
+                           scale_fmt=None)  # what the layer reads of a Dispatcher at construction
     shard = build("bf16", dispatcher=half, ep_rank=1).state_dict()
     experts = set(build("bf16").routed_expert_names())
     assert experts == {"layers.1.mlp.w1", "layers.1.mlp.w2", "layers.2.mlp.w1", "layers.2.mlp.w2"}
@@ -170,21 +172,20 @@ def test_validate_other():
 def test_fp8_dense_false_keeps_dense_linears_in_bf16():
     """recipe.fp8_dense=false: attention projections and the dense MLP compute in BF16, experts in FP8;
     recipe.bf16_linears picks some of them; a name that is not a dense linear is refused."""
-    from moefp8.config import Config, bf16_linears
-    from moefp8.linear import Fp8Linear
-    from moefp8.model import Bf16Linear
+    from moefp8.config import Config
+    from moefp8.linear import Bf16Linear, Fp8Linear
 
     c = Config(model=TINY)
     c.recipe.fp8_dense = False
-    m = Transformer(TINY, "fp8", bf16_linears=bf16_linears(c.recipe))
+    m = Transformer(TINY, Recipe.from_config(c.recipe))
     dense = [mod for n, mod in m.named_modules() if n.endswith(("wqkv", "wo")) or ".mlp.w" in n]
     assert dense and all(isinstance(mod, Bf16Linear) for mod in dense)
     assert not any(isinstance(mod, Fp8Linear) for mod in m.modules())
-    assert all(b.mlp.recipe == "fp8" for b in m.layers if b.is_moe)
+    assert all(b.mlp.recipe.fp8 for b in m.layers if b.is_moe)
     out = m(torch.randint(0, TINY.vocab_size, (2, 16)), torch.randint(0, TINY.vocab_size, (2, 16)))
     assert torch.isfinite(out.out)
     c.recipe.fp8_dense, c.recipe.bf16_linears = True, ["wqkv"]
-    m = Transformer(TINY, "fp8", bf16_linears=bf16_linears(c.recipe))
+    m = Transformer(TINY, Recipe.from_config(c.recipe))
     kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if n.endswith(("wqkv", "wo", "mlp.w1"))}
     assert kinds["layers.0.attn.wqkv"] == "Bf16Linear" and kinds["layers.0.attn.wo"] == "Fp8Linear"
     assert kinds["layers.0.mlp.w1"] == "Fp8Linear" and kinds["layers.2.attn.wqkv"] == "Bf16Linear"
@@ -225,7 +226,7 @@ def test_dense_swiglu_matches_the_composite():
     """The dense MLP's fused SwiGLU (forward bit for bit, backward within BF16 rounding) against
     autograd through the fp32 composite it replaced."""
     from moefp8.kernels.quant import swiglu_ref
-    from moefp8.model import _SwiGLU
+    from moefp8.mlp import _SwiGLU
 
     h = (torch.randn(3, 40, 512) * 2).bfloat16().requires_grad_()
     h_ref = h.detach().clone().requires_grad_()

@@ -8,7 +8,9 @@ from moefp8.experts import fp8_mlp_forward
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.permute import build_layout, permute_fp8
 from moefp8.kernels.quant import quant_rowwise_ref, quant_weight_ref, swiglu_quant_ref
-from moefp8.moe import MoELayer, _RoutedExperts
+from moefp8.moe import MoELayer
+from moefp8.moe_stages import RoutedExperts
+from moefp8.recipe import Recipe
 from moefp8.testing import rel_err, saved_bytes, sqnr
 
 H, I, E, K = 256, 128, 8, 2
@@ -16,7 +18,7 @@ H, I, E, K = 256, 128, 8, 2
 
 def layer(recipe="fp8", seed=0, n_shared=1, **kw) -> MoELayer:
     torch.manual_seed(seed)
-    return MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe, **kw)
+    return MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe), **kw)
 
 
 def run(m: MoELayer, T: int = 200, seed: int = 100, device="cpu"):
@@ -48,10 +50,10 @@ def test_shared_experts_match_autograd_mlp(recipe, T, floor):
     BF16 recipe: bf16 roundings of x, h, a and the outputs, 2**-9 relative each: > 40 dB.
     FP8 recipe: E4M3 operands (~3.6% RMS each, compounding as in test_fp8_matches_bf16_recipe):
     > 20 dB. A wrong transpose, gate/up swap or missing gradient gives ~0 dB."""
-    from moefp8.moe import SharedExperts
+    from moefp8.mlp import SharedExperts
 
     torch.manual_seed(0)
-    m = SharedExperts(H, I, recipe, "pow2")
+    m = SharedExperts(H, I, Recipe(recipe, "pow2"))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
     dy = torch.randn(T, H, generator=g).bfloat16()
@@ -90,7 +92,7 @@ def test_fp8_forward_matches_float64_model():
     T = 150  # not a multiple of 128: padded segments
     x = torch.randn(T, H).bfloat16()
     r = m.router(x)
-    got = _RoutedExperts.apply(x, r.topk_w_TK.detach(), m.w1, m.w2, r.topk_idx_TK, m)
+    got = RoutedExperts.apply(x, r.topk_w_TK.detach(), m.w1, m.w2, r.topk_idx_TK, m)
     want = routed_f64(x, r.topk_w_TK.detach(), r.topk_idx_TK, m.w1.detach(), m.w2.detach())
     # fp32 vs float64 GEMM accumulation moves a bf16 rounding of h or y now and then: measured
     # rel. error ~1e-3 at most; a leaked padding row or a wrong segment gives O(1).
@@ -110,18 +112,18 @@ def test_gpu_routing_weight_gradient_is_exact(recipe):
 
 def check_routing_weight_gradient(recipe, H, I, E, K, T, device):
     torch.manual_seed(0)
-    m = MoELayer(H, I, E, K, n_shared=0, recipe=recipe).to(device)
+    m = MoELayer(H, I, E, K, n_shared=0, recipe=Recipe(recipe)).to(device)
     x = torch.randn(T, H, device=device).bfloat16()
     r = m.router(x)
     w = r.topk_w_TK.detach().clone().requires_grad_()
-    out = _RoutedExperts.apply(x, w, m.w1, m.w2, r.topk_idx_TK, m)
+    out = RoutedExperts.apply(x, w, m.w1, m.w2, r.topk_idx_TK, m)
     dout = torch.randn(T, H, device=device).bfloat16()
     out.backward(dout)
     # y, recomputed the way forward computed it, and dw = <dout, y> in float64
     L = build_layout(r.topk_idx_TK, E)
     if recipe == "fp8":
         y, _, _ = fp8_mlp_forward(permute_fp8(quant_rowwise_ref(x), L), L.offsets, m.cache.get(m.w1, "pow2"),
-                                  m.cache.get(m.w2, "pow2"), "pow2", L.offsets_host)
+                                  m.cache.get(m.w2, "pow2"), "pow2", L.offsets_host, gemm=m.gemm, stats=m.stats)
     else:
         from moefp8.experts import bf16_mlp_forward
         from moefp8.kernels.permute import permute_rows
@@ -177,11 +179,12 @@ def test_output_shape_and_leading_dims():
 def test_config_errors(kwargs, msg):
     args = dict(n_experts=8, topk=2) | kwargs
     with pytest.raises(ValueError, match=msg):
-        MoELayer(**args)
+        recipe = Recipe(args.pop("recipe", "fp8"), args.pop("scale_fmt", "pow2"))  # recipe errors: at construction
+        MoELayer(**args, recipe=recipe)
 
 
 def test_bf16_recipe_accepts_any_size():
-    m = MoELayer(200, 100, 4, 2, recipe="bf16", n_shared=0)
+    m = MoELayer(200, 100, 4, 2, recipe=Recipe("bf16"), n_shared=0)
     assert m(torch.randn(10, 200).bfloat16()).out.shape == (10, 200)
 
 
@@ -195,7 +198,7 @@ def test_gpu_fp8_vs_bf16_and_memory():
     res, saved, peak = {}, {}, {}
     for recipe in ("fp8", "bf16"):
         torch.manual_seed(0)
-        m = MoELayer(Hg, Ig, Eg, Kg, n_shared=1, recipe=recipe).cuda()
+        m = MoELayer(Hg, Ig, Eg, Kg, n_shared=1, recipe=Recipe(recipe)).cuda()
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(T, Hg, device="cuda", generator=g).bfloat16().requires_grad_()
         dout = torch.randn(T, Hg, device="cuda", generator=g).bfloat16()
@@ -244,7 +247,7 @@ def check_gradients_vs_float64_model(H, I, E, K, T, device, tol):
     w = r.topk_w_TK.detach().clone().requires_grad_()
     idx = r.topk_idx_TK
     dout = torch.randn(T, H, device=device).bfloat16()
-    _RoutedExperts.apply(x, w, m.w1, m.w2, idx, m).backward(dout)
+    RoutedExperts.apply(x, w, m.w1, m.w2, idx, m).backward(dout)
 
     L = build_layout(idx, E)
     off = L.offsets_host

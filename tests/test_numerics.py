@@ -9,6 +9,7 @@ import moefp8.train as train_mod
 from moefp8.linear import Fp8Linear
 from moefp8.model import Transformer
 from moefp8.moe import MoELayer
+from moefp8.recipe import Recipe
 from moefp8.testing import rel_err, sqnr
 from moefp8.hydra_config import compose_config
 from moefp8.train import Diverged, train
@@ -88,7 +89,7 @@ def test_nonfinite_flags_are_one_device_tensor_per_forward():
     """The check costs one isfinite reduction per stage into one bool tensor (no host sync in
     forward); the training loop reads it only after a non-finite loss or grad norm."""
     cfg = compose_config(["model=tiny"])
-    model = Transformer(cfg.model, "bf16")
+    model = Transformer(cfg.model, Recipe("bf16"))
     x = torch.randint(0, 256, (2, 16))
     out = model(x, x)
     assert out.nonfinite.dtype == torch.bool and out.nonfinite.shape == (len(model.stages()),)
@@ -109,7 +110,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: through 
 
 def moe_run(recipe, x, dout, device="cpu"):
     torch.manual_seed(0)
-    m = MoELayer(H, I, E, K, n_shared=1, recipe=recipe).to(device)
+    m = MoELayer(H, I, E, K, n_shared=1, recipe=Recipe(recipe)).to(device)
     x = x.to(device).detach().clone().requires_grad_()  # a fresh leaf: x.grad must not accumulate across runs
     o = m(x)
     o.out.backward(dout.to(device))

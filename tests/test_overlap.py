@@ -12,7 +12,8 @@ from moefp8.dispatch import build_dispatcher
 from moefp8.kernels.rope import rope_tables
 from moefp8.model import Block
 from moefp8.moe import MoELayer
-from moefp8.overlap import Handoff, mean_over_halves, serialized, serialized_block
+from moefp8.overlap import Handoff, OverlapPolicy, mean_over_halves, serialized, serialized_block
+from moefp8.recipe import Recipe
 from moefp8.testing import rel_err, spawn_group
 
 H, I, E, K = 256, 128, 8, 2
@@ -35,9 +36,9 @@ def assert_overlapped_equal(names, got, want):
 
 def check(layer, x, dout, device):
     names = ["out", "dx"] + [n for n, _ in layer.named_parameters()]
-    layer.overlap = True
+    layer.overlap = OverlapPolicy()
     got = run(layer, x, dout, lambda x: layer(x).out)
-    layer.overlap = False
+    layer.overlap = None
     want = run(layer, x, dout, lambda x: serialized(layer, x))
     assert_overlapped_equal(names, got, want)
     unsplit = run(layer, x, dout, lambda x: layer(x).out)
@@ -52,7 +53,7 @@ def check(layer, x, dout, device):
 @pytest.mark.parametrize("recipe,n_shared,T", [("fp8", 1, 100), ("bf16", 1, 37), ("fp8", 0, 1)])
 def test_overlap_equals_serialized_ep1(recipe, n_shared, T):
     torch.manual_seed(0)
-    layer = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe)
+    layer = MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe))
     x, dout = torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16()
     check(layer, x, dout, "cpu")
 
@@ -62,7 +63,7 @@ def make_block(recipe, dispatcher, dev, seq_aux_alpha=1e-2):
     torch.manual_seed(0)
     cfg = ModelConfig(hidden=H, n_heads=2, head_dim=128, moe_inter=I, n_experts=E, topk=K, n_dense_layers=0,
                       seq_aux_alpha=seq_aux_alpha)
-    block = Block(cfg, 0, recipe, "pow2", dispatcher, overlap=True)
+    block = Block(cfg, 0, Recipe(recipe), dispatcher, overlap=OverlapPolicy())
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape) * 0.05 if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
@@ -193,7 +194,7 @@ def _ep_case(rank, world, dev, cases):
     for recipe, mode, *transport in cases:
         torch.manual_seed(0)
         T_max = 64 + 19 * (world - 1)
-        layer = MoELayer(H, I, E, K, n_shared=1, recipe=recipe,
+        layer = MoELayer(H, I, E, K, n_shared=1, recipe=Recipe(recipe),
                          dispatcher=build_dispatcher("all_to_all", E, None, capacity=T_max, mode=mode,
                                                      transport=(transport or ["collective"])[0])).to(dev)
         g = torch.Generator().manual_seed(10 + rank)
@@ -202,7 +203,7 @@ def _ep_case(rank, world, dev, cases):
         dout = torch.randn(T, H, generator=g).bfloat16().to(dev)
         check(layer, x, dout, dev)
         # the schedule repeats without hanging or drifting
-        layer.overlap = True
+        layer.overlap = OverlapPolicy()
         for _ in range(3 if dev == "cpu" else 100):
             layer.zero_grad()
             layer(x).out.backward(dout)

@@ -17,6 +17,7 @@ import torch
 from moefp8 import checkpoint
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
+from moefp8.recipe import Recipe
 from moefp8.hydra_config import compose_config
 from moefp8.testing import boot_id
 from moefp8.state import model_state
@@ -84,7 +85,7 @@ def test_resume_is_bit_exact(data_dir, tmp_path):
     sa, sb = {}, {}
     for d, s in ((a, sa), (b, sb)):
         cfg = compose_config(base(data_dir, d, **{"train.steps": 8}))
-        model = Transformer(cfg.model, cfg.recipe.recipe, seed=123)  # other weights, overwritten by the load
+        model = Transformer(cfg.model, Recipe(cfg.recipe.recipe), seed=123)  # other weights, overwritten by the load
         s.update(model_state(model, AdamW(model.named_parameters(), cfg.optim)))
         checkpoint.load(d / "step_0000008", s)
     for k, v in sa["model"].items():

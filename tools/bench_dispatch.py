@@ -24,7 +24,7 @@ weights, an int32 source index), printed beside. The FP8 wire row must be <= 0.5
 
 Speed of light: the NCCL all-reduce bus bandwidth measured in the same run
 (busbw = 2 (n-1)/n * bytes / t, --allreduce-mb); ratio = GB/s / busbw.
-Rank 0 prints the table and writes bench/results/dispatch-<device>-ep<N>.json (DESIGN.md §6).
+Rank 0 prints the table and writes bench/results/dispatch-<device>-ep<N>.json (docs/design.md §6).
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Benchmark the FP8 blockwise GEMMs against cuBLAS / torch baselines (DESIGN.md §5, §6).
+"""Benchmark the FP8 blockwise GEMMs against cuBLAS / torch baselines (docs/design.md §5, §6).
 
 Cases (DeepSeek-V3 defaults): expert fc1 (K=7168 -> N=4096) and fc2 (K=2048 -> N=7168) with
 8..32 local experts, balanced and skewed token counts (512..8192 per expert); dense 8192^3.
@@ -126,17 +126,9 @@ def timed(fns: dict, case: str = "") -> dict:
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def with_variant(v: str, fn):
-    """fn() run with the grouped GEMMs' GPU variant set to v (so variants can be timed interleaved)."""
-    def run():
-        set_variant(v)
-        return fn()
-    return run
-
-
-def set_variant(v: str) -> None:
-    gg.GPU_VARIANT["mgrouped"] = v
-    gg.GPU_VARIANT["kgrouped"] = v
+def policy(v: str) -> gg.GemmPolicy:
+    """The GEMM policy whose grouped kernels (and dense Triton fallback) are variant v."""
+    return gg.GemmPolicy(variant=v)
 
 
 def row(case, impl, value, baseline, baseline_value, err=None):
@@ -207,23 +199,21 @@ def expert_case(rows, name, K, N, counts, variants):
     ref = gg.fp8_grouped_gemm_ref(a8, w8, off).float() if M * N <= 2**28 else None
     ours, errs = {}, {}
     for v in variants:
-        set_variant(v)
-        out = gg.fp8_grouped_gemm(a8, w8, off_t, validate=False)
+        out = gg.fp8_grouped_gemm(a8, w8, off_t, validate=False, policy=policy(v))
         errs[v] = rel_err(out, ref) if ref is not None else rel_err(out[:off[1]], (a8.dequantize()[:off[1]] @ w8.dequantize()[0].t()))
-        ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm(a8, w8, off_t, validate=False))
+        ours[v] = lambda p=policy(v): gg.fp8_grouped_gemm(a8, w8, off_t, validate=False, policy=p)
     diag = {}
     if "tma" in variants:  # what the per-128-K promotion costs: same kernel and tiles, no promotion
         o2 = torch.empty_like(out)
-        diag["tma"] = lambda o2=o2: gg.launch_mgrouped(a8, w8, off_t, o2, _promote=False)
+        diag["tma"] = lambda o2=o2: gg.launch_mgrouped(a8, w8, off_t, o2, variant="tma", _promote=False)
     timed_rows(rows, f"m-grouped fprop {case}", flop, base, ours, diag, errs)
     # dgrad
     ours = {}
     for v in variants:
-        set_variant(v)
-        dx = gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False)
+        dx = gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False, policy=policy(v))
         s1 = off[1]
         errs[v] = rel_err(dx[:s1], dy8.dequantize()[:s1] @ w8.dequantize()[0])
-        ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False))
+        ours[v] = lambda p=policy(v): gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False, policy=p)
     dyb, wb = dy, w
     t = timed({"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16), **ours},
               f"m-grouped dgrad {case}")
@@ -249,14 +239,13 @@ def expert_case(rows, name, K, N, counts, variants):
         del base["per-expert loop of cuBLAS blockwise 1x128x1x128 fp32"]
     ours, diag = {}, {}
     for v in variants:
-        set_variant(v)
-        dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False)
+        dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, policy=policy(v))
         e = 0
         errs[v] = rel_err(dw[e], dyc.dequantize()[off[e]:off[e + 1]].t() @ xc.dequantize()[off[e]:off[e + 1]])
-        ours[v] = with_variant(v, lambda: gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False))
+        ours[v] = lambda p=policy(v): gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, policy=p)
         if v == "tma":
             o2 = torch.empty_like(dw)
-            diag[v] = lambda o2=o2: gg.launch_kgrouped(dyc, xc, off_t, o2, False, _promote=False)
+            diag[v] = lambda o2=o2: gg.launch_kgrouped(dyc, xc, off_t, o2, False, variant="tma", _promote=False)
     dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, impl="cublas")
     err_cublas = rel_err(dw[0], dyc.dequantize()[off[0]:off[1]].t() @ xc.dequantize()[off[0]:off[1]])
     t = timed_rows(rows, f"k-grouped wgrad {case}", flop, base, ours, diag, errs,
@@ -279,10 +268,9 @@ def dense_case(rows, n, variants):
     ref = fp8_gemm(a8, w8, impl="cublas").float()
     errs = {}
     for v in variants:
-        set_variant(v)
-        errs[v] = rel_err(fp8_gemm(a8, w8, impl="triton"), ref)
+        errs[v] = rel_err(fp8_gemm(a8, w8, impl="triton", policy=policy(v)), ref)
     t = timed({"cublas": lambda: fp8_gemm(a8, w8, impl="cublas"), "bf16": lambda: x @ w.t(),
-               **{v: with_variant(v, lambda: fp8_gemm(a8, w8, impl="triton")) for v in variants}}, f"fprop {case}")
+               **{v: lambda p=policy(v): fp8_gemm(a8, w8, impl="triton", policy=p) for v in variants}}, f"fprop {case}")
     for v in variants:
         rows.append(row(f"fprop {case}", f"moefp8-triton-{v}", tflops(flop, t[v]), "cuBLAS blockwise _scaled_mm",
                         tflops(flop, t["cublas"]), errs[v]))
@@ -292,11 +280,10 @@ def dense_case(rows, n, variants):
     w8t = transpose_weight(w8)
     ref = fp8_gemm(dy8, w8t, impl="cublas").float()
     for v in variants:
-        set_variant(v)
-        errs[v] = rel_err(fp8_gemm_dgrad(dy8, w8, impl="triton"), ref)
+        errs[v] = rel_err(fp8_gemm_dgrad(dy8, w8, impl="triton", policy=policy(v)), ref)
     t = timed({"transpose": lambda: transpose_weight(w8), "cached": lambda: fp8_gemm(dy8, w8t, impl="cublas"),
                "copy": lambda: fp8_gemm_dgrad(dy8, w8, impl="cublas"),
-               **{v: with_variant(v, lambda: fp8_gemm_dgrad(dy8, w8, impl="triton")) for v in variants}},
+               **{v: lambda p=policy(v): fp8_gemm_dgrad(dy8, w8, impl="triton", policy=p) for v in variants}},
               f"dgrad {case}")
     print(f"transpose_weight {N}x{K}: {t['transpose'] * 1e3:.1f} us")
     for v in variants:
@@ -309,14 +296,13 @@ def dense_case(rows, n, variants):
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
     ref = dyc.dequantize().t() @ xc.dequantize()
     for v in variants:
-        set_variant(v)
-        errs[v] = rel_err(fp8_gemm(dyc, xc, impl="triton"), ref)
+        errs[v] = rel_err(fp8_gemm(dyc, xc, impl="triton", policy=policy(v)), ref)
     err_cublas = rel_err(fp8_gemm(dyc, xc, impl="cublas"), ref)
     main_grad = torch.zeros(N, K, device="cuda")
     t = timed({"bf16": lambda: dyt @ xt.t(), "cublas": lambda: fp8_gemm(dyc, xc, impl="cublas"),
                "cublas main": lambda: fp8_gemm(dyc, xc, out=main_grad, impl="cublas"),
-               **{v: with_variant(v, lambda: fp8_gemm(dyc, xc, impl="triton")) for v in variants},
-               **{(v, "main"): with_variant(v, lambda: fp8_gemm(dyc, xc, out=main_grad, impl="triton"))
+               **{v: lambda p=policy(v): fp8_gemm(dyc, xc, impl="triton", policy=p) for v in variants},
+               **{(v, "main"): lambda p=policy(v): fp8_gemm(dyc, xc, out=main_grad, impl="triton", policy=p)
                   for v in variants}}, f"wgrad {case}")
     bf = "torch mm bf16 (token-major operands)"
     for v in variants:

@@ -1,4 +1,4 @@
-"""One MoE layer, forward + backward, FP8 recipe vs BF16 recipe (DESIGN.md §2, §6 JSON).
+"""One MoE layer, forward + backward, FP8 recipe vs BF16 recipe (docs/design.md §2, §6 JSON).
 
 For DeepSeek-V3-like single-GPU shapes (hidden 7168, expert intermediate 2048, top-8, one shared
 expert, 8-32 local experts, 4096-16384 tokens): median step time (weights converted every step:
@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefp8.moe import MoELayer  # noqa: E402
+from moefp8.recipe import Recipe  # noqa: E402
 from moefp8.testing import bench, print_table, results_path, save_results, saved_bytes, sqnr  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,7 +107,7 @@ def main() -> None:
         for recipe in ("fp8", "bf16"):
             torch.manual_seed(0)  # the same router on every rank; each rank keeps its expert slice
             disp = build_dispatcher("all_to_all", E * ep, None, capacity=T) if ep > 1 else None
-            layer = MoELayer(H, I, E * ep, K, n_shared=1, recipe=recipe, dispatcher=disp).to(dev)
+            layer = MoELayer(H, I, E * ep, K, n_shared=1, recipe=Recipe(recipe), dispatcher=disp).to(dev)
 
             def step():
                 layer.cache._store.clear()  # weights change every step: convert them again

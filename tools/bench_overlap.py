@@ -9,7 +9,7 @@ the capacity mode over the copy engines, dispatch/copy_engine.py), same inputs a
   moe         the MoE layer alone (`OverlappedMoE`: the shared experts are all the compute there is
               to hide A's dispatch and B's combine behind);
   block       a transformer block, attention + MoE layer (`OverlappedBlock`: the other micro-batch's
-              attention hides them too, DESIGN.md §4), micro-batches = the halves of --seqs
+              attention hides them too, docs/design.md §4), micro-batches = the halves of --seqs
               sequences of --tokens / --seqs tokens. This is what a training step runs per layer.
               --blocks N: N such blocks in a row, as the model's loop runs them (`Handoff`: with
               overlap on, a block's B combine runs behind the next block's A attention; the last
@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,12 +60,14 @@ from bench_dispatch import allreduce_busbw, init_torchrun, timed  # noqa: E402
 
 from moefp8.config import ModelConfig, RecipeConfig  # noqa: E402
 from moefp8.dispatch import build_dispatcher  # noqa: E402
+from moefp8.kernels.grouped_gemm import GemmPolicy  # noqa: E402
 from moefp8.kernels.quant import quant_rowwise  # noqa: E402
 from moefp8.kernels.rope import rope_tables  # noqa: E402
 from moefp8.model import Block, Transformer  # noqa: E402
-from moefp8.moe import MoELayer, combine_buffer  # noqa: E402
-import moefp8.overlap  # noqa: E402
-from moefp8.overlap import Handoff, _halves, serialized, serialized_block  # noqa: E402
+from moefp8.moe import MoELayer  # noqa: E402
+from moefp8.moe_stages import combine_buffer  # noqa: E402
+from moefp8.overlap import Handoff, OverlapPolicy, Timeline, halves, serialized, serialized_block  # noqa: E402
+from moefp8.recipe import Recipe  # noqa: E402
 from moefp8.testing import GpuSampler, print_table, results_path, save_results  # noqa: E402
 
 
@@ -91,7 +94,7 @@ class Replay:
         self.real, self.log, self.i, self.recording, self.sync = real, [], 0, True, sync
         self.tiny = None
         self.num_local_experts, self.communicates = real.num_local_experts, real.communicates
-        self.num_experts, self.scale_fmt = getattr(real, "num_experts", None), getattr(real, "scale_fmt", "pow2")
+        self.num_experts, self.scale_fmt = real.num_experts, real.scale_fmt
 
     def _call(self, name, *a, **k):
         if self.recording:
@@ -102,13 +105,13 @@ class Replay:
         if self.sync:
             if self.tiny is None:
                 self.tiny = torch.zeros(1, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
-            s = getattr(self.real, "exchange_stream", None)  # where the real exchange would run
+            s = self.real.exchange_stream  # where the real exchange would run
             with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
-                dist.all_reduce(self.tiny, group=getattr(self.real, "group", None))
+                dist.all_reduce(self.tiny, group=self.real.group)
         return out
 
-    def mode_for(self, *a):  # the real one's, so that the schedule splits its stages the same way
-        return self.real.mode_for(*a)
+    def packs_on_caller_stream(self, topk):  # the real one's, so that the schedule splits its stages the same way
+        return self.real.packs_on_caller_stream(topk)
 
     @property
     def exchange_stream(self):
@@ -119,8 +122,7 @@ class Replay:
         self.real.exchange_stream = s
 
     def combine_buffer(self, *a, **k):  # a send slot of the real transport while recording, else none
-        fn = getattr(self.real, "combine_buffer", None)
-        return fn(*a, **k) if self.recording and fn is not None else None
+        return self.real.combine_buffer(*a, **k) if self.recording else None
 
     def dispatch(self, *a, **k):
         return self._call("dispatch", *a, **k)
@@ -150,18 +152,18 @@ def compute_only(layer, run, disp, warmup, iters, dev, sync: bool = False, per_r
 
 
 class MoEUnit:
-    """The MoE layer alone; micro-batches = the token halves."""
+    """The MoE layer alone; micro-batches = the token halves. policy: the overlap's (step "on")."""
     name = "MoE layer"
 
-    def __init__(self, layer: MoELayer, x, dout):
-        self.moe, self.x, self.dout = layer, x, dout
+    def __init__(self, layer: MoELayer, x, dout, policy: OverlapPolicy):
+        self.moe, self.x, self.dout, self.policy = layer, x, dout, policy
 
     def step(self, how: str):
-        """fwd + bwd, how = "off" (one micro-batch), "serial" or "on" (overlapped)."""
+        """fwd + bwd, how = "off" (one micro-batch), "serial" or "on" (overlapped, with `policy`)."""
         def run():
             self.moe.zero_grad(set_to_none=True)
             xi = self.x.detach().requires_grad_()
-            self.moe.overlap = how == "on"
+            self.moe.overlap = self.policy if how == "on" else None
             out = serialized(self.moe, xi) if how == "serial" else self.moe(xi).out
             out.backward(self.dout)
         return run
@@ -169,7 +171,7 @@ class MoEUnit:
     @torch.no_grad()
     def moe_inputs(self):
         """[(the MoE layer's input [T, H], its routes, the micro-batches' token slices)]."""
-        return [(self.x, self.moe.router(self.x), _halves(self.x.shape[0]))]
+        return [(self.x, self.moe.router(self.x), halves(self.x.shape[0]))]
 
 
 class MoELayers:
@@ -193,8 +195,9 @@ class BlockUnit:
     behind its combine while the next block's A attention runs, `moefp8.overlap.Handoff`; the
     last block's is waited for before the backward); micro-batches = the halves of the batch."""
 
-    def __init__(self, blocks: list[Block], x_BSH, dout_BSH):
+    def __init__(self, blocks: list[Block], x_BSH, dout_BSH, policy: OverlapPolicy):
         self.blocks, self.moe, self.x, self.dout = blocks, MoELayers(b.mlp for b in blocks), x_BSH, dout_BSH
+        self.policy = policy
         self.cos, self.sin = rope_tables(x_BSH.shape[1], blocks[0].attn.head_dim, 10000.0, x_BSH.device)
         n = len(blocks)
         self.name = "transformer block (attention + MoE)" if n == 1 else f"{n} transformer blocks (attention + MoE) in a row"
@@ -204,7 +207,7 @@ class BlockUnit:
             for b in self.blocks:
                 b.zero_grad(set_to_none=True)
             xi = self.x.detach().requires_grad_()
-            self.moe.overlap = how == "on"
+            self.moe.overlap = self.policy if how == "on" else None
             out, handoff = xi, Handoff()
             for b in self.blocks:
                 out = (serialized_block(b, out, self.cos, self.sin) if how == "serial"
@@ -221,7 +224,7 @@ class BlockUnit:
         (B, S, H), x, out = self.x.shape, self.x, []
         for b in self.blocks:
             m = b.attend(x, self.cos, self.sin)[2].view(-1, H)
-            out.append((m, b.mlp.router(m, S), [slice(p.start * S, p.stop * S) for p in _halves(B)]))
+            out.append((m, b.mlp.router(m, S), [slice(p.start * S, p.stop * S) for p in halves(B)]))
             x = serialized_block(b, x, self.cos, self.sin)[0]
         return out
 
@@ -246,8 +249,8 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
     disp = layer.dispatcher
     parts = []
     with torch.no_grad():
-        for x, r, halves in unit.moe_inputs():  # each MoE layer of the unit
-            for p in halves:
+        for x, r, parts_of_x in unit.moe_inputs():  # each MoE layer of the unit
+            for p in parts_of_x:
                 x8, g8 = quant_rowwise(x[p]), quant_rowwise(unit.dout.view(-1, x.shape[1])[p])
                 d = disp.dispatch(x8, r.topk_idx_TK[p], r.topk_w_TK[p])
                 z = torch.zeros(d.x.data.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
@@ -255,7 +258,7 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
                 parts.append((x8, g8, r.topk_idx_TK[p], r.topk_w_TK[p], z, dw))
 
     def made_in_place(z, h):  # where the step's unpermute writes the combine's input (copy engines: the
-        buf = combine_buffer(layer, h, z)  # send slot, so nothing is staged; its contents do not matter here)
+        buf = combine_buffer(disp, h, z)  # send slot, so nothing is staged; its contents do not matter here)
         return z if buf is None else buf
 
     def comm():
@@ -297,19 +300,22 @@ def unit_times(unit, warmup, iters, dev, disp_full, disp_half, clocks: bool = Fa
     return out
 
 
-def step_timeline(run, dev, steps: int) -> tuple[list, list]:
-    """moefp8.overlap.Timeline marks of the last of `steps` back-to-back calls of run() (as the timed
-    loop runs them), from a "step" mark on the compute stream to an "end" mark after the last:
-    ([(label, stream, ms after "step", queue ms)], [ms of each of the steps]). queue: how long after
-    the host enqueued the mark the GPU reached it (the first step starts on an idle GPU, so its first
-    mark is the calibration); near 0, the GPU was waiting for the host there."""
-    tl = moefp8.overlap.Timeline()
+def step_timeline(unit, dev, steps: int) -> tuple[list, list]:
+    """moefp8.overlap.Timeline marks of the last of `steps` back-to-back overlapped steps of the unit
+    (as the timed loop runs them; its overlap policy with a Timeline), from a "step" mark on the
+    compute stream to an "end" mark after the last: ([(label, stream, ms after "step", queue ms)],
+    [ms of each of the steps]). queue: how long after the host enqueued the mark the GPU reached it
+    (the first step starts on an idle GPU, so its first mark is the calibration); near 0, the GPU
+    was waiting for the host there."""
+    tl = Timeline()
     stream = torch.cuda.current_stream() if dev.type == "cuda" else None
     dist.barrier()
     if stream is not None:
         torch.cuda.synchronize()
     since = 0
-    moefp8.overlap.TIMELINE = tl
+    policy = unit.policy
+    unit.policy = replace(policy, timeline=tl)
+    run = unit.step("on")
     try:
         for _ in range(steps):
             since = len(tl.marks)
@@ -317,7 +323,7 @@ def step_timeline(run, dev, steps: int) -> tuple[list, list]:
             run()
         tl.mark("end", "compute", stream)
     finally:
-        moefp8.overlap.TIMELINE = None
+        unit.policy = policy
     marks = tl.times_ms()  # one read of every event
     bounds = [t for lab, _, t, _ in marks if lab in ("step", "end")]
     t0 = marks[since][2]
@@ -330,9 +336,9 @@ def unit_timelines(unit, disp, dev, steps: int) -> dict:
     and with them replayed ("compute"), gathered from every rank -> {"on": [rank 0's marks, ...],
     "compute": [...], "on_steps_ms": [rank 0's step times, ...], "compute_steps_ms": [...]}."""
     layer, out = unit.moe, {}
-    out["on"], out["on_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
+    out["on"], out["on_steps_ms"] = step_timeline(unit, dev, steps)
     with replaying(layer, unit.step("on"), disp):
-        out["compute"], out["compute_steps_ms"] = step_timeline(unit.step("on"), dev, steps)
+        out["compute"], out["compute_steps_ms"] = step_timeline(unit, dev, steps)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, out)
     return {k: [e[k] for e in every] for k in out}
@@ -405,14 +411,15 @@ def gemm_under_comm(exchange, dev, warmup, iters) -> tuple[float, float]:
     return alone, timed(both, warmup, iters, dev) / 4
 
 
-def whole_step(cfg: ModelConfig, disp, tokens: int, seq: int, warmup, iters, dev) -> dict:
+def whole_step(cfg: ModelConfig, disp, tokens: int, seq: int, warmup, iters, dev, policy: OverlapPolicy,
+               gemm: GemmPolicy) -> dict:
     out = {}
-    model = Transformer(cfg, "fp8", "pow2", disp, ep_rank=dist.get_rank()).to(dev)
+    model = Transformer(cfg, Recipe(), disp, ep_rank=dist.get_rank(), gemm=gemm).to(dev)
     idx = torch.randint(0, 256, (tokens // seq, seq), device=dev)
     for ov in (False, True):
         for m in model.modules():
             if isinstance(m, MoELayer):
-                m.overlap = ov
+                m.overlap = policy if ov else None
 
         def run():
             model.zero_grad(set_to_none=True)
@@ -448,7 +455,8 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--gemm", choices=("auto", "triton"), default="auto",
                    help="grouped GEMMs: auto (the per-expert cuBLAS loop where it pays, moefp8.kernels."
-                        "grouped_gemm.LOOP_MIN_MACS) or triton (the single-launch kernels everywhere: fewer launches)")
+                        "grouped_gemm.GemmPolicy.loop_min_macs) or triton (the single-launch kernels everywhere: "
+                        "fewer launches)")
     p.add_argument("--trace-all-ranks", action="store_true", help="every rank writes its trace (default: rank 0)")
     p.add_argument("--bind-cpus", action="store_true",
                    help="pin each rank to CPUs near its GPU (moefp8.affinity; torchrun pins nothing)")
@@ -456,7 +464,7 @@ def main():
                    help="SMs the warp-specialized grouped GEMMs leave free in the overlapped schedule")
     p.add_argument("--side-priorities", default="-1",
                    help="CUDA priorities of the overlap's side streams to measure (comma list; moefp8.overlap."
-                        "SIDE_STREAM_PRIORITY; lower is higher, 0 the default)")
+                        "OverlapPolicy.side_stream_priority; lower is higher, 0 the default)")
     p.add_argument("--trace-steps", type=int, default=1,
                    help="overlapped steps in the trace, back to back (after a barrier): >1 shows the steady state")
     p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
@@ -471,9 +479,7 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    if a.gemm == "triton":
-        from moefp8.kernels import grouped_gemm
-        grouped_gemm.LOOP_MIN_MACS = float("inf")
+    gemm = GemmPolicy(loop_min_macs=float("inf")) if a.gemm == "triton" else GemmPolicy()
     if a.smoke:
         a.tokens, a.hidden, a.inter, a.topk, a.experts, a.warmup, a.iters = 64, 256, 128, 2, 8, 1, 2
     if a.rounds < 1:
@@ -499,7 +505,6 @@ def main():
     def add(case, impl, t, **kw):
         rows.append({"case": case, "impl": impl, "value": round(t * 1e3, 3), "unit": "ms", **kw})
 
-    moefp8.overlap.GEMM_SM_RESERVE = a.gemm_sm_reserve
     caps = [None] + ([int(c) for c in a.ctas.split(",") if c] if cuda else [])
     modes = [m for m in a.modes.split(",") if m]
     n_blocks = [int(v) for v in a.blocks.split(",") if v]
@@ -509,16 +514,20 @@ def main():
     units = [(k, nb) for k in kinds for nb in (n_blocks if k == "block" else [1])]  # (kind, blocks in a row)
     S = a.tokens // a.seqs
 
-    def make_unit(unit, disp, overlap=False):
+    def overlap_policy(prio: int) -> OverlapPolicy:
+        return OverlapPolicy(gemm_sm_reserve=a.gemm_sm_reserve, side_stream_priority=prio)
+
+    def make_unit(unit, disp, policy: OverlapPolicy, overlap=False):
         kind, nb = unit
+        on = policy if overlap else None
         if kind == "moe":
-            return MoEUnit(MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=disp,
-                                    overlap=overlap).to(dev), x, dout)
+            return MoEUnit(MoELayer(a.hidden, a.inter, E, a.topk, n_shared=1, dispatcher=disp, overlap=on,
+                                    gemm=gemm).to(dev), x, dout, policy)
         cfg = ModelConfig(name="bench", hidden=a.hidden, n_layers=nb, n_dense_layers=0,
                           n_heads=a.hidden // 128, head_dim=128, moe_inter=a.inter, n_experts=E, topk=a.topk, n_shared=1)
-        blocks = [Block(cfg, i, "fp8", "pow2", disp, overlap, bf16_linears=frozenset(RecipeConfig().bf16_linears)).to(dev)
-                  for i in range(nb)]
-        return BlockUnit(blocks, x.view(a.seqs, S, a.hidden), dout.view(a.seqs, S, a.hidden))
+        recipe = Recipe.from_config(RecipeConfig())  # the training default: FP8, wo in BF16
+        blocks = [Block(cfg, i, recipe, disp, overlap=on, gemm=gemm).to(dev) for i in range(nb)]
+        return BlockUnit(blocks, x.view(a.seqs, S, a.hidden), dout.view(a.seqs, S, a.hidden), policy)
 
     def half_capacity(unit):  # the larger micro-batch's tokens
         return (a.tokens + 1) // 2 if unit[0] == "moe" else -(-a.seqs // 2) * S
@@ -532,11 +541,10 @@ def main():
             for sl in slots  # copy engines: capacity blocks, no NCCL; slots: copy engines only
             if (t == "collective" and sl == slots[0]) or (t == "copy_engine" and m == "capacity" and c is None)]
     for cap, mode, transport, (kind, nb), prio, sl in runs:
-        moefp8.overlap.SIDE_STREAM_PRIORITY = prio
         group = comm_group(cap)
         full, half = (build_dispatcher("all_to_all", E, group, capacity=c, mode=mode, transport=transport, slots=sl)
                       for c in (a.tokens, half_capacity((kind, nb))))
-        unit = make_unit((kind, nb), full)
+        unit = make_unit((kind, nb), full, overlap_policy(prio))
         r = unit_times(unit, a.warmup, a.iters, dev, full, half, clocks=a.clocks, aligned=a.aligned, rounds=a.rounds)
         tag = (f", all_to_all {mode}" + ("" if cap is None else f", NCCL max_ctas {cap}")
                + ((", copy engines" + (f" ({sl} slots)" if len(slots) > 1 else "")) if transport == "copy_engine"
@@ -606,7 +614,8 @@ def main():
         cfg = ModelConfig(name="small", hidden=1024, n_layers=8, n_dense_layers=1, n_heads=8, head_dim=128,
                           dense_inter=2816, moe_inter=512, n_experts=(32 // n) * n, topk=4, n_shared=1, n_groups=4,
                           topk_groups=2)
-        s = whole_step(cfg, build_dispatcher("all_to_all", cfg.n_experts, None), 16384, 1024, a.warmup, a.iters, dev)
+        s = whole_step(cfg, build_dispatcher("all_to_all", cfg.n_experts, None), 16384, 1024, a.warmup, a.iters, dev,
+                       overlap_policy(runs[-1][4]), gemm)
         case = f"whole step, model small (8 layers, E{cfg.n_experts} top4), 16384 tokens/rank, EP{n}"
         add(case, "overlap on", s["on"], baseline="overlap off", baseline_value=round(s["off"] * 1e3, 3),
             ratio=round(s["off"] / s["on"], 3))
@@ -614,9 +623,9 @@ def main():
     # overlapped steps (--trace-steps) of the last unit traced (every rank runs it: collectives); rank 0 keeps the trace
     from torch.profiler import ProfilerActivity, profile
 
-    _, mode, transport, last, moefp8.overlap.SIDE_STREAM_PRIORITY, sl = runs[-1]
+    _, mode, transport, last, prio, sl = runs[-1]
     unit = make_unit(last, build_dispatcher("all_to_all", E, None, capacity=half_capacity(last), mode=mode,
-                                            transport=transport, slots=sl), overlap=True)
+                                            transport=transport, slots=sl), overlap_policy(prio), overlap=True)
     for _ in range(2):  # the second one is kept: warm caches, no autotuning inside
         dist.barrier()  # every rank starts the traced step together (the profiler's start-up differs per rank)
         if cuda:

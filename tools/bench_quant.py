@@ -1,4 +1,4 @@
-"""Quantization kernels' throughput against the device's copy bandwidth (DESIGN.md §6 JSON).
+"""Quantization kernels' throughput against the device's copy bandwidth (docs/design.md §6 JSON).
 
 Inputs carry the scale layouts the training step gives each kernel (requant_colwise: column-major
 "1x128" scales, as the MoE layer's permute writes them; the others' row-major). For each kernel
@@ -56,7 +56,8 @@ def fp8_bytes(q) -> int:
 
 
 def cases(M: int, K: int, w_shape: tuple, dev: str):
-    """name -> (input, triton fn, reference fn, bytes read + written)."""
+    """name -> (input, triton fn(input, fmt="pow2", launch=None), reference fn(input, fmt), bytes read +
+    written); launch: the kernel's launch config for the call (None: Q.LAUNCH's)."""
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     x8 = Q.quant_rowwise_ref(x)
     # the col-wise kernels' input as the MoE backward gives it, with column-major scales:
@@ -78,19 +79,23 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
         "dequant_swiglu_quant_colwise": (x8c, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
                                          fp8_bytes(x8) + half_col),
         "rowwise_colwise": (x, Q.quant_rowwise_colwise, Q.quant_rowwise_colwise_ref, nbytes(x) + out_row + out_col),
-        "swiglu_quant_cache": (x, lambda h, f="pow2": Q.swiglu_quant_cache(h, f, colmajor_scale=True),
+        "swiglu_quant_cache": (x, lambda h, f="pow2", launch=None: Q.swiglu_quant_cache(h, f, colmajor_scale=True,
+                                                                                         launch=launch),
                                lambda h, f="pow2": Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
                                nbytes(x) + out_row + half_row),
-        "swiglu_backward_quant": ((x8c, da), lambda i, f="pow2": S.swiglu_backward_quant(*i, f),
+        "swiglu_backward_quant": ((x8c, da), lambda i, f="pow2", launch=None: S.swiglu_backward_quant(*i, f,
+                                                                                                     launch=launch),
                                   lambda i, f="pow2": S.swiglu_backward_quant(*i, f, "ref"),
                                   fp8_bytes(x8) + nbytes(da) + out_row + out_col),
     }
 
 
-# what a fused pair replaces: the single kernels, run back to back
+# what a fused pair replaces: the single kernels, run back to back (L: the launch configs in use)
 UNFUSED = {
-    "rowwise_colwise": lambda x, f: Q.requant_colwise(Q.quant_rowwise(x, f, colmajor_scale=True), f),
-    "swiglu_quant_cache": lambda h, f: (Q.quant_rowwise(h, f), Q.swiglu_quant(h, f, colmajor_scale=True)),
+    "rowwise_colwise": lambda x, f, L: Q.requant_colwise(Q.quant_rowwise(x, f, colmajor_scale=True, launch=L["rowwise"]),
+                                                         f, launch=L["requant_colwise"]),
+    "swiglu_quant_cache": lambda h, f, L: (Q.quant_rowwise(h, f, launch=L["rowwise"]),
+                                           Q.swiglu_quant(h, f, colmajor_scale=True, launch=L["swiglu_quant"])),
 }
 
 
@@ -125,6 +130,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26, repeat=repeat)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (bytes read + written)")
 
+    launch = dict(Q.LAUNCH)  # the configs timed below: the library's, or with --sweep the fastest found
     sweep_log = []
     if args.sweep and gpu:
         for name, configs in SWEEP.items():
@@ -132,15 +138,14 @@ def main() -> None:
                 continue
             best = None
             for cfg in configs:
-                Q.LAUNCH[name] = cfg
                 total_ms = 0.0
                 for (M, K), ws in zip(shapes, w_shapes):
                     inp, fn, _, _ = cases(M, K, ws, dev)[name]
-                    total_ms += bench(lambda: fn(inp))
+                    total_ms += bench(lambda: fn(inp, launch=cfg))
                 sweep_log.append({"kernel": name, "config": cfg, "ms_all_shapes": total_ms})
                 if best is None or total_ms < best[0]:
                     best = (total_ms, cfg)
-            Q.LAUNCH[name] = best[1]
+            launch[name] = best[1]
             print(f"sweep {name}: best {best[1]} ({best[0]:.3f} ms over all shapes)")
             torch.cuda.empty_cache()
 
@@ -150,7 +155,8 @@ def main() -> None:
             for name, (inp, fn, ref, nb) in cases(M, K, ws, dev).items():
                 if only and name not in only:
                     continue
-                runs = [bench(lambda: fn(inp, fmt)) for _ in range(repeat)]
+                cfg = launch.get(LAUNCH_KEY.get(name, name))
+                runs = [bench(lambda: fn(inp, fmt, launch=cfg)) for _ in range(repeat)]
                 ms = min(runs)
                 ref_ms = bench(lambda: ref(inp, fmt))
                 gbs = nb / ms / 1e6
@@ -165,15 +171,15 @@ def main() -> None:
                     "ratio": round(gbs / copy_gbs, 3), "ms_runs": [round(t, 4) for t in runs],
                     "copy_same_bytes_gbs": round(copy_same, 1), "ratio_vs_same_bytes_copy": round(gbs / copy_same, 3),
                     "ref_ms": round(ref_ms, 4), "speedup_vs_ref": round(ref_ms / ms, 2),
-                    "bit_exact_vs_ref": same(fn(inp, fmt), ref(inp, fmt)),
-                    "config": dict(Q.LAUNCH.get(LAUNCH_KEY.get(name, name), {})),
+                    "bit_exact_vs_ref": same(fn(inp, fmt, launch=cfg), ref(inp, fmt)),
+                    "config": dict(cfg or {}),
                 })
                 if name in UNFUSED:
-                    rows[-1]["unfused_ms"] = round(bench(lambda: UNFUSED[name](inp, fmt)), 4)
+                    rows[-1]["unfused_ms"] = round(bench(lambda: UNFUSED[name](inp, fmt, launch)), 4)
                 torch.cuda.empty_cache() if gpu else None
     path = Path(args.out) if args.out else results_path("quant")
     save_results("bench_quant", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
-                                       "unit": "GB/s"}, path=path, launch=Q.LAUNCH, sweep=sweep_log)
+                                       "unit": "GB/s"}, path=path, launch=launch, sweep=sweep_log)
     print_table(rows, ["case", "ms", "value", "ratio", "ratio_vs_same_bytes_copy", "unfused_ms", "ref_ms",
                        "speedup_vs_ref", "bit_exact_vs_ref"])
     print(f"speed-of-light: copy {copy_gbs:.0f} GB/s; ratio = kernel GB/s / copy GB/s (ratio_vs_same_bytes_copy: "

@@ -26,20 +26,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.config import bf16_linears  # noqa: E402
 from moefp8.dispatch import build_dispatcher  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import Transformer, flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
+from moefp8.recipe import Recipe  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
 from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 
 
 def build(cfg, device: torch.device):
     m = cfg.model
-    model = Transformer(m, cfg.recipe.recipe, cfg.recipe.scale_fmt,
+    model = Transformer(m, Recipe.from_config(cfg.recipe),
                         build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0,
-                        cfg.train.seed, bf16_linears=bf16_linears(cfg.recipe)).to(device)
+                        cfg.train.seed).to(device)
     return model, AdamW(model.named_parameters(), cfg.optim)
 
 

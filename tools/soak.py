@@ -25,7 +25,7 @@ last third of the rest with the first third (medians):
     The other figures (and the median per-step tokens/s from metrics.jsonl) are reported too.
 
 The run keeps its two newest checkpoints (train.keep_last=2, as a cluster job would). Writes
-bench/results/soak-<device>.json (rows: the two comparisons, DESIGN.md §6; the
+bench/results/soak-<device>.json (rows: the two comparisons, docs/design.md §6; the
 samples) and the log (the run's output and the samples) beside it, or --json/--log. Exit status
 1 if memory or throughput was not flat.
 """

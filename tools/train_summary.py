@@ -1,4 +1,4 @@
-"""A training run's figures as a results JSON (DESIGN.md §6), from its run directory.
+"""A training run's figures as a results JSON (docs/design.md §6), from its run directory.
 
     torchrun --nproc_per_node 8 -m moefp8.train experiment=small_gpu dispatch=all_to_all dispatch.ep_size=8 \
         train.steps=200 train.out_dir=outputs/ep8

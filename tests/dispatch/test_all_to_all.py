@@ -21,6 +21,7 @@ from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
 from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.moe import MoELayer
+from moefp8.recipe import Recipe
 from moefp8.testing import rel_err, spawn_group
 
 H, I = 256, 128
@@ -239,8 +240,8 @@ GPU_TOL_W = 1e-2  # dW1, dW2 on GPU (bit-exact on CPU)
 def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, mode="exact", backend="all_to_all"):
     group = None
     torch.manual_seed(0)
-    ref = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe).to(dev)
-    ep = MoELayer(H, I, E, K, n_shared=n_shared, recipe=recipe,
+    ref = MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe)).to(dev)
+    ep = MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe),
                   dispatcher=build_dispatcher(backend, E, group, capacity=max(T_r), mode=mode)).to(dev)
     E_l = E // world
     with torch.no_grad():
@@ -411,7 +412,7 @@ def _bad_inputs(rank, world, dev):
     with pytest.raises(ValueError, match="expected an Fp8Tensor or a bfloat16 tensor"):
         disp.dispatch(x.float(), torch.zeros(3, 2, dtype=torch.long), w)
     with pytest.raises(ValueError, match="scale_fmt='fp32' but the dispatcher sends 'pow2'"):
-        MoELayer(H, I, 4, 2, scale_fmt="fp32", dispatcher=disp)
+        MoELayer(H, I, 4, 2, recipe=Recipe(scale_fmt="fp32"), dispatcher=disp)
     d = disp.dispatch(x, torch.tensor([[0, 3]] * 3), w)
     with pytest.raises(ValueError, match="x has 2 rows but the handle was made for 3 tokens"):
         disp.dispatch(x[:2], handle=d.handle)

@@ -24,7 +24,9 @@ from test_all_to_all import (CASES_2, CASES_4, H, I, _layer_case, _need_gpus, _t
 
 from moefp8.dispatch import build_dispatcher
 from moefp8.dispatch.all_to_all import AllToAllDispatcher
-from moefp8.moe import MoELayer, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout
+from moefp8.moe import MoELayer
+from moefp8.moe_stages import bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts, fwd_layout
+from moefp8.recipe import Recipe
 
 
 def _use_fake():
@@ -116,13 +118,13 @@ def _check_bad_id(rank, dev, dep):
 
 
 def _check_layer_stages(rank, world, dev, T_r, E, K, recipe):
-    """The routed path stage by stage (moefp8.moe's fwd_*/bwd_* functions, as _RoutedExperts runs
+    """The routed path stage by stage (moefp8.moe_stages's fwd_*/bwd_* functions, as RoutedExperts runs
     them), all_to_all (exact) vs deepep on the same inputs: every intermediate bit for bit (the
     received weights on local slots only), so that a layer difference names its stage."""
     layers = []
     for backend in ("all_to_all", "deepep"):
         torch.manual_seed(0)
-        layers.append(MoELayer(H, I, E, K, n_shared=0, recipe=recipe,
+        layers.append(MoELayer(H, I, E, K, n_shared=0, recipe=Recipe(recipe),
                                dispatcher=build_dispatcher(backend, E, None, mode="exact")).to(dev))
     a, b = layers
     with torch.no_grad():
@@ -134,13 +136,13 @@ def _check_layer_stages(rank, world, dev, T_r, E, K, recipe):
         r = a.router(x)
     res = []
     for L_ in layers:
-        with torch.no_grad():  # the stages as _RoutedExperts runs them, outside autograd
+        with torch.no_grad():  # the stages as RoutedExperts runs them, outside autograd
             d = fwd_dispatch(L_, x, r.topk_idx_TK, r.topk_w_TK.detach())
             lay = fwd_layout(L_, d)
-            z, s = fwd_experts(L_, d, lay, L_.w1, L_.w2, want_dw=True)
+            z, s = fwd_experts(L_, d, lay, L_.w1, L_.w2, want_dw=True, gemm=L_.gemm)
             out = L_.dispatcher.combine(z, d.handle)
             dz = bwd_dispatch(L_, dout, s)
-            dx_rows, dw, dw1, dw2 = bwd_experts(L_, dz, dout, s, L_.w1, L_.w2, want_dx=True)
+            dx_rows, dw, dw1, dw2 = bwd_experts(L_, dz, dout, s, L_.w1, L_.w2, want_dx=True, gemm=L_.gemm)
             dx, dw_T = bwd_combine(L_, dx_rows, dw, s, dout.dtype)
             res.append(dict(idx=d.topk_idx, w=d.topk_w, x=d.x, z=z, out=out, dz=dz, dx_rows=dx_rows, dw=dw, dW1=dw1,
                             dW2=dw2, dx=dx, dw_T=dw_T))

@@ -10,6 +10,7 @@ from moefp8.config import Config, validate
 from moefp8.dispatch import node_limited_groups
 from moefp8.kernels.pack import dispatch_layout_ref
 from moefp8.model import Transformer
+from moefp8.recipe import Recipe
 from moefp8.router import Router
 from moefp8.launch import check_launch, dispatch_capacity, routing_config
 
@@ -84,7 +85,7 @@ def test_train_wiring():
     validate(cfg)
     m = routing_config(cfg, 8, {"LOCAL_WORLD_SIZE": "2"})  # EP 4 over nodes of 2 ranks: 2 groups, keep 1
     assert (m.n_groups, m.topk_groups) == (2, 1) and (cfg.model.n_groups, cfg.model.topk_groups) == (1, 1)
-    routers = [b.mlp.router for b in Transformer(m, "bf16").layers if b.is_moe]
+    routers = [b.mlp.router for b in Transformer(m, Recipe("bf16")).layers if b.is_moe]
     assert routers and all((r.n_groups, r.topk_groups) == (2, 1) for r in routers)
     m = routing_config(cfg, 8, {"LOCAL_WORLD_SIZE": "4"})  # the EP group within one node: nothing to limit
     assert (m.n_groups, m.topk_groups) == (1, 1)

@@ -19,8 +19,7 @@ import torch
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.gemm import (fp8_gemm, fp8_gemm_dgrad, fp8_gemm_dgrad_ref, fp8_gemm_ref,
                                  fp8_gemm_wgrad_ref, transpose_weight)
-from moefp8.kernels import grouped_gemm
-from moefp8.kernels.grouped_gemm import (fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad,
+from moefp8.kernels.grouped_gemm import (GemmPolicy, fp8_grouped_gemm, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad,
                                          fp8_grouped_gemm_wgrad_ref, launch_mgrouped, prepare_offsets)
 from moefp8.kernels.permute import segment_offsets
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
@@ -210,27 +209,27 @@ def _gpu_ref_check(out, exact, tol):
 @pytest.mark.parametrize("M,N,K", [(256, 4096, 384), (512, 4096, 640), (1024, 7168, 2048),
                                    (2048, 4096, 7168), (96, 7168, 7168), (200, 4096, 2048)])
 @pytest.mark.parametrize("impl", ["cublas", "triton-tma", "triton-ptr"])
-def test_gpu_dense(M, N, K, impl, monkeypatch):
+def test_gpu_dense(M, N, K, impl):
     if impl == "cublas" and (M % 16 or (K // 128) % 4):
         pytest.skip("cuBLAS blockwise is used only for M % 16 == 0 and K/128 % 4 == 0")
+    policy = GemmPolicy()
     if impl.startswith("triton"):
         impl, variant = impl.split("-")
-        monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "mgrouped", variant)
-        monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "kgrouped", variant)
+        policy = GemmPolicy(variant=variant)
     x, w, dy = _rand(M, K, outliers=True).cuda(), _rand(N, K).cuda(), _rand(M, N, outliers=True).cuda()
     a, b, d8 = quant_rowwise_ref(x), quant_weight_ref(w), quant_rowwise_ref(dy)
     exact = a.dequantize().double() @ b.dequantize().double().t()
-    _gpu_ref_check(fp8_gemm(a, b, impl=impl), exact, BF16_TOL)
+    _gpu_ref_check(fp8_gemm(a, b, impl=impl, policy=policy), exact, BF16_TOL)
     exact_d = d8.dequantize().double() @ b.dequantize().double()
-    _gpu_ref_check(fp8_gemm_dgrad(d8, b, impl=impl), exact_d, BF16_TOL)
+    _gpu_ref_check(fp8_gemm_dgrad(d8, b, impl=impl, policy=policy), exact_d, BF16_TOL)
     if impl == "cublas" and M % 128:
         return
     xc, dyc = quant_colwise_ref(x), quant_colwise_ref(dy)
     exact_w = dyc.dequantize().double().t() @ xc.dequantize().double()
-    _gpu_ref_check(fp8_gemm(dyc, xc, impl=impl), exact_w, GPU_FP32_TOL)
+    _gpu_ref_check(fp8_gemm(dyc, xc, impl=impl, policy=policy), exact_w, GPU_FP32_TOL)
     main = torch.randn(N, K, device="cuda")
     out = main.clone()
-    fp8_gemm(dyc, xc, out=out, impl=impl)
+    fp8_gemm(dyc, xc, out=out, impl=impl, policy=policy)
     _gpu_ref_check(out, exact_w + main.double(), GPU_FP32_TOL)
 
 
@@ -238,24 +237,23 @@ def test_gpu_dense(M, N, K, impl, monkeypatch):
 @pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (4096, 384), (256, 640), (96, 256)])
 @pytest.mark.parametrize("counts", [[512, 512, 512, 512], [0, 1000, 3, 0, 2100, 128]])
 @pytest.mark.parametrize("variant", ["tma", "ptr"])
-def test_gpu_grouped(N, K, counts, variant, monkeypatch):
+def test_gpu_grouped(N, K, counts, variant):
     """Variants of the Triton kernels; the wgrad is also checked through its cuBLAS loop."""
-    monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "mgrouped", variant)
-    monkeypatch.setitem(grouped_gemm.GPU_VARIANT, "kgrouped", variant)
+    policy = GemmPolicy(variant=variant)
     off = segment_offsets(counts)
     E, M = len(counts), off[-1] + 128  # one spare tile past the segments
     a = quant_rowwise_ref(_rand(M, K, outliers=True).cuda())
     b = quant_weight_ref(_rand(E, N, K).cuda())
-    out = fp8_grouped_gemm(a, b, torch.tensor(off, dtype=torch.int32, device="cuda"))
+    out = fp8_grouped_gemm(a, b, torch.tensor(off, dtype=torch.int32, device="cuda"), policy=policy)
     _gpu_ref_check(out, _ref64_grouped(a, b, off), BF16_TOL)
     assert torch.equal(out[off[-1]:], torch.zeros_like(out[off[-1]:]))
     if N % 128 == 0:  # dgrad contracts over N
         d8 = quant_rowwise_ref(_rand(M, N, outliers=True).cuda())
-        dx = fp8_grouped_gemm(d8, b, off, transpose_b=True)
+        dx = fp8_grouped_gemm(d8, b, off, transpose_b=True, policy=policy)
         _gpu_ref_check(dx, _ref64_grouped(d8, b, off, transpose_b=True), BF16_TOL)
     dyc = quant_colwise_ref(_rand(M, N, outliers=True).cuda())
     xc = quant_colwise_ref(_rand(M, K).cuda())
-    dw = fp8_grouped_gemm_wgrad(dyc, xc, off)
+    dw = fp8_grouped_gemm_wgrad(dyc, xc, off, policy=policy)
     exact = _ref64_wgrad(dyc, xc, off)
     _gpu_ref_check(dw, exact, GPU_FP32_TOL)
     for e, c in enumerate(counts):
@@ -263,7 +261,7 @@ def test_gpu_grouped(N, K, counts, variant, monkeypatch):
             assert torch.equal(dw[e], torch.zeros_like(dw[e]))
     acc = torch.randn_like(dw)
     base = acc.clone()
-    fp8_grouped_gemm_wgrad(dyc, xc, off, out=acc)
+    fp8_grouped_gemm_wgrad(dyc, xc, off, out=acc, policy=policy)
     _gpu_ref_check(acc, exact + base.double(), GPU_FP32_TOL)
     dw_cublas = fp8_grouped_gemm_wgrad(dyc, xc, off, impl="cublas")
     _gpu_ref_check(dw_cublas, exact, GPU_FP32_TOL)
@@ -320,7 +318,7 @@ def test_cublas_loop_refuses_unsupported_shapes():
 
 
 def test_cublas_loop_only_where_it_pays():
-    from moefp8.kernels.grouped_gemm import loop_pays
+    loop_pays = GemmPolicy().loop_pays  # the default threshold
 
     small = [2048 * e for e in range(33)]  # the small preset: 32 experts x 2048 rows, N = K = 1024
     assert not loop_pays(small, 1024, 1024)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from moefp8.kernels import grouped_gemm, grouped_gemm_ws as ws
-from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_wgrad, launch_kgrouped, launch_mgrouped
+from moefp8.kernels.grouped_gemm import (GemmPolicy, fp8_grouped_gemm, fp8_grouped_gemm_wgrad, launch_kgrouped,
+                                         launch_mgrouped)
 from moefp8.kernels.permute import segment_offsets
 from moefp8.kernels.quant import quant_colwise_ref, quant_rowwise_ref, quant_weight_ref
 from moefp8.testing import rel_err
@@ -120,15 +121,13 @@ def test_ptxas_check_can_fail(tmp_path):
     assert "C7517" in log, log
 
 
-def test_reserve_sms_shrinks_the_persistent_grid_and_restores():
+def test_reserve_sms_shrinks_the_persistent_grid():
     cpu = torch.device("cpu")  # num_sms: 4 off the GPU
-    assert ws._grid_sms(cpu) == 4
-    with ws.reserve_sms(2):
-        assert ws._grid_sms(cpu) == 2
-        with ws.reserve_sms(10):
-            assert ws._grid_sms(cpu) == 1  # never below one program
-        assert ws._grid_sms(cpu) == 2
-    assert ws._grid_sms(cpu) == 4
+    assert ws._grid_sms(cpu, GemmPolicy().sm_reserve) == 4  # the default leaves every SM to the GEMMs
+    assert ws._grid_sms(cpu, 2) == 2
+    assert ws._grid_sms(cpu, 10) == 1  # never below one program
+    with pytest.raises(ValueError, match="sm_reserve=-1"):
+        GemmPolicy(sm_reserve=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +170,7 @@ def test_gpu_ws_bitexact_vs_triton(N, K, counts):
 def test_gpu_ws_is_the_default_and_dgrad():
     if not (_hopper() and ws.HAVE_GLUON):
         pytest.skip("needs a Hopper GPU and Gluon")
-    assert grouped_gemm.GPU_VARIANT["mgrouped"] == "ws"
+    assert GemmPolicy().variant == "ws"
     off = segment_offsets([700, 0, 1300])
     M, N, K = off[-1] + 128, 1024, 768
     a = quant_rowwise_ref(torch.randn(M, K, device="cuda"))

@@ -1,6 +1,6 @@
 """Quantization kernels: references vs an independent float64 computation, Triton (interpreter
 on CPU, compiled on GPU) vs the references, the non-finite contract, the double-quantization
-claim of DESIGN.md §1, and input errors."""
+claim of docs/design.md §1, and input errors."""
 
 import math
 
@@ -69,7 +69,7 @@ def expected_scale_f64(amax: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def check_against_f64(q: Fp8Tensor, x: torch.Tensor, fmt: str) -> None:
-    """q must be the 1x128-tile quantization of x (x laid out like q.data) per DESIGN.md §1."""
+    """q must be the 1x128-tile quantization of x (x laid out like q.data) per docs/design.md §1."""
     x64 = x.double()
     L = x64.shape[-1]
     G = -(-L // 128)
@@ -224,7 +224,7 @@ def test_nonfinite_ref():
 
 
 # ----------------------------------------------------------------------------------------------
-# Double quantization (DESIGN.md §1): row-wise FP8 -> dequant -> col-wise FP8 with pow2 scales
+# Double quantization (docs/design.md §1): row-wise FP8 -> dequant -> col-wise FP8 with pow2 scales
 # gives the same values as col-wise quantization of the source, except where a value is subnormal
 # in E4M3 in one of the quantizations. Measured, not assumed: the bytes can also differ without
 # the values differing, when a column tile's amax a > 448*2**e rounds down onto 448*2**e in the

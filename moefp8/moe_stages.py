@@ -1,0 +1,199 @@
+"""The MoE layer's routed path in stages, one micro-batch each (docs/design.md §2): what the plain
+schedule (`RoutedExperts`, below) runs in order and what the two micro-batch overlap
+(moefp8.overlap) interleaves on a compute and a communication stream.
+
+  forward:  x -> "1x128" FP8 (before dispatch) -> dispatch -> permute (FP8 rows + scales) ->
+            expert MLP (moefp8.experts) -> y [M, H] bf16 -> z[t] = sum_k w[t,k] y[row] (bf16) ->
+            combine -> out
+  backward: dout -> "1x128" FP8 -> dispatch along the forward's routes -> permute with each
+            row's scales multiplied by its routing weight (dy = w * dout stays FP8) -> expert MLP
+            backward -> dx rows summed per token (unpermute) -> combine -> dx.
+            The routing weights' gradient dw[t,k] = <dout[t], y[row]> is computed in fp32 from
+            y recomputed bit for bit from fc2's saved FP8 input: exact (it is what BF16 autograd
+            computes for the combine). With EP > 1 the gradient arrives in FP8 and dw uses its
+            dequantized value.
+Saved for backward: the dispatched FP8 rows (row-wise, not a permuted copy: the backward
+permutes again), the FP8 SwiGLU input h, fc2's FP8 input (for y), the routing weights and the
+layout. The BF16 recipe saves the BF16 rows, h and y.
+
+Every stage takes the layer (a moefp8.moe.MoELayer: its recipe, dispatcher, weight cache and
+scale statistics) and, where it multiplies, the `GemmPolicy` the schedule runs its GEMMs with.
+Stages marked (comm) only communicate or do small bookkeeping.
+"""
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from moefp8.dispatch import Dispatcher
+from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
+from moefp8.fp8 import Fp8Tensor
+from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
+from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
+                                    unpermute_combine)
+from moefp8.kernels.quant import quant_rowwise
+
+
+class Saved(NamedTuple):
+    """What one micro-batch's routed path keeps for backward (FP8: data/scale pairs; BF16: the
+    tensor and None)."""
+    x: tuple  # dispatched rows (not a permuted copy: the backward permutes again)
+    h: tuple  # the SwiGLU input
+    y: tuple  # FP8: fc2's input (y is recomputed from it); BF16: y; (None, None) without dw
+    topk_w: Tensor
+    layout: PermuteLayout
+    handle: object
+
+
+def _tensors(s: Saved) -> tuple:
+    return (*s.x, *s.h, *s.y, s.topk_w, s.layout.row_TK, s.layout.src_M, s.layout.offsets)
+
+
+_N_SAVED = 10  # len(_tensors(...))
+
+
+def save(ctx, saves: list[Saved], *params: Tensor) -> None:
+    """Saved tensors go through save_for_backward (so saved-tensor hooks see and count them); the
+    host-side parts (counts, the dispatch handle) stay on ctx."""
+    ctx.save_for_backward(*(t for s in saves for t in _tensors(s)), *params)
+    ctx.saved_meta = [(s.layout.counts, s.layout.M, s.handle) for s in saves]
+
+
+def restore(ctx) -> tuple[list[Saved], tuple]:
+    """-> (the Saved of each micro-batch, the params given to `save`); the inverse of `_tensors`."""
+    ts, n = ctx.saved_tensors, _N_SAVED
+    saves = []
+    for i, (counts, M, handle) in enumerate(ctx.saved_meta):
+        t = ts[n * i:n * (i + 1)]
+        saves.append(Saved(t[0:2], t[2:4], t[4:6], t[6], PermuteLayout(t[7], t[8], t[9], counts, M), handle))
+    return saves, ts[n * len(saves):]
+
+
+def combine_buffer(disp: Dispatcher, handle, rows_MH: Tensor) -> Tensor | None:
+    """Where to write the next combine's bf16 input (the dispatcher's send buffer, so that its
+    transport moves it without staging it; `Dispatcher.combine_buffer`), or None."""
+    return disp.combine_buffer(handle, rows_MH.shape[1], rows_MH.device) if rows_MH.dtype == torch.bfloat16 else None
+
+
+def _wire_rows(layer, t_TH: Tensor, kind: str):
+    """What a dispatch sends of t [T, H]: FP8 recipe, its "1x128" quantization (recorded in the
+    layer's scale statistics as kind, "act" | "grad"); BF16 recipe, t in bf16."""
+    if layer.recipe.fp8:
+        return layer.stats.record(kind, quant_rowwise(t_TH, layer.recipe.scale_fmt))
+    return t_TH.to(torch.bfloat16)
+
+
+def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
+    """(comm) quantize (FP8 recipe) and dispatch -> Dispatched. The quantization is the one
+    compute kernel here: it must happen before the rows leave (docs/design.md §1)."""
+    with record_function("quant"):
+        xin = _wire_rows(layer, x_TH, "act")
+    with record_function("dispatch"):
+        return layer.dispatcher.dispatch(xin, topk_idx_TK, topk_w_TK)
+
+
+def fwd_layout(layer, d) -> PermuteLayout:
+    """(comm) the permutation of the received rows among the local experts; one host sync (the counts)."""
+    with record_function("layout"):
+        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
+
+
+def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool,
+                gemm: GemmPolicy) -> tuple[Tensor, Saved]:
+    """permute -> expert MLP -> z[t] = sum_k w[t,k] y[row] (bf16, [T_recv, H]), and what backward needs."""
+    fp8, fmt = layer.recipe.fp8, layer.recipe.scale_fmt
+    with record_function("permute"):
+        xp = permute_fp8(d.x, L, colmajor_scale=True) if fp8 else permute_rows(d.x, L)
+    if fp8:
+        y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
+                                   L.offsets_host, gemm=gemm, stats=layer.stats)
+        # Keep fc2's FP8 input, not y: backward recomputes y bit for bit (one more fc2 GEMM) for
+        # the exact dw, and a8 is 1 byte x I where y is 2 bytes x H.
+        saved = Saved((d.x.data, d.x.scale), (h.data, h.scale), (a8.data, a8.scale) if want_dw else (None, None),
+                      d.topk_w, L, d.handle)
+    else:
+        y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
+        saved = Saved((d.x, None), (h, None), (y if want_dw else None, None), d.topk_w, L, d.handle)
+    with record_function("combine"):
+        return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer.dispatcher, d.handle, y)), saved
+
+
+def bwd_dispatch(layer, dout: Tensor, s: Saved):
+    """(comm) the gradient of the combine: dout along the forward's routes (FP8 on the wire in the
+    FP8 recipe, quantized 1x128 before it leaves)."""
+    with record_function("bwd_dispatch"):
+        return layer.dispatcher.dispatch(_wire_rows(layer, dout, "grad"), handle=s.handle).x
+
+
+def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_dx: bool, gemm: GemmPolicy,
+                dw_into: tuple | None = None):
+    """dz (the dispatched gradient) -> (dx rows summed per received token [T_recv, H] or None,
+    dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1.
+    dw_into: (dW1, dW2) of another micro-batch to add this one's into (FP8 recipe; returned as
+    dW1, dW2), else None."""
+    fp8, fmt, disp = layer.recipe.fp8, layer.recipe.scale_fmt, layer.dispatcher
+    L, w_TK = s.layout, s.topk_w
+    dw = None
+    if fp8:
+        if s.y[0] is not None:
+            with record_function("bwd_dw"):
+                y = fp8_grouped_gemm(Fp8Tensor(*s.y, "1x128"), layer.cache.get(w2, fmt), L.offsets,
+                                     validate=False, host_offsets=L.offsets_host, policy=gemm)  # = forward's y
+                dzf = dout if not disp.communicates else dz.dequantize(torch.bfloat16)
+                dw = combine_backward(dzf, y, L, w_TK, want_dy=False)[1]
+                del y, dzf  # [M, H] and [T_recv, H] bf16: not alive during the expert backward
+        with record_function("bwd_permute"):
+            dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
+            x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)
+        dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
+                                         want_dx=want_dx, off_host=L.offsets_host, dw_into=dw_into, gemm=gemm,
+                                         stats=layer.stats)
+    else:
+        with record_function("bwd_dw"):
+            dy, dw = combine_backward(dz, s.y[0], L, w_TK, want_dy=True)
+        with record_function("bwd_permute"):
+            xp = permute_rows(s.x[0], L)
+        dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, s.h[0], L.offsets, layer.cache.get(w1, "bf16"),
+                                          layer.cache.get(w2, "bf16"), want_dx=want_dx)
+    dx_rows = None
+    if dxp is not None:  # sum each token's rows (their weights are already in dy)
+        with record_function("bwd_unpermute"):
+            dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK), out=combine_buffer(disp, s.handle, dxp))
+    return dx_rows, dw, dw1, dw2
+
+
+def bwd_combine(layer, dx_rows, dw, s: Saved, dtype):
+    """(comm) send dx back to the tokens' ranks; dw [T_recv, K] (0 on slots routed elsewhere) ->
+    [T, K] on the token's rank: exact (one nonzero term per slot), the identity at EP=1.
+    needs_input_grad agrees across ranks, so the collectives stay matched."""
+    disp = layer.dispatcher
+    with record_function("bwd_combine"):
+        dx = disp.combine(dx_rows, s.handle).to(dtype) if dx_rows is not None else None
+        return dx, disp.combine(dw, s.handle) if dw is not None else None
+
+
+class RoutedExperts(torch.autograd.Function):
+    """The routed path of one micro-batch, stage after stage (the plain schedule), with the
+    layer's GEMM policy. apply(x [T, H], topk_w [T, K], w1, w2, topk_idx [T, K], layer) -> [T, H]."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer):
+        d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK)
+        L = fwd_layout(layer, d)
+        z, saved = fwd_experts(layer, d, L, w1, w2, ctx.needs_input_grad[1], layer.gemm)
+        save(ctx, [saved], w1, w2)
+        ctx.layer = layer
+        with record_function("combine"):
+            return layer.dispatcher.combine(z, d.handle)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (s,), (w1, w2) = restore(ctx)
+        layer = ctx.layer
+        dout = dout.contiguous()
+        dz = bwd_dispatch(layer, dout, s)
+        dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, ctx.needs_input_grad[0], layer.gemm)
+        dx, dw = bwd_combine(layer, dx_rows, dw, s, dout.dtype)
+        return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
