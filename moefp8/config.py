@@ -153,8 +153,9 @@ class TrainConfig:
     # wall-clock budget of one start, in seconds (0: none): after the first step that ends past it
     # the run writes a checkpoint and exits; the same command resumes it (a scheduler's time limit)
     time_limit_s: float = 0.0
-    # deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG), for GPU runs that
-    # repeat (and resume) bit for bit; an op with no deterministic kernel warns, naming it
+    # deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, memory-efficient
+    # attention instead of flash attention, whose backward is not), for GPU runs that repeat (and resume) bit for
+    # bit; an op with no deterministic kernel warns, naming it
     deterministic: bool = False
 
 

@@ -74,8 +74,10 @@ def train(cfg: Config) -> dict:
     if t.deterministic:  # before the first cuBLAS call; GPU runs (and resumes) then repeat bit for bit
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns, naming it
-        # cuDNN's attention backward is not deterministic (it only warns): two runs of one config differed in
-        # the first step's gradient norm (H100, torch 2.11). Flash attention's backward is, under this flag.
+        # attention: the memory-efficient kernels. Flash attention's backward is not deterministic (and does not
+        # warn): two passes over one batch gave other wqkv gradients in every layer (small model, H100, torch
+        # 2.11), while the memory-efficient, cuDNN and math backends repeated; cuDNN's warns that it may not.
+        torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     device = resolve_device(t.device)
     if device.type == "cuda" and "LOCAL_RANK" in os.environ:
