@@ -154,6 +154,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]
     sharded_params = [p for n, p in opt.params.items() if n in sharded]
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
+    flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, o, t.steps)
@@ -171,9 +172,10 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
             nonfinite_S = out.nonfinite if nonfinite_S is None else nonfinite_S | out.nonfinite
         # stop requests ride on the loss's all-reduce: a signal to any rank, any rank's clock past the limit
-        flags = [float(stop.requested is not None), float(bool(t.time_limit_s) and
-                                                          time.monotonic() - began > t.time_limit_s)]
-        sums = torch.cat([torch.stack([loss_sum, aux_sum]), torch.tensor(flags, device=device)])
+        flags_host[0] = float(stop.requested is not None)
+        flags_host[1] = float(bool(t.time_limit_s) and time.monotonic() - began > t.time_limit_s)
+        # (pinned, copied without a host sync; the previous step's read below has finished its last copy)
+        sums = torch.cat([torch.stack([loss_sum, aux_sum]), flags_host.to(device, non_blocking=True)])
         if world > 1:  # gradients of the mean loss over all ranks' tokens
             for name, p in opt.params.items():  # one collective per tensor: bucketing is for later
                 if p.grad is None:
