@@ -6,7 +6,9 @@ Every such failure is a `UserError` whose message is one line naming the value a
 config), and exit with `EXIT_ERROR`; no stack trace. Under torchrun the rank that found the
 error prints it and leaves it in the launcher's error file (`write_elastic_error`), so the
 launcher's report names it as the root cause; ranks that merely learnt of it (`quiet=True`)
-exit with the same status and print nothing.
+print nothing and exit with the same status a little later (`QUIET_EXIT_DELAY_S`): the launcher
+takes the first rank to fail as the root cause and stops the others, so the reporting rank must
+fail first, also when a quiet rank got there sooner.
 
 Exit statuses: 0 done (or nothing to do), EXIT_ERROR a user error or a failed run,
 EXIT_STOPPED stopped on a signal after writing a checkpoint (the same command resumes),
@@ -21,6 +23,7 @@ import time
 EXIT_ERROR = 1
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports an interrupted command
+QUIET_EXIT_DELAY_S = 5.0  # under a launcher: a quiet rank's head start for the reporting rank
 
 
 class UserError(ValueError):
@@ -52,10 +55,14 @@ def write_elastic_error(msg: str, env=os.environ) -> None:
         pass
 
 
-def report(msg: str, code: int = EXIT_ERROR, quiet: bool = False):
-    """Prints `msg` once on stderr (unless quiet), leaves it for torchrun, exits with `code`."""
+def report(msg: str, code: int = EXIT_ERROR, quiet: bool = False, env=os.environ):
+    """Prints `msg` once on stderr (unless quiet), leaves it for torchrun, exits with `code`.
+    A quiet rank under a launcher waits QUIET_EXIT_DELAY_S first (the launcher usually stops it
+    sooner, once the reporting rank has exited)."""
+    sys.stdout.flush()
     if not quiet:
-        sys.stdout.flush()
         print(msg, file=sys.stderr, flush=True)
-        write_elastic_error(msg)
+        write_elastic_error(msg, env)
+    elif int(env.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(QUIET_EXIT_DELAY_S)
     sys.exit(code)
