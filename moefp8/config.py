@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from moefp8.data import source_dir
+from moefp8.tokenizer import TokenizerError, parse_spec
 from moefp8.fp8 import TILE
 
 RECIPES = ("fp8", "bf16")
@@ -33,7 +34,7 @@ class ModelConfig:
     """Decoder-only MoE transformer (moefp8.model). Attention: n_heads x head_dim (RoPE);
     the first n_dense_layers MLPs are dense SwiGLU (dense_inter), the rest MoE layers."""
     name: str = "tiny"  # the preset's name; names the default run dir, outputs/runs/<name>-<recipe>
-    vocab_size: int = BYTE_VOCAB  # embedding and LM-head rows; >= 257 (the byte tokenizer: 256 bytes + EOS)
+    vocab_size: int = BYTE_VOCAB  # embedding and LM-head rows; >= the data's vocabulary (bytes: 257; bpe:N: N)
     hidden: int = 128  # H, the residual stream width; a multiple of 128 with recipe=fp8
     n_layers: int = 3  # transformer blocks, dense and MoE together
     n_dense_layers: int = 1  # the first N blocks have a dense SwiGLU MLP, the others MoE; 0: all MoE
@@ -111,14 +112,19 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Byte-level token shards (moefp8.data). If `path` holds no index.json yet, it is prepared
-    from `prepare_from`: "stdlib" (the Python standard library's *.py sources: real text found
-    offline on any machine), "site-packages" (torch's folder of installed packages), a folder of text files
-    (several of these comma-separated, read in that order), or "" (then a missing path is an error)."""
+    """Tokenized shards (moefp8.data). If `path` holds no index.json yet, it is prepared from
+    `prepare_from` with `tokenizer`: "stdlib" (the Python standard library's *.py sources: real text
+    found offline on any machine), "site-packages" (torch's folder of installed packages), a folder of
+    text files (several of these comma-separated, read in that order), or "" (then a missing path is
+    an error)."""
     path: str = "outputs/data/stdlib"  # the prepared shards (index.json); prepared on first use if absent
     prepare_from: str = "stdlib"  # what to prepare data.path from: stdlib | site-packages | DIR[,DIR...] | ""
     glob: str = "*.py"  # file pattern under prepare_from; several comma-separated: "*.py,*.h"
     max_bytes: int = 32_000_000  # cap on the text read when preparing
+    # bytes (vocabulary 257) | bpe:N (a byte-level BPE of N tokens trained on the prepared texts) |
+    # PATH of a Hugging Face tokenizer.json (copied beside the shards); model.vocab_size must hold it
+    tokenizer: str = "bytes"
+    verify: bool = True  # before training: every shard against its sha256 in index.json (~1 GB/s, rank 0)
     val_windows: int = 0  # windows of train.seq_len + 1 tokens held out of training for train.eval_every
 
 
@@ -240,8 +246,14 @@ def validate(cfg: Config) -> None:
     if d.max_nodes and m.n_groups > 1:
         raise ValueError(f"dispatch.max_nodes={d.max_nodes}: node-limited routing makes the router's groups the EP "
                          f"group's nodes; leave model.n_groups=1 (got {m.n_groups}) or set dispatch.max_nodes=0")
-    if m.vocab_size < BYTE_VOCAB:
-        raise ValueError(f"model.vocab_size={m.vocab_size}: the byte tokenizer needs at least {BYTE_VOCAB}")
+    try:
+        kind, n = parse_spec(data.tokenizer)
+    except TokenizerError as e:
+        raise ValueError(str(e)) from None
+    need = {"bytes": BYTE_VOCAB, "bpe": n}.get(kind)  # a tokenizer file's: checked when the data is read
+    if need and m.vocab_size < need:
+        raise ValueError(f"model.vocab_size={m.vocab_size}: data.tokenizer={data.tokenizer} needs at least {need}; "
+                         f"set model.vocab_size={need}")
     if m.head_dim % 2:
         raise ValueError(f"model.head_dim={m.head_dim}: RoPE needs an even head dimension")
     if not 0 <= m.n_dense_layers <= m.n_layers:

@@ -1,23 +1,28 @@
-"""Byte-level training data: a tokenizer, shard preparation and a resumable loader.
+"""Training data: tokenized shards, their preparation and a resumable loader.
 
-Tokens are the bytes of the text (0..255) and EOS = 256 between documents: no vocabulary file,
-no download. `prepare` writes a folder of shards:
+`prepare` tokenizes text files with a tokenizer (`moefp8.tokenizer`: `bytes`, a BPE trained on
+the same files, or a Hugging Face tokenizer.json) and writes a folder of shards and a manifest:
 
-    out/index.json       {"format": "moefp8-bytes-v1", "vocab_size": 257, "eos": 256, "dtype": "uint16",
+    out/index.json       {"format": "moefp8-tokens-v2", "vocab_size": 32768, "eos": 0, "dtype": "uint16",
+                          "tokenizer": {"spec": "bpe:32768", "file": "tokenizer.json", "sha256": "..."},
                           "src": "stdlib", "glob": "*.py", "max_bytes": 32000000, "files": n, "bytes": n,
-                          "created": "2025-01-31T12:00:00Z",
+                          "tokens": n, "created": "2026-11-26T12:00:00Z",
                           "shards": [{"file": "shard_00000.bin", "tokens": n, "sha256": "..."}, ...]}
-    out/shard_00000.bin  uint16 tokens (native little-endian), read with np.memmap
-    (indexes written before max_bytes, created and sha256 existed load the same)
+    out/shard_00000.bin  tokens as `dtype` (uint16 up to a vocabulary of 65536, else uint32; native
+                         little-endian), read with np.memmap
+    out/tokenizer.json   the tokenizer (not for bytes): the data carries what decodes it
+    (indexes of format moefp8-bytes-v1, written before 2026-11-26, load as bytes in uint16)
 
-    python -m moefp8.data prepare --src DIR --out DIR [--glob '*.txt'] [--max-bytes N]
+    python -m moefp8.data prepare --src DIR --out DIR [--glob '*.txt'] [--max-bytes N] [--tokenizer bpe:32768]
     python -m moefp8.data prepare --src stdlib --out DIR   # the Python standard library's *.py sources
+    python -m moefp8.data verify --path DIR                # every shard against its size and checksum
 
 Nothing the user did not create is deleted or overwritten: `prepare` writes only into a folder
-that is absent, empty, or an earlier output of `prepare` (its index.json and the shards it lists,
+that is absent, empty, or an earlier output of `prepare` (its index.json and the files it lists,
 nothing else); it builds in a fresh hidden folder beside `out` and renames it into place, and
 removes an earlier output by the files its index lists. `ensure` (the training run's entry) never
-prepares over data nor trains on data prepared from other settings than the ones asked for.
+prepares over data nor trains on data prepared from other settings (sources, patterns, size cap,
+tokenizer) than the ones asked for, and checks every shard against its checksum (data.verify).
 
 `Loader` cuts each shard into non-overlapping windows of seq_len + 1 tokens, shuffles the windows
 of all shards once per epoch (seeded) and deals each step's global batch to the data-parallel
@@ -44,12 +49,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moefp8 import tokenizer as tokenizers
 from moefp8.errors import UserError, first_line, report
 
-EOS = 256
+EOS = 256  # the byte tokenizer's
 VOCAB_SIZE = 257
-FORMAT = "moefp8-bytes-v1"
-SHARD_TOKENS = 1 << 24  # 16M tokens (32 MB) per shard
+FORMAT = "moefp8-tokens-v2"
+FORMAT_V1 = "moefp8-bytes-v1"  # byte tokens in uint16, no "tokenizer", "dtype" optional: still read
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+SHARD_TOKENS = 1 << 24  # 16M tokens (32 or 64 MB) per shard
+READ_BYTES = 16 << 20  # text encoded per batch: the tokenizer's threads get many documents at once
 VAL_SEED = 0x5EED  # picks the held-out windows; independent of train.seed
 NAMED_SOURCES = ("stdlib", "site-packages")
 
@@ -148,7 +157,7 @@ def _earlier_output(out: Path) -> list[str]:
         raise DataError(f"data prepare: {out} is a file, not a folder; pick a new or empty folder")
     entries = sorted(os.listdir(out))
     try:
-        ours = {"index.json", *(s["file"] for s in read_index(str(out))["shards"])} if entries else set()
+        ours = set(_listed_files(read_index(str(out)))) if entries else set()
     except DataError:  # no index of ours: nothing there was written by prepare
         ours = set()
     foreign = [e for e in entries if e not in ours or (out / e).is_symlink() or not (out / e).is_file()]
@@ -159,9 +168,46 @@ def _earlier_output(out: Path) -> list[str]:
     return entries
 
 
-def _write_shards(files: list[Path], dest: Path, max_bytes: int, shard_tokens: int) -> tuple[list[dict], int, int]:
-    """Tokenizes `files` (each followed by EOS) until max_bytes of text into dest/shard_NNNNN.bin of
-    shard_tokens tokens (the last shorter). Returns (shard entries, files read, bytes read)."""
+def _docs(files: list[Path], max_bytes: int):
+    """The bytes of `files` in order, the last one cut so that the total stays <= max_bytes."""
+    total = 0
+    for p in files:
+        if total >= max_bytes:
+            return
+        data = p.read_bytes()[: max_bytes - total]
+        total += len(data)
+        yield data
+
+
+def _batches(docs, size: int):
+    """Lists of consecutive documents of about `size` bytes (at least one document each)."""
+    batch, n = [], 0
+    for d in docs:
+        batch.append(d)
+        n += len(d)
+        if n >= size:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _progress(total_bytes: int, what: str):
+    """A rich progress bar over bytes of text on a terminal (stderr); a no-op elsewhere (CI, logs)."""
+    import sys
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    p = Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                 transient=True, disable=not sys.stderr.isatty())
+    return p, p.add_task(what, total=total_bytes)
+
+
+def _write_shards(files: list[Path], dest: Path, max_bytes: int, shard_tokens: int, tok,
+                  dtype: str) -> tuple[list[dict], int, int]:
+    """Tokenizes `files` (each followed by EOS) with `tok` until max_bytes of text into
+    dest/shard_NNNNN.bin of shard_tokens tokens of `dtype` (the last shorter). Returns (shard
+    entries, files read, bytes read)."""
     shards, buf, n_buf, total, n_files = [], [], 0, 0, 0
 
     def flush():
@@ -172,19 +218,22 @@ def _write_shards(files: list[Path], dest: Path, max_bytes: int, shard_tokens: i
             shards.append({"file": name, "tokens": int(n_buf), "sha256": hashlib.sha256(toks).hexdigest()})
             buf, n_buf = [], 0
 
-    for p in files:
-        if total >= max_bytes:
-            break
-        data = p.read_bytes()[: max_bytes - total]
-        toks = np.append(encode(data), np.uint16(EOS))
-        total, n_files = total + len(data), n_files + 1
-        while len(toks):
-            take = toks[: shard_tokens - n_buf]
-            buf.append(take)
-            n_buf += len(take)
-            toks = toks[len(take):]
-            if n_buf == shard_tokens:
-                flush()
+    size = min(max_bytes, sum(p.stat().st_size for p in files))
+    bar, task = _progress(size, f"tokenizing ({tok.spec})")
+    with bar:
+        for batch in _batches(_docs(files, max_bytes), READ_BYTES):
+            for toks in tok.encode_docs(batch):
+                toks = toks.astype(DTYPES[dtype])  # ids < vocab_size, which dtype holds (prepare picks it)
+                while len(toks):
+                    take = toks[: shard_tokens - n_buf]
+                    buf.append(take)
+                    n_buf += len(take)
+                    toks = toks[len(take):]
+                    if n_buf == shard_tokens:
+                        flush()
+            n_files += len(batch)
+            total += sum(len(d) for d in batch)
+            bar.advance(task, sum(len(d) for d in batch))
     flush()
     return shards, n_files, total
 
@@ -215,15 +264,19 @@ def _swap(new: Path, out: Path, old_files: list[str]) -> None:
 
 
 def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
-            shard_tokens: int = SHARD_TOKENS) -> dict:
+            shard_tokens: int = SHARD_TOKENS, tokenizer: str = tokenizers.BYTES) -> dict:
     """Tokenizes the files matching `glob` (one pattern, or several comma-separated: "*.py,*.h")
     under `src` (a folder, "stdlib": the Python standard library, "site-packages": the installed
     packages; several comma-separated, read in that order), each folder's files in sorted path
-    order, each file followed by EOS, until max_bytes of text; writes shards and index.json into
-    `out`, which must be absent, empty or an earlier output of prepare (replaced). Built in a fresh
-    folder beside `out` (removed on failure), then renamed into place. Returns the index."""
+    order, each file followed by EOS, until max_bytes of text, with `tokenizer` (a spec of
+    moefp8.tokenizer: "bytes", "bpe:N" trained on these files first, or a tokenizer.json path,
+    copied into the output); writes shards and index.json into `out`, which must be absent, empty
+    or an earlier output of prepare (replaced). Built in a fresh folder beside `out` (removed on
+    failure), then renamed into place. Returns the index."""
     if max_bytes < 1 or shard_tokens < 1:
         raise DataError(f"data prepare: max_bytes={max_bytes}, shard_tokens={shard_tokens}: must be >= 1")
+    kind, arg = tokenizers.parse_spec(tokenizer)
+    given = tokenizers.HFTokenizer(arg, tokenizer) if kind == "file" else None  # a bad file: named before any work
     out_dir = Path(out).resolve()  # "." or a link to a folder: the folder itself, and its parent for the temp
     old_files = _earlier_output(out_dir)  # refuses a folder we did not write before reading anything
     files = find_files(src, glob, str(out_dir))
@@ -233,9 +286,20 @@ def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
     mode = out_dir.stat().st_mode & 0o7777 if out_dir.is_dir() else 0o777 & ~umask
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".prepare"))
     try:
-        shards, n_files, total = _write_shards(files, tmp, max_bytes, shard_tokens)
-        index = {"format": FORMAT, "vocab_size": VOCAB_SIZE, "eos": EOS, "dtype": "uint16", "src": src,
-                 "glob": glob, "max_bytes": max_bytes, "files": n_files, "bytes": total,
+        if kind == "bpe":
+            tok = tokenizers.train_bpe(_docs(files, max_bytes), arg, tmp / "tokenizer.json")
+        elif kind == "file":
+            shutil.copyfile(given.path, tmp / "tokenizer.json")
+            tok = tokenizers.HFTokenizer(tmp / "tokenizer.json", tokenizer)
+        else:
+            tok = tokenizers.ByteTokenizer()
+        dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+        shards, n_files, total = _write_shards(files, tmp, max_bytes, shard_tokens, tok, dtype)
+        index = {"format": FORMAT, "vocab_size": tok.vocab_size, "eos": tok.eos, "dtype": dtype,
+                 "tokenizer": {"spec": tokenizer, "file": None if kind == tokenizers.BYTES else "tokenizer.json",
+                               "sha256": tok.digest},
+                 "src": src, "glob": glob, "max_bytes": max_bytes, "files": n_files, "bytes": total,
+                 "tokens": sum(s["tokens"] for s in shards),
                  "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "shards": shards}
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
         os.chmod(tmp, mode)  # mkdtemp's is 0o700
@@ -249,9 +313,16 @@ def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
 
 # ---- reading: the index, the shards, the training run's entry ----
 
+def _plain_name(f) -> bool:
+    """A file name in the folder itself: never a path out of it."""
+    return isinstance(f, str) and f not in ("", ".", "..") and Path(f).name == f
+
+
 def read_index(path: str) -> dict:
-    """The index.json of a prepared folder, checked: DataError (naming the file and the fix) for a
-    missing, unparsable or foreign index, or one that lists no shard or a malformed one."""
+    """The index.json (the manifest) of a prepared folder, checked: DataError (naming the file and
+    the fix) for a missing, unparsable or foreign index, or one that lists no shard or a malformed
+    one, or whose totals disagree with its shards. An index of FORMAT_V1 is returned as its v2
+    equivalent (bytes, uint16)."""
     index_path = Path(path) / "index.json"
     if not index_path.is_file():
         raise DataError(f"data: {index_path} not found; prepare the folder with "
@@ -263,38 +334,93 @@ def read_index(path: str) -> dict:
         raise DataError(f"data: {index_path} is not valid JSON ({first_line(e)}): it looks interrupted or "
                         f"edited; {again}") from None
     fmt = index.get("format") if isinstance(index, dict) else None
-    if fmt != FORMAT:
+    if fmt == FORMAT_V1:
+        index = {**index, "format": FORMAT, "dtype": index.get("dtype", "uint16"),
+                 "tokenizer": {"spec": tokenizers.BYTES, "file": None, "sha256": tokenizers.BYTES}}
+    if fmt not in (FORMAT, FORMAT_V1):
         raise DataError(f"data: {index_path} has format {fmt!r}, expected {FORMAT!r}; {again}")
     if not isinstance(index.get("shards"), list) or not index["shards"]:
         raise DataError(f"data: {index_path} lists no shard; {again}")
-    for i, s in enumerate(index["shards"]):  # a plain file name: never a path out of the folder
-        f = s.get("file") if isinstance(s, dict) else None
-        if not (isinstance(f, str) and f not in ("", ".", "..") and Path(f).name == f
-                and isinstance(s.get("tokens"), int) and s["tokens"] >= 0):
+    for i, s in enumerate(index["shards"]):
+        if not (isinstance(s, dict) and _plain_name(s.get("file")) and isinstance(s.get("tokens"), int)
+                and s["tokens"] >= 0):
             raise DataError(f"data: {index_path} has a malformed shard entry ({i}): it looks edited; {again}")
     if not isinstance(index.get("vocab_size"), int):
         raise DataError(f"data: {index_path} has vocab_size {index.get('vocab_size')!r}, not a number; {again}")
+    if index.get("dtype") not in DTYPES:
+        raise DataError(f"data: {index_path} has dtype {index.get('dtype')!r}, expected one of "
+                        f"{', '.join(DTYPES)}; {again}")
+    if index["vocab_size"] > np.iinfo(DTYPES[index["dtype"]]).max + 1:
+        raise DataError(f"data: {index_path} has a vocabulary of {index['vocab_size']} that does not fit its dtype "
+                        f"{index['dtype']}; it looks edited; {again}")
+    t = index.get("tokenizer")
+    if not (isinstance(t, dict) and isinstance(t.get("spec"), str) and (t.get("file") is None or _plain_name(t["file"]))):
+        raise DataError(f"data: {index_path} has a malformed tokenizer entry ({t!r}); {again}")
+    listed = sum(s["tokens"] for s in index["shards"])
+    if index.get("tokens", listed) != listed:
+        raise DataError(f"data: {index_path} says {index['tokens']} tokens but its shards list {listed}: it looks "
+                        f"edited; {again}")
     return index
+
+
+def _listed_files(index: dict) -> list[str]:
+    """The files of a prepared folder by its index: index.json, the shards, the tokenizer's file."""
+    return ["index.json", *(s["file"] for s in index["shards"]), *filter(None, [index["tokenizer"]["file"]])]
 
 
 def load_shards(path: str, index: dict | None = None) -> list[np.ndarray]:
     """The shards of a prepared folder (`index`: its read_index, read here if None) as read-only
-    memmaps; DataError (naming the file) for a missing, empty or truncated shard."""
+    memmaps of the index's dtype; DataError (naming the file) for a missing, empty or truncated
+    shard, or one of another dtype than the index's."""
     index = read_index(path) if index is None else index
     index_path = Path(path) / "index.json"
+    dtype = DTYPES[index["dtype"]]
     out = []
     for s in index["shards"]:
         f = Path(path) / s["file"]
         if not f.is_file():
             raise DataError(f"data: shard {f} listed in {index_path} is missing; prepare the data again")
-        size, want = f.stat().st_size, 2 * s["tokens"]
+        size, want = f.stat().st_size, np.dtype(dtype).itemsize * s["tokens"]
         if size == 0:
             raise DataError(f"data: shard {f} is empty (index.json says {s['tokens']} tokens); prepare the data again")
+        other = next((n for n, d in DTYPES.items() if d != dtype and np.dtype(d).itemsize * s["tokens"] == size), None)
+        if other:
+            raise DataError(f"data: shard {f} has {size} bytes: {s['tokens']} tokens of {other}, but index.json says "
+                            f"{index['dtype']}; the shard and the manifest come from different preparations: "
+                            f"prepare the folder again")
         if size != want:
-            raise DataError(f"data: shard {f} has {size} bytes, index.json says {s['tokens']} tokens "
-                            f"({want} bytes): truncated or rewritten; prepare the folder again")
-        out.append(np.memmap(f, dtype=np.uint16, mode="r"))
+            raise DataError(f"data: shard {f} has {size} bytes, index.json says {s['tokens']} tokens of "
+                            f"{index['dtype']} ({want} bytes): truncated or rewritten; prepare the folder again")
+        out.append(np.memmap(f, dtype=dtype, mode="r"))
     return out
+
+
+def verify(path: str, index: dict | None = None) -> dict:
+    """Every shard of a prepared folder against the manifest: sizes (load_shards), then each
+    file's sha256 (~1 GB/s; shards of indexes before 2026-11 have none and are only sized), and
+    the tokenizer file's. DataError naming the first file that does not match. Returns the index."""
+    index = read_index(path) if index is None else index
+    load_shards(path, index)
+    for s in index["shards"]:
+        if s.get("sha256") and _sha256(Path(path) / s["file"]) != s["sha256"]:
+            raise DataError(f"data: shard {Path(path) / s['file']} does not match its checksum in "
+                            f"{Path(path) / 'index.json'}: it was changed after preparation; prepare the data again "
+                            f"into a new folder")
+    t = index["tokenizer"]
+    if t["file"]:
+        f = Path(path) / t["file"]
+        if not f.is_file() or _sha256(f) != t.get("sha256"):
+            raise DataError(f"data: tokenizer {f} is {'changed' if f.is_file() else 'missing'}: it no longer "
+                            f"matches {Path(path) / 'index.json'}; prepare the data again into a new folder")
+    return index
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _settings(src, glob, max_bytes) -> str:
@@ -311,19 +437,35 @@ def _same_source(index: dict, prepare_from: str, glob: str, max_bytes: int) -> b
             and index.get("max_bytes", max_bytes) == max_bytes)
 
 
-def ensure(path: str, prepare_from: str, glob: str, max_bytes: int, say=print) -> dict:
+def _same_tokenizer(index: dict, spec: str) -> bool:
+    """Whether `index` was tokenized with `spec`: the same spec for bytes and bpe:N; for a file,
+    the same tokenizer.json content (sha256), wherever it lies now."""
+    kind, arg = tokenizers.parse_spec(spec)
+    if kind != "file":
+        return index["tokenizer"]["spec"] == spec
+    return tokenizers.HFTokenizer(arg, spec).digest == index["tokenizer"].get("sha256")
+
+
+def ensure(path: str, prepare_from: str, glob: str, max_bytes: int, say=print, tokenizer: str = tokenizers.BYTES,
+           check: bool = True) -> dict:
     """The index of data.path, prepared first (telling `say` one line) if it has none; what the
     training run calls on rank 0 before reading data. DataError where `path` holds data prepared from
-    other settings than prepare_from/glob/max_bytes (prepare_from "": whatever it holds is used), holds
-    files of the user's, or has no data and prepare_from is ""."""
+    other settings than prepare_from/glob/max_bytes (prepare_from "": whatever it holds is used),
+    tokenized with another tokenizer, holds files of the user's, or has no data and prepare_from is
+    "". check: every shard against its checksum (`verify`)."""
     if (Path(path) / "index.json").exists():
         index = read_index(path)
-        if not prepare_from or _same_source(index, prepare_from, glob, max_bytes):
-            return index
-        raise DataError(f"data.path={path} holds data prepared from "
-                        f"{_settings(index.get('src'), index.get('glob'), index.get('max_bytes'))}, not from "
-                        f"data.prepare_from={_settings(prepare_from, glob, max_bytes)}: pick a new data.path for it, "
-                        f"or data.prepare_from='' to train on what {path} holds")
+        if prepare_from and not _same_source(index, prepare_from, glob, max_bytes):
+            raise DataError(f"data.path={path} holds data prepared from "
+                            f"{_settings(index.get('src'), index.get('glob'), index.get('max_bytes'))}, not from "
+                            f"data.prepare_from={_settings(prepare_from, glob, max_bytes)}: pick a new data.path for "
+                            f"it, or data.prepare_from='' to train on what {path} holds")
+        if not _same_tokenizer(index, tokenizer):
+            held = tokenizers.describe(index)
+            raise DataError(f"data.path={path} holds tokens of {held}, not of data.tokenizer={tokenizer}: set "
+                            f"data.tokenizer={index['tokenizer']['spec']} to train on them, or pick a new data.path "
+                            f"to prepare the texts with {tokenizer}")
+        return verify(path, index) if check else index
     if not prepare_from:
         raise DataError(f"data.path={path}: no index.json there and data.prepare_from is empty; set "
                         f"data.prepare_from=DIR (a folder of texts, or 'stdlib') or run "
@@ -331,8 +473,8 @@ def ensure(path: str, prepare_from: str, glob: str, max_bytes: int, say=print) -
     if Path(path).is_dir() and any(Path(path).iterdir()):
         raise DataError(f"data.path={path} holds files moefp8 did not write and no index.json; to train on the "
                         f"texts in {path}: data.prepare_from={path} data.path=<a new folder>")
-    say(f"data: preparing {path} from {prepare_from!r} ({glob}, <= {max_bytes / 1e6:.0f} MB)")
-    return prepare(prepare_from, path, glob, max_bytes)
+    say(f"data: preparing {path} from {prepare_from!r} ({glob}, <= {max_bytes / 1e6:.0f} MB, tokenizer {tokenizer})")
+    return prepare(prepare_from, path, glob, max_bytes, tokenizer=tokenizer)
 
 
 class Loader:
@@ -348,9 +490,11 @@ class Loader:
             raise ValueError(f"data loader: rank {rank} not in a world of {world}")
         index = read_index(path)
         self.vocab = index["vocab_size"]  # every token id served is below it (and so below vocab_size)
+        self.tokenizer = index["tokenizer"]["spec"]
         if vocab_size is not None and self.vocab > vocab_size:
-            raise DataError(f"data.path={path}: its tokens need a vocabulary of {self.vocab} (index.json), more "
-                            f"than model.vocab_size={vocab_size}: set model.vocab_size >= {self.vocab}")
+            raise DataError(f"data.path={path}: its tokens ({tokenizers.describe(index)}) need a vocabulary of "
+                            f"{self.vocab} (index.json), more than model.vocab_size={vocab_size}: set "
+                            f"model.vocab_size >= {self.vocab}")
         self.files = [Path(path) / s["file"] for s in index["shards"]]  # named in errors
         # what the data is, whatever folder holds it: the shards' names, sizes and (recorded since
         # 2026-11) checksums; a checkpoint keeps it, and a resume on other data is refused
@@ -394,7 +538,7 @@ class Loader:
 
     def _rows(self, ids: np.ndarray) -> tuple[Tensor, Tensor]:
         rows = np.stack([self.shards[self.win_shard[i]][self.win_start[i]: self.win_start[i] + self.seq_len + 1]
-                         for i in ids])  # [B, seq_len + 1] uint16
+                         for i in ids])  # [B, seq_len + 1] uint16 | uint32
         if rows.size and rows.max() >= self.vocab:  # one max per batch: a corrupt shard, not a crash in the embedding
             r, c = np.argwhere(rows >= self.vocab)[0]
             raise DataError(f"data: shard {self.files[self.win_shard[ids[r]]]} holds token id {rows[r, c]} at token "
@@ -442,18 +586,28 @@ class Loader:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m moefp8.data", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize a folder of text into uint16 shards + index.json")
+    p = sub.add_parser("prepare", help="tokenize a folder of text into shards + index.json")
     p.add_argument("--src", required=True, help="folder of text files, 'stdlib' or 'site-packages'; several "
                    "comma-separated")
     p.add_argument("--out", required=True)
     p.add_argument("--glob", default="*.py", help="file pattern; several comma-separated: '*.py,*.h'")
     p.add_argument("--max-bytes", type=int, default=32_000_000)
+    p.add_argument("--tokenizer", default=tokenizers.BYTES, help="bytes | bpe:N (a BPE of N tokens trained on "
+                   "these files) | PATH of a tokenizer.json")
+    v = sub.add_parser("verify", help="check every shard of a prepared folder against index.json")
+    v.add_argument("--path", required=True)
     a = ap.parse_args(argv)
     try:
-        idx = prepare(a.src, a.out, a.glob, a.max_bytes)
-    except DataError as e:
+        if a.cmd == "verify":
+            idx = verify(a.path)
+            print(f"{a.path}: {len(idx['shards'])} shard(s), {sum(s['tokens'] for s in idx['shards'])} tokens of "
+                  f"{tokenizers.describe(idx)}: all match index.json")
+            return
+        idx = prepare(a.src, a.out, a.glob, a.max_bytes, tokenizer=a.tokenizer)
+    except UserError as e:  # DataError, TokenizerError
         report(f"error: {e}")  # one line on stderr, exit status 1
-    print(f"{a.out}: {idx['files']} files, {idx['bytes']} bytes, {len(idx['shards'])} shard(s)")
+    print(f"{a.out}: {idx['files']} files, {idx['bytes']} bytes -> {idx['tokens']} tokens of {a.tokenizer} "
+          f"(vocabulary {idx['vocab_size']}, {idx['dtype']}), {len(idx['shards'])} shard(s)")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     """train() in an owned run dir: the data, the model, the resume, then the loop."""
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.out_dir)
     with same_on_every_rank(par.rank):
-        par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print))
+        par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print, d.tokenizer, d.verify))
         torch.manual_seed(t.seed)
         try:
             loader = Loader(d.path, t.micro_batch, t.seq_len, par.rank, par.world, t.seed, d.val_windows,

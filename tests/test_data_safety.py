@@ -161,15 +161,17 @@ def test_failed_prepare_keeps_the_earlier_output(texts, tmp_path, monkeypatch):
     out = tmp_path / "out"
     prepare(str(texts), str(out), glob="*.txt", shard_tokens=300)
     before = snapshot(tmp_path)
-    calls, encode = [], data_mod.encode
+    calls, docs = [], data_mod._docs
 
-    def failing_encode(b):  # the second file fails, after the first was tokenized
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError("disk full")
-        return encode(b)
+    def failing_docs(files, max_bytes):  # the second file fails, after the first was read
+        for d in docs(files, max_bytes):
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError("disk full")
+            yield d
 
-    monkeypatch.setattr(data_mod, "encode", failing_encode)
+    monkeypatch.setattr(data_mod, "_docs", failing_docs)
+    monkeypatch.setattr(data_mod, "READ_BYTES", 1)  # one file per batch: the first one's shards are written
     with pytest.raises(OSError, match="disk full"):
         prepare(str(texts), str(out), glob="*.txt", shard_tokens=100)
     assert len(calls) == 2 and snapshot(tmp_path) == before
@@ -227,11 +229,19 @@ def test_index_records_its_settings(texts, tmp_path):
     ("", ["is not valid JSON (Expecting value: line 1 column 1 (char 0))", "interrupted or edited"]),
     ('{"format": "moefp8-bytes-v1", "shards": [', ["is not valid JSON", "line 1 column 42"]),
     (b"\xff\xfe{", ["is not valid JSON"]),
-    ('{"format": "v0", "shards": []}', ["has format 'v0', expected 'moefp8-bytes-v1'"]),
+    ('{"format": "v0", "shards": []}', ["has format 'v0', expected 'moefp8-tokens-v2'"]),
     ('{"format": "moefp8-bytes-v1", "vocab_size": 257, "shards": []}', ["lists no shard"]),
     ('{"format": "moefp8-bytes-v1", "vocab_size": 257, "shards": [{"file": "../x", "tokens": 1}]}',
      ["has a malformed shard entry (0): it looks edited"]),
     ('[1, 2]', ["has format None"]),
+    ('{"format": "moefp8-tokens-v2", "vocab_size": 257, "dtype": "int8", "shards": [{"file": "s", "tokens": 1}]}',
+     ["has dtype 'int8', expected one of uint16, uint32"]),
+    ('{"format": "moefp8-tokens-v2", "vocab_size": 70000, "dtype": "uint16", "shards": [{"file": "s", "tokens": 1}]}',
+     ["has a vocabulary of 70000 that does not fit its dtype uint16"]),
+    ('{"format": "moefp8-tokens-v2", "vocab_size": 257, "dtype": "uint16", "tokenizer": {"spec": "bytes", '
+     '"file": "/etc/passwd"}, "shards": [{"file": "s", "tokens": 1}]}', ["has a malformed tokenizer entry"]),
+    ('{"format": "moefp8-tokens-v2", "vocab_size": 257, "dtype": "uint16", "tokenizer": {"spec": "bytes", '
+     '"file": null}, "tokens": 5, "shards": [{"file": "s", "tokens": 1}]}', ["says 5 tokens but its shards list 1"]),
 ])
 def test_corrupt_index_names_the_file(texts, tmp_path, text, words):
     d = tmp_path / "d"
@@ -257,7 +267,7 @@ def prepared(texts, tmp_path):
 def test_loader_vocab_size_smaller_than_the_index(prepared):
     with pytest.raises(DataError) as e:
         Loader(str(prepared), 2, 16, vocab_size=100)
-    refusal(e, f"data.path={prepared}: its tokens need a vocabulary of 257 (index.json), more than "
+    refusal(e, f"data.path={prepared}: its tokens (bytes) need a vocabulary of 257 (index.json), more than "
                f"model.vocab_size=100: set model.vocab_size >= 257")
     x, _ = Loader(str(prepared), 2, 16, vocab_size=257).next()
     assert torch.equal(x, Loader(str(prepared), 2, 16).next()[0])
