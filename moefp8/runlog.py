@@ -177,6 +177,7 @@ def memory_mb(device: torch.device) -> dict:
     if device.type == "cuda":
         out["cuda_alloc_mb"] = torch.cuda.memory_allocated(device) / 2**20
         out["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
+        out["cuda_max_alloc_mb"] = torch.cuda.max_memory_allocated(device) / 2**20  # to hold against moefp8.memory's plan
     return out
 
 def fp8_line(m: dict) -> str:

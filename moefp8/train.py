@@ -31,6 +31,8 @@ from rich.console import Console
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import DataError, Loader, ensure
+from moefp8.memory import describe as describe_memory
+from moefp8.memory import fits
 from moefp8.dispatch import build_dispatcher
 from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line, report
 from moefp8.hydra_config import CONFIG_DIR, config_help, load_config, register_schema
@@ -107,6 +109,9 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     """train() in an owned run dir: the data, the model, the resume, then the loop."""
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.out_dir)
     with same_on_every_rank(par.rank):
+        if device.type == "cuda":  # before the data and the model: a preset that cannot fit stops here
+            props = torch.cuda.get_device_properties(device)
+            console.print(describe_memory(fits(cfg, props.total_memory, props.name), props.total_memory))
         par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print, d.tokenizer, d.verify))
         torch.manual_seed(t.seed)
         try:

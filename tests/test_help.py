@@ -84,7 +84,7 @@ def test_config_help_lists_the_groups_of_configs():
         marked = [o.split()[0] for o in options if o.endswith("(default)")]
         assert sorted(o.split()[0] for o in options) == files
         assert marked == ([defaults[group]] if defaults.get(group) else []), (group, text)
-    assert "  model:      dsv3_layer | small | tiny (default)" in lines
+    assert "  model:      dsv3_layer | moe3b | small | tiny (default) | v2_lite" in lines
 
 
 def test_config_groups_follow_the_folders(tmp_path):

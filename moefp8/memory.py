@@ -1,0 +1,152 @@
+"""What one GPU will hold for a training config, counted before anything is allocated.
+
+    python -m moefp8.memory experiment=v2_lite_ep4 [--gib 80] [--gpus 4]   # the plan, one table
+
+`plan(cfg, world)` counts bytes per GPU in six parts:
+
+    weights      the low-precision copies the GEMMs read (moefp8.experts.WeightCache): FP8 data
+                 and its transpose for dgrad (2 bytes per parameter) or one BF16 cast (2 bytes)
+    masters      the FP32 parameters (4 bytes), which AdamW updates
+    moments      Adam's two moments (2 x 2 bytes in BF16, 2 x 4 in FP32: optim.moment_dtype)
+    grads        FP32 gradients (4 bytes)
+    activations  what the backward keeps of one micro-batch (train.micro_batch x train.seq_len
+                 tokens), per layer from docs/design.md §2's "saved for backward" lists
+    logits       the LM head's peak: BF16 logits, their FP32 copy and the saved log-softmax, then
+                 its gradient: ~10 bytes per token per vocabulary entry
+
+The routed experts are split over dispatch.ep_size ranks; everything else is replicated.
+Activations count tokens as they arrive after dispatch: a token goes to each distinct rank of its
+experts once (`distinct_ranks`), and each of its K slots is one permuted row. Per-expert padding
+(rows to a multiple of 128 per expert), allocator slack and workspaces are not counted: `fits`
+keeps a margin (HEADROOM) for them. The counts are an estimate to plan with; the training run
+prints its plan beside the measured peak (`cuda_max_alloc_mb` in metrics.jsonl).
+"""
+
+import argparse
+import math
+import sys
+
+from moefp8.config import Config
+from moefp8.errors import UserError, report
+
+GIB = 1 << 30
+HEADROOM = 0.90  # of a GPU's memory the plan may fill: CUDA context, workspaces, padding, fragmentation
+SCALE = 4 / 128  # an fp32 scale per 1x128 tile: bytes per FP8 element
+
+
+def distinct_ranks(n_experts: int, topk: int, ranks: int) -> float:
+    """Expected distinct ranks among a token's top-k experts (uniform routing, E/R experts per
+    rank): R (1 - C(E - E/R, K) / C(E, K))."""
+    if ranks <= 1:
+        return 1.0
+    per = n_experts // ranks
+    return ranks * (1 - math.comb(n_experts - per, topk) / math.comb(n_experts, topk))
+
+
+def activation_bytes_per_token(cfg: Config) -> dict[str, float]:
+    """Bytes the backward keeps per token of a micro-batch: one attention block, one dense MLP, one
+    MoE MLP (routed rows at their arrival, counted per token of this rank's micro-batch)."""
+    m, fp8 = cfg.model, cfg.recipe.recipe == "fp8"
+    H, d, heads, I, K = m.hidden, m.n_heads * m.head_dim, m.n_heads, m.moe_inter, m.topk
+    q8 = 1 + SCALE  # an FP8 element with its scale
+    low = q8 if fp8 else 2  # a quantized (or BF16) GEMM input
+    dense_lin = fp8 and cfg.recipe.fp8_dense
+    # attention: its norm's input, the wqkv input, q/k/v after RoPE and the output (BF16, flash
+    # attention), the log-sum-exp (fp32 per head), the wo input
+    attn = 2 * H + (q8 if dense_lin and "wqkv" not in cfg.recipe.bf16_linears else 2) * H + 2 * 4 * d + 4 * heads
+    attn += (q8 if dense_lin and "wo" not in cfg.recipe.bf16_linears else 2) * d
+    # dense SwiGLU MLP: its norm's input, x, h (gate and up), the fc2 input
+    dense_mlp = fp8 and cfg.recipe.fp8_dense and "dense_mlp" not in cfg.recipe.bf16_linears
+    Id = m.dense_inter
+    dense = 2 * H + ((q8 * H + q8 * 2 * Id + q8 * Id) if dense_mlp else (2 * H + 2 * 2 * Id + 2 * Id))
+    # MoE: its norm's input, the router's x (BF16), routing (ids, weights, layout), the dispatched
+    # rows, and per routed slot h (2I) and the fc2 input (I) -- FP8 caches, or BF16 h and y (H)
+    # for the routing-weight gradient in the BF16 recipe; shared experts as a dense MLP of n_shared x I
+    rows = distinct_ranks(m.n_experts, K, cfg.dispatch.ep_size)
+    routing = K * (8 + 4 + 4 + 4)
+    slot = (q8 * 2 * I + q8 * I) if fp8 else (2 * 2 * I + 2 * H)
+    Is = m.n_shared * I
+    shared = 0.0
+    if Is:
+        shared = (q8 * H + q8 * 2 * Is + q8 * Is) if fp8 else (2 * 2 * Is + 2 * Is)
+    moe = 2 * H + 2 * H + routing + rows * low * H + K * slot + shared
+    return {"attention": attn, "dense_mlp": dense, "moe_mlp": moe}
+
+
+def param_split(cfg: Config) -> tuple[int, int]:
+    """(parameters on every rank, routed-expert parameters on this rank)."""
+    from moefp8.model import param_counts  # (model imports the kernels: not needed for the plan's import)
+
+    m = cfg.model
+    n = param_counts(m)
+    routed = (m.n_layers - m.n_dense_layers) * m.n_experts * 3 * m.hidden * m.moe_inter
+    return n["total"] - routed, routed // cfg.dispatch.ep_size
+
+
+def plan(cfg: Config) -> dict[str, float]:
+    """Bytes per GPU: weights, masters, moments, grads, activations, logits, and their total."""
+    m, t = cfg.model, cfg.train
+    replicated, experts = param_split(cfg)
+    p = replicated + experts
+    embed = m.vocab_size * m.hidden  # looked up from the fp32 table: no low-precision copy
+    moment = 2 * (2 if cfg.optim.moment_dtype == "bf16" else 4)
+    T = t.micro_batch * t.seq_len
+    per = activation_bytes_per_token(cfg)
+    n_moe = m.n_layers - m.n_dense_layers
+    acts = T * (m.n_layers * per["attention"] + m.n_dense_layers * per["dense_mlp"] + n_moe * per["moe_mlp"]
+                + 2 * m.hidden * 2)  # + the final norm's input and the head's input
+    out = {"weights": 2.0 * (p - embed), "masters": 4.0 * p, "moments": float(moment * p), "grads": 4.0 * p,
+           "activations": float(acts), "logits": 10.0 * T * m.vocab_size}
+    out["total"] = sum(out.values())
+    return out
+
+
+def describe(pl: dict[str, float], capacity: float | None = None) -> str:
+    """"memory per GPU (plan): weights 3.1 + masters 6.2 + ... = 41.0 GiB [of 79.1 GiB]"."""
+    parts = " + ".join(f"{k} {v / GIB:.1f}" for k, v in pl.items() if k != "total")
+    tail = f" of {capacity / GIB:.1f} GiB" if capacity else ""
+    return f"memory per GPU (plan): {parts} = {pl['total'] / GIB:.1f} GiB{tail}"
+
+
+def fits(cfg: Config, capacity: float, device_name: str = "this GPU") -> dict[str, float]:
+    """The plan; UserError (one line: the need, the parts, what to change) when its total exceeds
+    HEADROOM of `capacity` bytes."""
+    pl = plan(cfg)
+    if pl["total"] <= HEADROOM * capacity:
+        return pl
+    t, d = cfg.train, cfg.dispatch
+    static = pl["total"] - pl["activations"] - pl["logits"]
+    one = static + (pl["activations"] + pl["logits"]) / t.micro_batch  # at train.micro_batch=1
+    hints = []
+    if t.micro_batch > 1 and one <= HEADROOM * capacity:
+        fit = int((HEADROOM * capacity - static) // (one - static))
+        hints.append(f"lower train.micro_batch={t.micro_batch} to {fit} or less (activations and logits take "
+                     f"{(one - static) / GIB:.2f} GiB per sequence; train.grad_accum keeps the batch)")
+    else:
+        hints.append(f"raise dispatch.ep_size={d.ep_size} (the experts' share of the {static / GIB:.1f} GiB of "
+                     f"weights and optimizer state), shorten train.seq_len={t.seq_len}, or use GPUs with more memory")
+    raise UserError(f"model.name={cfg.model.name}: {describe(pl)}, more than {HEADROOM:.0%} of the "
+                    f"{capacity / GIB:.1f} GiB of {device_name}; " + ", or ".join(hints))
+
+
+def main(argv=None) -> None:
+    from moefp8.hydra_config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m moefp8.memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=0, help="GPU memory to check the plan against, GiB (0: none)")
+    ap.add_argument("overrides", nargs="*", help="the training run's Hydra overrides")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_config(a.overrides)
+        pl = fits(cfg, a.gib * GIB) if a.gib else plan(cfg)
+    except ValueError as e:  # ConfigError, UserError
+        report(f"{'error' if isinstance(e, UserError) else 'config error'}: {e}")
+    replicated, experts = param_split(cfg)
+    print(f"{cfg.model.name}, recipe {cfg.recipe.recipe}, EP {cfg.dispatch.ep_size}, micro-batch "
+          f"{cfg.train.micro_batch} x {cfg.train.seq_len}: {(replicated + experts) / 1e9:.2f}B parameters per GPU "
+          f"({replicated / 1e9:.2f}B replicated + {experts / 1e9:.2f}B of the routed experts)")
+    print(describe(pl, a.gib * GIB or None))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

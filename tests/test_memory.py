@@ -1,0 +1,113 @@
+"""moefp8/memory.py: the per-GPU memory plan, the one-line refusal, the presets of real size."""
+
+import itertools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moefp8.errors import UserError
+from moefp8.hydra_config import load_config
+from moefp8.memory import GIB, HEADROOM, distinct_ranks, fits, param_split, plan
+from moefp8.model import param_counts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_distinct_ranks_matches_counting():
+    for E, K, R in ((8, 2, 2), (16, 4, 4), (64, 6, 4), (8, 8, 8)):
+        per = E // R
+        combos = list(itertools.combinations(range(E), K)) if math.comb(E, K) < 200_000 else None
+        if combos:
+            want = sum(len({e // per for e in c}) for c in combos) / len(combos)
+            assert distinct_ranks(E, K, R) == pytest.approx(want, rel=1e-12)
+    assert distinct_ranks(64, 6, 1) == 1.0
+
+
+def test_parameters_per_gpu_are_the_built_models():
+    from moefp8.launch import routing_config
+    from moefp8.model import Transformer
+    from moefp8.recipe import Recipe
+
+    cfg = load_config(["model=tiny"])
+    m = Transformer(routing_config(cfg, 1), Recipe.from_config(cfg.recipe), None, 0, 0)
+    replicated, experts = param_split(cfg)
+    assert replicated + experts == sum(p.numel() for p in m.parameters())
+    pl = plan(cfg)
+    assert pl["masters"] == 4 * (replicated + experts) and pl["grads"] == pl["masters"]
+    assert pl["moments"] == pl["masters"]  # BF16 moments: 2 x 2 bytes
+    assert plan(load_config(["model=tiny", "optim.moment_dtype=fp32"]))["moments"] == 2 * pl["moments"]
+    ep = load_config(["model=tiny", "dispatch=all_to_all", "dispatch.ep_size=2"])
+    assert param_split(ep) == (replicated, experts // 2)
+
+
+def test_activations_and_logits_scale_with_the_micro_batch_and_fp8_saves_less():
+    a, b = plan(load_config(["model=small", "train.micro_batch=4"])), plan(load_config(["model=small", "train.micro_batch=8"]))
+    assert b["activations"] == 2 * a["activations"] and b["logits"] == 2 * a["logits"]
+    assert b["masters"] == a["masters"]
+    bf16 = plan(load_config(["model=small", "train.micro_batch=4", "recipe=bf16"]))
+    assert 0.5 < a["activations"] / bf16["activations"] < 0.9  # FP8 caches: 1 byte (+ scales) for 2
+
+
+def test_presets_of_real_size():
+    v2 = load_config(["experiment=v2_lite_ep4"])
+    n = param_counts(v2.model)
+    assert 15e9 < n["total"] < 16.5e9 and 2.3e9 < n["active"] < 3e9  # DeepSeek-V2-Lite: 15.7B, 2.4B active
+    assert (v2.model.n_layers, v2.model.n_dense_layers, v2.model.hidden, v2.model.n_experts, v2.model.moe_inter,
+            v2.model.n_shared, v2.model.topk) == (27, 1, 2048, 64, 1408, 2, 6)
+    assert v2.dispatch.ep_size == 4 and v2.model.vocab_size >= 100_000
+    with pytest.raises(UserError):  # 80 GB cards: no
+        fits(v2, 79.1 * GIB)
+    assert fits(v2, 139 * GIB)["total"] < HEADROOM * 139 * GIB  # H200s: yes
+    b3 = load_config(["experiment=moe3b_gpu"])
+    assert 2.8e9 < param_counts(b3.model)["total"] < 3.5e9
+    assert fits(b3, 79.1 * GIB)["total"] < HEADROOM * 79.1 * GIB  # one H100
+
+
+def test_refusal_is_one_line_naming_the_fix():
+    cfg = load_config(["experiment=moe3b_gpu", "train.micro_batch=32"])
+    with pytest.raises(UserError) as e:
+        fits(cfg, 79.1 * GIB, "NVIDIA H100 80GB HBM3")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model.name=moe3b: memory per GPU (plan): weights ")
+    assert "of the 79.1 GiB of NVIDIA H100 80GB HBM3; lower train.micro_batch=32 to " in msg
+    fit = int(msg.split(" to ")[1].split()[0])
+    fits(load_config(["experiment=moe3b_gpu", f"train.micro_batch={fit}"]), 79.1 * GIB)  # the advice holds
+    with pytest.raises(UserError, match=r"raise dispatch.ep_size=4 .* or use GPUs with more memory$"):
+        fits(load_config(["experiment=v2_lite_ep4", "train.micro_batch=1"]), 79.1 * GIB)
+
+
+def test_cli():
+    r = subprocess.run([sys.executable, "-m", "moefp8.memory", "experiment=v2_lite_ep4", "--gib", "139"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "v2_lite, recipe fp8, EP 4" in r.stdout and " GiB of 139.0 GiB" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "moefp8.memory", "experiment=v2_lite_ep4", "--gib", "79.1"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: model.name=v2_lite")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_plan_against_the_measured_peak(recipe):
+    """One training step of the small model at micro-batch 8: the CUDA peak within 25% of the plan
+    (the plan leaves out padding, workspaces and the allocator's slack; HEADROOM covers them)."""
+    from moefp8.launch import routing_config
+    from moefp8.model import Transformer
+    from moefp8.optim import AdamW
+    from moefp8.recipe import Recipe
+
+    cfg = load_config(["model=small", f"recipe={recipe}", "train.micro_batch=8", "train.seq_len=1024"])
+    torch.cuda.reset_peak_memory_stats()
+    m = Transformer(routing_config(cfg, 1), Recipe.from_config(cfg.recipe), None, 0, 0).cuda()
+    opt = AdamW(m.named_parameters(), cfg.optim)
+    x = torch.randint(0, cfg.model.vocab_size, (8, 1025), device="cuda")
+    for _ in range(2):  # the second step holds the moments and the weight caches
+        out = m(x[:, :-1], x[:, 1:])
+        (out.out + out.aux_loss).backward()
+        opt.step(1e-4)
+        opt.zero_grad()
+    peak, want = torch.cuda.max_memory_allocated(), plan(cfg)["total"]
+    assert 0.75 < peak / want < 1.25, (peak / GIB, want / GIB)
