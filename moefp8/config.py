@@ -25,7 +25,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("stop", "skip")
 MOMENT_DTYPES = ("bf16", "fp32")
 SCORE_FUNCS = ("sigmoid", "softmax")
-DENSE_LINEARS = ("wqkv", "wo", "dense_mlp")  # the non-expert linears: attention projections, dense MLPs
+DENSE_LINEARS = ("wqkv", "wo", "dense_mlp")
+RECOMPUTE = ("attention",)  # train.recompute's sub-layers  # the non-expert linears: attention projections, dense MLPs
 BYTE_VOCAB = 257  # 256 byte values + EOS (moefp8.data)
 
 
@@ -137,6 +138,9 @@ class TrainConfig:
     seq_len: int = 256  # tokens per sequence (windows of seq_len + 1 tokens: inputs, shifted targets)
     log_every: int = 10  # a console line every N steps (metrics.jsonl gets every step)
     fp8_stats_every: int = 100  # FP8 recipe: tile-scale statistics (fp8/* metrics) of one step in N; 0: off
+    # selective activation recompute: [attention] keeps only each block's input for its attention
+    # and runs norm, QKV, attention, output projection again in the backward (moefp8.memory counts it)
+    recompute: list[str] = field(default_factory=list)
     ckpt_every: int = 50  # a checkpoint every N steps and at the end; 0: only at the end
     # checkpoints kept in the run dir: the newest keep_last (0: all), plus any you pin by creating a
     # file named `keep` in its step_N/ folder; older ones are deleted after each save
@@ -212,6 +216,11 @@ def validate(cfg: Config) -> None:
     _one_of("model.score_func", m.score_func, SCORE_FUNCS)
     for name in r.bf16_linears:
         _one_of("recipe.bf16_linears entry", name, DENSE_LINEARS)
+    for name in t.recompute:
+        _one_of("train.recompute entry", name, RECOMPUTE)
+    if t.recompute and d.overlap:
+        raise ValueError(f"train.recompute={list(t.recompute)}: not with dispatch.overlap=true (the overlapped "
+                         f"blocks schedule their attention themselves); set train.recompute=[] or dispatch.overlap=false")
     for key in ("hidden", "n_layers", "n_heads", "head_dim", "moe_inter", "n_experts", "topk", "vocab_size"):
         _positive(f"model.{key}", getattr(m, key))
     for key in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every"):

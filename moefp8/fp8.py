@@ -35,6 +35,7 @@ an Inf makes its tile's scale Inf, so the whole tile dequantizes to NaN. Non-fin
 never turns into finite output.
 """
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -148,6 +149,15 @@ class ScaleStats:
     def __init__(self):
         self.on = False
         self._rows: dict[str, list[Tensor]] = {}
+
+    @contextmanager
+    def paused(self):
+        """Records nothing inside (a recomputation in the backward: its tiles were counted once)."""
+        on, self.on = self.on, False
+        try:
+            yield
+        finally:
+            self.on = on
 
     def record(self, kind: str, q: Fp8Tensor) -> Fp8Tensor:
         """Records q's scales (while `on`); returns q, so a call can wrap the quantization."""

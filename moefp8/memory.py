@@ -55,6 +55,8 @@ def activation_bytes_per_token(cfg: Config) -> dict[str, float]:
     # attention), the log-sum-exp (fp32 per head), the wo input
     attn = 2 * H + (q8 if dense_lin and "wqkv" not in cfg.recipe.bf16_linears else 2) * H + 2 * 4 * d + 4 * heads
     attn += (q8 if dense_lin and "wo" not in cfg.recipe.bf16_linears else 2) * d
+    if "attention" in cfg.train.recompute:
+        attn = 2 * H  # the block's input only
     # dense SwiGLU MLP: its norm's input, x, h (gate and up), the fc2 input
     dense_mlp = fp8 and cfg.recipe.fp8_dense and "dense_mlp" not in cfg.recipe.bf16_linears
     Id = m.dense_inter

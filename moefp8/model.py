@@ -20,11 +20,13 @@ Shapes: B batch, S sequence, H hidden, T = B*S tokens, L layers, E experts, V vo
 """
 
 import zlib
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from moefp8.config import ModelConfig
 from moefp8.dispatch import Dispatcher, build_dispatcher
@@ -91,9 +93,10 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, recipe: Recipe, dispatcher: Dispatcher | None,
                  stats: ScaleStats | None = None, overlap: OverlapPolicy | None = None,
-                 gemm: GemmPolicy = GemmPolicy()):
+                 gemm: GemmPolicy = GemmPolicy(), recompute_attention: bool = False):
         super().__init__()
         stats = stats if stats is not None else ScaleStats()
+        self.stats, self.recompute_attention = stats, recompute_attention
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, recipe, stats, gemm)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -125,7 +128,12 @@ class Block(nn.Module):
             return out, mean_over_halves(aux_2, x.shape[0]), load
         if handoff is not None:
             handoff.wait()
-        a, x, h = self.attend(x, cos, sin)
+        if self.recompute_attention and torch.is_grad_enabled():
+            # keep x only; the backward runs attend again (its FP8 tiles are not recorded twice)
+            a, x, h = checkpoint(self.attend, x, cos, sin, use_reentrant=False,
+                                 context_fn=lambda: (nullcontext(), self.stats.paused()))
+        else:
+            a, x, h = self.attend(x, cos, sin)
         flags.append(_nonfinite(a))
         if not self.is_moe:
             o, aux, load = self.mlp(h), None, None
@@ -142,20 +150,23 @@ def _nonfinite(x: Tensor) -> Tensor:
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  ep_rank: int = 0, seed: int = 0, overlap: OverlapPolicy | None = None,
-                 gemm: GemmPolicy = GemmPolicy()):
+                 gemm: GemmPolicy = GemmPolicy(), recompute: tuple[str, ...] = ()):
         """recipe: the `Recipe` (training builds it with `Recipe.from_config`); dispatcher: this
         rank's expert-parallel dispatcher, shared by the MoE layers (default: the EP=1 `local`
         backend); ep_rank: this rank's index in its EP group (it holds global experts
         [ep_rank * E_l, (ep_rank + 1) * E_l)); seed: the initialization seed; overlap: the MoE
         layers' two micro-batch overlap (an `OverlapPolicy`; None: off); gemm: the `GemmPolicy`
-        every GEMM runs with. `scale_stats`: the model's FP8 tile-scale recorder (off until the
+        every GEMM runs with; recompute: sub-layers whose activations the backward recomputes
+        instead of keeping ("attention": each block's attention with its norms, from the block's
+        input; train.recompute). `scale_stats`: the model's FP8 tile-scale recorder (off until the
         caller turns it on)."""
         super().__init__()
         self.cfg, self.recipe = cfg, recipe
         self.scale_stats = ScaleStats()
         dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm)
+        self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm,
+                                          recompute_attention="attention" in recompute)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)

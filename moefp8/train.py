@@ -123,7 +123,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
                                       capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode,
                                       transport=cfg.dispatch.transport, slots=cfg.dispatch.slots)
         model = Transformer(routing_config(cfg, par.world), Recipe.from_config(cfg.recipe), dispatcher, par.ep_rank,
-                            t.seed, overlap=OverlapPolicy() if cfg.dispatch.overlap else None).to(device)
+                            t.seed, overlap=OverlapPolicy() if cfg.dispatch.overlap else None,
+                            recompute=tuple(t.recompute)).to(device)
         opt = AdamW(model.named_parameters(), cfg.optim)
         ckpt = find_resume(t.resume, run_dir, console.print)
         start = restore(ckpt, model, opt, loader, device) if ckpt is not None else 0

@@ -111,3 +111,9 @@ def test_plan_against_the_measured_peak(recipe):
         opt.zero_grad()
     peak, want = torch.cuda.max_memory_allocated(), plan(cfg)["total"]
     assert 0.75 < peak / want < 1.25, (peak / GIB, want / GIB)
+
+
+def test_attention_recompute_lowers_the_planned_activations():
+    a = plan(load_config(["experiment=moe3b_gpu"]))
+    b = plan(load_config(["experiment=moe3b_gpu", "train.recompute=[attention]"]))
+    assert b["activations"] < 0.8 * a["activations"] and b["masters"] == a["masters"]

@@ -39,7 +39,7 @@ def build(cfg, device: torch.device):
     m = cfg.model
     model = Transformer(m, Recipe.from_config(cfg.recipe),
                         build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0,
-                        cfg.train.seed).to(device)
+                        cfg.train.seed, recompute=tuple(cfg.train.recompute)).to(device)
     return model, AdamW(model.named_parameters(), cfg.optim)
 
 
