@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
     (["+train.foo=1"], "train.foo: no such key in the config schema"),
     (["train.steps=abc"], "train.steps=abc: Value 'abc' of type 'str' could not be converted to Integer"),
     (["train.steps=[1"], "train.steps=[1: cannot parse the override"),
-    (["model=huge"], "model=huge: no such option in configs/model/; one of: dsv3_layer, small, tiny"),
+    (["model=huge"], "model=huge: no such option in configs/model/; one of: dsv3_layer, moe3b, small, tiny, v2_lite"),
     (["~train.steps"], "~train.steps: TrainConfig (DictConfig) does not support deletion"),
     (["train.out_dir=${nope}"], "train.out_dir=${nope}: Interpolation key 'nope' not found"),
     (["optim.lr=nan"], "optim.lr=nan: must be finite"),
