@@ -10,8 +10,7 @@ import torch
 from moefp8.config import Config, ModelConfig, validate
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.recipe import Recipe
-from moefp8.testing import sqnr
-from torch import Tensor
+from moefp8.testing import saved_bytes, sqnr
 
 TINY = ModelConfig()  # the schema's defaults are the tiny preset
 
@@ -241,19 +240,6 @@ def test_dense_swiglu_matches_the_composite():
     torch.testing.assert_close(h.grad.float(), h_ref.grad.float(), rtol=1e-2, atol=1e-2)
 
 
-def _saved_bytes(model, x, y) -> tuple[Tensor, int]:
-    """(the loss, bytes of the tensors autograd keeps for the backward, parameters aside)."""
-    seen, params = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, y).out
-    return loss, sum(v for k, v in seen.items() if k not in params)
-
-
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_attention_recompute_gives_the_same_gradients_and_keeps_less(recipe):
     """train.recompute=[attention]: bit-identical loss and gradients on CPU (the same ops run again),
@@ -264,7 +250,7 @@ def test_attention_recompute_gives_the_same_gradients_and_keeps_less(recipe):
     for recompute in ((), ("attention",)):
         m = build(recipe, recompute=recompute)
         m.scale_stats.on = True
-        loss, kept = _saved_bytes(m, x, y)
+        kept, loss = saved_bytes(lambda: m(x, y).out)
         loss.backward()
         runs.append((loss.detach(), kept, {n: p.grad for n, p in m.named_parameters()}, m.scale_stats.report()))
     (l0, k0, g0, s0), (l1, k1, g1, s1) = runs
