@@ -31,13 +31,14 @@ from rich.console import Console
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
 from moefp8.data import DataError, Loader, ensure
-from moefp8.memory import describe as describe_memory
-from moefp8.memory import fits
 from moefp8.dispatch import build_dispatcher
 from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line, report
+from moefp8.grad_sync import GradBuckets
 from moefp8.hydra_config import CONFIG_DIR, config_help, load_config, register_schema
 from moefp8.launch import (check_launch, comm_failure, dispatch_capacity, job_dir_name, peak_flops, resolve_device,
                            routing_config)
+from moefp8.memory import describe as describe_memory
+from moefp8.memory import fits
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.overlap import OverlapPolicy
@@ -159,6 +160,10 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]
     sharded_params = [p for n, p in opt.params.items() if n in sharded]
+    # the mean gradient over the ranks: bucketed all-reduces started during the last backward
+    grads = GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, world,
+                        t.grad_bucket_mb) if world > 1 else None
+    zero_grad = grads.zero_grad if grads else opt.zero_grad
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     for step in range(start, t.steps):
@@ -169,7 +174,9 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         load_LE = nonfinite_S = None
         model.scale_stats.on = (model.recipe.fp8 and t.fp8_stats_every > 0
                                 and ((step + 1) % t.fp8_stats_every == 0 or step == start))
-        for _ in range(t.grad_accum):
+        for i in range(t.grad_accum):
+            if grads:
+                grads.arm(last=i == t.grad_accum - 1)
             x, y = loader.next()
             out = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             ((out.out + out.aux_loss) / t.grad_accum).backward()
@@ -182,11 +189,8 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         flags_host[1] = float(bool(t.time_limit_s) and time.monotonic() - began > t.time_limit_s)
         # (pinned, copied without a host sync; the previous step's read below has finished its last copy)
         sums = torch.cat([torch.stack([loss_sum, aux_sum]), flags_host.to(device, non_blocking=True)])
-        if world > 1:  # gradients of the mean loss over all ranks' tokens
-            for name, p in opt.params.items():  # one collective per tensor: bucketing is for later
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                par.all_reduce_(p.grad, par.expert_dp_group if name in sharded else None).div_(world)
+        if grads:  # gradients of the mean loss over all ranks' tokens
+            grads.finish()
             par.all_reduce_(sums)
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
         model.scale_stats.on = False
@@ -208,7 +212,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
                                f"{t.max_skipped_steps}; last good checkpoint: {good}", quiet=par.rank != 0)
             console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip), {skipped} in a row")
             model.scale_stats.report()  # dropped with the step
-            opt.zero_grad()
+            zero_grad()
             watchdog.beat()
             if stop_now:  # no checkpoint of weights that just gave a non-finite step
                 console.print(f"stopping after a skipped step: nothing saved; the last checkpoint is {good}")
@@ -216,7 +220,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             continue
         skipped = 0
         opt.step(lr)
-        opt.zero_grad()
+        zero_grad()
         for router, load_E in zip(model.routers(), load_LE):  # the step's summed load per layer
             router.update_bias(load_E)
         dt = time.perf_counter() - t0

@@ -1,0 +1,113 @@
+"""Data-parallel gradient reduction in buckets, launched during the backward (DDP's scheme).
+
+Every rank computes gradients of its own tokens; the optimizer needs their mean over the ranks
+that share a parameter: all ranks for the replicated parameters, the ranks holding the same
+expert shard (`Parallel.expert_dp_group`) for the routed experts.
+
+`GradBuckets` lays the gradients of consecutive parameters of one reduction group (in reverse
+registration order: roughly the order the backward produces them) into flat buffers of about
+`bucket_mb` each and makes every `p.grad` a view of its buffer (DDP's gradient_as_bucket_view: no
+copies). On the last micro-batch of a step (`arm(last=True)`), a hook after each parameter's
+gradient accumulation counts the bucket's arrivals; a full bucket starts its all-reduce (async)
+at once, so the reductions run under the rest of the backward. Buckets start strictly in index
+order (a bucket that fills early waits for the ones before it): every rank issues the same
+collectives in the same order, whatever order its backward produced the gradients in.
+`finish()` starts what is left (parameters that got no gradient on this step reduce zeros; their
+bucket, and every one after it, starts only then), waits, and divides by the world size. Sums are in fp32 as before; with two ranks each element is
+the same a + b as the per-tensor reduction's, bit for bit.
+
+Replaces one blocking all-reduce per tensor after the backward (issue 47, GPU-bound steps).
+"""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+BUCKET_MB = 25  # DDP's default bucket_cap_mb
+
+
+class _Bucket:
+    def __init__(self, params: list[tuple[str, Tensor]], group):
+        self.params, self.group = params, group
+        p0 = params[0][1]
+        self.buffer = torch.zeros(sum(p.numel() for _, p in params), dtype=p0.dtype, device=p0.device)
+        self.views, off = [], 0
+        for _, p in params:
+            self.views.append(self.buffer[off: off + p.numel()].view_as(p))
+            off += p.numel()
+        self.ready, self.work = 0, None
+
+
+class GradBuckets:
+    """named_params: {name: parameter} (the optimizer's, in registration order); group_of(name):
+    the process group that parameter's gradient is summed over (None: all ranks); world: the
+    divisor (all ranks' tokens make the mean loss)."""
+
+    def __init__(self, named_params: dict[str, Tensor], group_of, world: int, bucket_mb: float = BUCKET_MB):
+        self.world, self.armed = world, False
+        cap = int(bucket_mb * 2**20)
+        self.buckets: list[_Bucket] = []
+        run, size, key = [], 0, object()
+        for name, p in reversed(list(named_params.items())):
+            g = group_of(name)
+            if run and (g is not key or size + p.numel() * p.element_size() > cap
+                        or p.dtype != run[0][1].dtype or p.device != run[0][1].device):
+                self.buckets.append(_Bucket(run, key))
+                run, size = [], 0
+            run.append((name, p))
+            size, key = size + p.numel() * p.element_size(), g
+        if run:
+            self.buckets.append(_Bucket(run, key))
+        self.next = 0  # the first bucket not yet started
+        self._handles = []
+        for i, b in enumerate(self.buckets):
+            for (_, p), v in zip(b.params, b.views):
+                p.grad = v
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i)))
+
+    def arm(self, last: bool) -> None:
+        """Before a micro-batch's backward: last=True on the step's last one (its gradients complete
+        the sums, and the buckets start as they fill); False accumulates only."""
+        self.armed = last
+        if last:
+            for b in self.buckets:
+                b.ready = 0
+
+    def _arrived(self, i: int) -> None:
+        if not self.armed:
+            return
+        self.buckets[i].ready += 1
+        while self.next < len(self.buckets) and self.buckets[self.next].ready == len(self.buckets[self.next].params):
+            self._start(self.next)
+
+    def _start(self, i: int) -> None:
+        b = self.buckets[i]
+        b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+        self.next = i + 1
+
+    def finish(self) -> None:
+        """Starts the buckets still waiting, in order; waits for all; divides by the world size.
+        The gradients (p.grad) then hold the mean over the ranks."""
+        while self.next < len(self.buckets):
+            self._start(self.next)
+        for b in self.buckets:
+            b.work.wait()
+            b.work = None
+            b.buffer.div_(self.world)
+        self.next, self.armed = 0, False
+
+    def zero_grad(self) -> None:
+        """Zeros the buffers; every p.grad stays its view (AdamW.zero_grad's None would detach it)."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            for (_, p), v in zip(b.params, b.views):
+                if p.grad is None or p.grad.data_ptr() != v.data_ptr():  # replaced (None, another tensor)
+                    p.grad = v
+
+    def remove(self) -> None:
+        """Removes the hooks and leaves the gradients as plain tensors (None)."""
+        for h in self._handles:
+            h.remove()
+        for b in self.buckets:
+            for _, p in b.params:
+                p.grad = None

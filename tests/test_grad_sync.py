@@ -1,0 +1,73 @@
+"""moefp8/grad_sync.py: bucketed gradient all-reduce during the backward, on 2 gloo ranks: the same
+gradients as one all-reduce per tensor after the backward (bit for bit at 2 ranks), with gradient
+accumulation, expert groups, parameters without a gradient, and buckets that start before the
+backward ends."""
+
+import torch
+import torch.distributed as dist
+
+from moefp8.config import ModelConfig
+from moefp8.grad_sync import GradBuckets
+from moefp8.model import Transformer
+from moefp8.recipe import Recipe
+from moefp8.testing import spawn_group
+
+
+def _batch(rank: int, i: int):
+    g = torch.Generator().manual_seed(100 * rank + i)
+    t = torch.randint(0, 257, (2, 33), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def _grads_after(model, named, accum: int, rank: int, reduce) -> dict:
+    """Gradients of `accum` micro-batches of this rank's data, then reduce(named)."""
+    for i in range(accum):
+        if isinstance(reduce, GradBuckets):
+            reduce.arm(last=i == accum - 1)
+        x, y = _batch(rank, i)
+        out = model(x, y)
+        ((out.out + out.aux_loss) / accum).backward()
+    started_in_backward = reduce.next if isinstance(reduce, GradBuckets) else None
+    reduce.finish() if isinstance(reduce, GradBuckets) else reduce(named)
+    return {n: p.grad.clone() for n, p in named.items()}, started_in_backward
+
+
+def _check(rank, world, dev):
+    torch.manual_seed(0)
+    solo = {r: dist.new_group([r]) for r in range(world)}  # each rank its own expert shard's group
+    model = Transformer(ModelConfig(), Recipe("bf16"), seed=0)
+    # no gradient on any step: reduces zeros. First in registration order, so in the last bucket
+    # (a bucket with a parameter that gets no gradient starts only in finish(), and so the ones after it)
+    named = {"unused": torch.nn.Parameter(torch.ones(3, 5)), **dict(model.named_parameters())}
+
+    def group_of(n):
+        return solo[rank] if ".mlp.w" in n else None
+
+    def per_tensor(params):  # the loop's former reduction: one blocking all-reduce per tensor
+        for n, p in params.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group_of(n))
+            p.grad.div_(world)
+
+    for accum in (1, 2):
+        for n, p in named.items():
+            p.grad = None
+        want, _ = _grads_after(model, named, accum, rank, per_tensor)
+        for mb in (0.01, 25):  # many small buckets; a few large ones
+            grads = GradBuckets(named, group_of, world, bucket_mb=mb)
+            for step in range(2):  # and again after zero_grad: the views stay the gradients
+                grads.zero_grad()
+                got, started = _grads_after(model, named, accum, rank, grads)
+                for n in want:
+                    assert torch.equal(got[n], want[n]), (n, accum, mb, step)
+                assert torch.equal(got["unused"], torch.zeros(3, 5))
+                if mb < 1:
+                    assert len(grads.buckets) > 5 and started > 0  # reductions began inside the backward
+            assert any(b.group is solo[rank] for b in grads.buckets) and any(b.group is None for b in grads.buckets)
+            grads.remove()
+            assert all(p.grad is None for p in named.values())
+
+
+def test_bucketed_reduction_equals_the_per_tensor_one():
+    spawn_group(_check, 2, timeout_s=300)
