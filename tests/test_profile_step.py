@@ -2,6 +2,7 @@
 kernel table per recipe, the JSON written."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,3 +21,20 @@ def test_profile_step_smoke(tmp_path):
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
     assert all(0 < row["host_ms"] <= row["step_ms"] * 1.5 and row["gpu_ops_per_step"] == 0 for row in doc["rows"])
+
+
+def test_profile_step_under_torchrun_with_ep(tmp_path):
+    """Two gloo ranks, EP2 over all_to_all, gradients through moefp8.grad_sync: figures per GPU and
+    for both, one report (rank 0)."""
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "tools/profile_step.py", "model=tiny", "train.device=cpu", "train.micro_batch=2",
+                        "train.seq_len=32", "dispatch=all_to_all", "dispatch.ep_size=2", "--warmup", "1", "--steps", "1",
+                        "--profile-steps", "1", "--top", "3", "--json", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("fp8 / bf16 tokens/s") == 1 and "on 2 (EP 2)" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert all(row["world"] == 2 and row["ep_size"] == 2 for row in rows)
+    assert all(row["tokens_per_s_all"] == 2 * row["tokens_per_s"] for row in rows)
+    assert all(row["plan_gib"] > 0 and row["peak_mem_gib"] is None for row in rows)  # (CPU: no CUDA peak)

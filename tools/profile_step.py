@@ -1,10 +1,14 @@
-"""Where a training step's time goes, FP8 vs BF16 recipe: builds the model of a Hydra config on
-one device (EP=1, `local` dispatch, random tokens: no data needed), times whole steps
-(forward + backward + optimizer, the training loop's order) and prints, per recipe, the
-kernels that took the most device time per step, grouped by name.
+"""Where a training step's time goes, FP8 vs BF16 recipe: builds the model of a Hydra config
+(random tokens: no data needed), times whole steps (forward + backward + gradient reduction +
+optimizer, the training loop's order) and prints, per recipe, the kernels that took the most
+device time per step, grouped by name. On one process: EP=1, `local` dispatch. Under torchrun:
+the config's dispatch (its backend and dispatch.ep_size), the data-parallel gradient buckets of
+the training loop (moefp8.grad_sync), every rank its own tokens; figures per GPU and for all,
+the kernel table from rank 0.
 
     python tools/profile_step.py experiment=small_gpu
     python tools/profile_step.py experiment=small_gpu model.hidden=2048 model.moe_inter=1024 --top 30
+    torchrun --standalone --nproc_per_node 4 tools/profile_step.py experiment=v2_lite_ep4
     python tools/profile_step.py model=tiny train.device=cpu --steps 2    # CPU smoke run
 
 Every argument that is not an option is a Hydra override for both recipes. The step time is the
@@ -13,11 +17,13 @@ comes from a torch.profiler trace of --profile-steps further steps. Host-boundne
 enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
 memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
-dense BF16 / FP8 peak (moefp8.launch.peak_flops). Writes a JSON (rows per recipe, the top
-kernels) with --json.
+dense BF16 / FP8 peak (moefp8.launch.peak_flops). Memory: the CUDA peak of the timed steps
+beside moefp8.memory's plan for the config. Writes a JSON (rows per recipe, the top kernels)
+with --json.
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -27,33 +33,55 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moefp8.dispatch import build_dispatcher  # noqa: E402
+from moefp8.grad_sync import GradBuckets  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import Transformer, flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
 from moefp8.recipe import Recipe  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
-from moefp8.launch import peak_flops, resolve_device  # noqa: E402
+from moefp8.launch import dispatch_capacity, peak_flops, resolve_device  # noqa: E402
+from moefp8.memory import plan  # noqa: E402
+from moefp8.parallel import Parallel  # noqa: E402
 
 
-def build(cfg, device: torch.device):
-    m = cfg.model
-    model = Transformer(m, Recipe.from_config(cfg.recipe),
-                        build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0,
-                        cfg.train.seed, recompute=tuple(cfg.train.recompute)).to(device)
-    return model, AdamW(model.named_parameters(), cfg.optim)
+def build(cfg, device: torch.device, par: Parallel | None):
+    """The model, its optimizer and (under torchrun) its gradient buckets, as the training loop
+    builds them; one process: EP=1, `local` dispatch."""
+    m, d = cfg.model, cfg.dispatch
+    if par is None:
+        disp, ep_rank = build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0
+    else:
+        disp = build_dispatcher(d.backend, m.n_experts, par.ep_group, cfg.recipe.scale_fmt,
+                                capacity=dispatch_capacity(cfg), mode=d.mode, transport=d.transport, slots=d.slots)
+        ep_rank = par.ep_rank
+    model = Transformer(m, Recipe.from_config(cfg.recipe), disp, ep_rank, cfg.train.seed,
+                        recompute=tuple(cfg.train.recompute)).to(device)
+    opt = AdamW(model.named_parameters(), cfg.optim)
+    grads = None
+    if par is not None:
+        sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
+        grads = GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
+                            cfg.train.grad_bucket_mb)
+    return model, opt, grads
 
 
-def step_fn(cfg, model, opt, device):
+def step_fn(cfg, model, opt, grads, device, rank: int = 0):
     t = cfg.train
-    gen = torch.Generator(device="cpu").manual_seed(t.seed)
+    gen = torch.Generator(device="cpu").manual_seed(t.seed + rank)  # every rank its own tokens
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen).to(device)
 
     def step() -> None:
+        if grads is not None:
+            grads.arm(last=True)
         out = model(x[:, :-1], x[:, 1:])
         (out.out + out.aux_loss).backward()
+        load_LE = out.load_LE
+        if grads is not None:
+            grads.finish()
+            torch.distributed.all_reduce(load_LE)
         opt.step(cfg.optim.lr)
-        opt.zero_grad()
-        for router, load_E in zip(model.routers(), out.load_LE):
+        grads.zero_grad() if grads is not None else opt.zero_grad()
+        for router, load_E in zip(model.routers(), load_LE):
             router.update_bias(load_E)
     return step
 
@@ -63,15 +91,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(overrides: list[str], recipe: str, args) -> dict:
+def measure(overrides: list[str], recipe: str, args, par_box: list) -> dict:
     cfg = compose_config([*overrides, f"recipe={recipe}"])
     device = resolve_device(cfg.train.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world > 1 and not par_box:  # one process group for both recipes (the dispatch config is theirs alike)
+        par_box.append(Parallel(cfg, device))
+    par = par_box[0] if par_box else None
     torch.manual_seed(cfg.train.seed)
-    model, opt = build(cfg, device)
-    step = step_fn(cfg, model, opt, device)
+    model, opt, grads = build(cfg, device, par)
+    step = step_fn(cfg, model, opt, grads, device, par.rank if par else 0)
     for _ in range(args.warmup):
         step()
     sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -81,6 +118,7 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
         times.append(time.perf_counter() - t0)
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.profile_steps):
             step()
@@ -98,15 +136,24 @@ def measure(overrides: list[str], recipe: str, args) -> dict:
                          "calls_per_step": e.count / args.profile_steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
     step_s = statistics.median(times)
-    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    if par is not None:  # the slowest rank's median sets the pace
+        t_ = torch.tensor([step_s], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t_, op=torch.distributed.ReduceOp.MAX)
+        step_s = t_.item()
+    tokens = cfg.train.micro_batch * cfg.train.seq_len  # per GPU
     peak = peak_flops(cfg, device)
-    tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12
-    del model, opt
+    tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12  # per GPU
+    del model, opt, grads, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    pl = plan(cfg)
     return {"recipe": recipe, "step_ms": step_s * 1e3, "host_ms": statistics.median(host) * 1e3,
             "gpu_ops_per_step": launches / args.profile_steps, "tokens_per_s": tokens / step_s, "tflops": tflops,
+            "world": world, "ep_size": cfg.dispatch.ep_size if world > 1 else 1,
+            "tokens_per_s_all": tokens * world / step_s,
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
+            "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
+            "plan": {k: v / 2**30 for k, v in pl.items()},
             "top": rows[:args.top], "device": str(device), "params": param_counts(cfg.model)}
 
 
@@ -119,15 +166,21 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", help="write the rows here")
     args, overrides = p.parse_known_args()
-    res = [measure(overrides, r, args) for r in args.recipes.split(",")]
+    par_box = []
+    res = [measure(overrides, r, args, par_box) for r in args.recipes.split(",")]
+    if par_box and par_box[0].rank != 0:
+        torch.distributed.destroy_process_group()
+        return
     n = res[0]["params"]
     print(f"overrides: {' '.join(overrides) or '(none)'}; {n['total'] / 1e6:.1f}M parameters, "
           f"{n['active'] / 1e6:.1f}M active")
     for r in res:
         sol = f" of {r['peak_tflops']:.0f} peak ({r['tflops'] / r['peak_tflops']:.1%})" if r["peak_tflops"] else ""
-        print(f"\n{r['recipe']}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
+        mem = f"; memory peak {r['peak_mem_gib']:.1f} GiB (plan {r['plan_gib']:.1f})" if r["peak_mem_gib"] else ""
+        every = f" per GPU, {r['tokens_per_s_all']:,.0f} on {r['world']} (EP {r['ep_size']})" if r["world"] > 1 else ""
+        print(f"\n{r['recipe']}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s{every}, "
               f"{r['tflops']:.1f} TFLOP/s{sol}; kernels {r['kernels_ms_per_step']:.1f} ms/step, "
-              f"host enqueue {r['host_ms']:.1f} ms/step, {r['gpu_ops_per_step']:.0f} GPU ops/step")
+              f"host enqueue {r['host_ms']:.1f} ms/step, {r['gpu_ops_per_step']:.0f} GPU ops/step{mem}")
         print(f"  {'ms/step':>8} {'calls':>6}  kernel")
         for k in r["top"]:
             print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
@@ -137,6 +190,8 @@ def main() -> None:
     if args.json:
         save_results("profile_step", res, {r["recipe"]: r["peak_tflops"] for r in res}, path=Path(args.json),
                      overrides=overrides)
+    if par_box:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
