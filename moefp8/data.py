@@ -446,7 +446,7 @@ def _same_tokenizer(index: dict, spec: str) -> bool:
     return tokenizers.HFTokenizer(arg, spec).digest == index["tokenizer"].get("sha256")
 
 
-def ensure(path: str, prepare_from: str, glob: str, max_bytes: int, say=print, tokenizer: str = tokenizers.BYTES,
+def ensure(path: str, prepare_from: str, glob: str, max_bytes: int, say=print, *, tokenizer: str = tokenizers.BYTES,
            check: bool = True) -> dict:
     """The index of data.path, prepared first (telling `say` one line) if it has none; what the
     training run calls on rank 0 before reading data. DataError where `path` holds data prepared from

@@ -113,7 +113,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
         if device.type == "cuda":  # before the data and the model: a preset that cannot fit stops here
             props = torch.cuda.get_device_properties(device)
             console.print(describe_memory(fits(cfg, props.total_memory, props.name), props.total_memory))
-        par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print, d.tokenizer, d.verify))
+        par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print,
+                                   tokenizer=d.tokenizer, check=d.verify))
         torch.manual_seed(t.seed)
         try:
             loader = Loader(d.path, t.micro_batch, t.seq_len, par.rank, par.world, t.seed, d.val_windows,

@@ -411,7 +411,7 @@ def main() -> None:
             from moefp8.hydra_config import compose_config
 
             d = compose_config(overrides).data
-            ensure(d.path, d.prepare_from, d.glob, d.max_bytes)
+            ensure(d.path, d.prepare_from, d.glob, d.max_bytes, tokenizer=d.tokenizer, check=d.verify)
         train({n: run_dirs[n] for n in to_train}, overrides, args.parallel, args.fp8_overrides.split(), args.nproc)
     earlier = read_earlier(Path(args.earlier)) if args.earlier else {}
     from_earlier = [n for n in names if n in earlier and n not in to_train
