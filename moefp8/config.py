@@ -138,6 +138,9 @@ class TrainConfig:
     seq_len: int = 256  # tokens per sequence (windows of seq_len + 1 tokens: inputs, shifted targets)
     log_every: int = 10  # a console line every N steps (metrics.jsonl gets every step)
     fp8_stats_every: int = 100  # FP8 recipe: tile-scale statistics (fp8/* metrics) of one step in N; 0: off
+    # the LM head's loss by chunks of this many tokens of the micro-batch, the [T, V] logits never
+    # whole (moefp8.loss: ~10 bytes per token and vocabulary entry less at the peak); 0: off
+    loss_chunk: int = 0
     grad_bucket_mb: float = 25.0  # data-parallel gradient all-reduce buckets (moefp8.grad_sync), MB
     # selective activation recompute: [attention] keeps only each block's input for its attention
     # and runs norm, QKV, attention, output projection again in the backward (moefp8.memory counts it)
@@ -234,6 +237,8 @@ def validate(cfg: Config) -> None:
     _positive("optim.lr", o.lr)
     _positive("train.dist_timeout_s", t.dist_timeout_s)
     _positive("train.grad_bucket_mb", t.grad_bucket_mb)
+    if t.loss_chunk < 0:
+        raise ValueError(f"train.loss_chunk={t.loss_chunk}: must be >= 0 (0: off)")
     if t.time_limit_s < 0:
         raise ValueError(f"train.time_limit_s={t.time_limit_s}: must be >= 0 (0: no limit)")
     if t.fp8_stats_every < 0:

@@ -25,6 +25,7 @@ prints its plan beside the measured peak (`cuda_max_alloc_mb` in metrics.jsonl).
 import argparse
 import math
 import sys
+from dataclasses import replace
 
 from moefp8.config import Config
 from moefp8.errors import UserError, report
@@ -98,7 +99,9 @@ def plan(cfg: Config) -> dict[str, float]:
     acts = T * (m.n_layers * per["attention"] + m.n_dense_layers * per["dense_mlp"] + n_moe * per["moe_mlp"]
                 + 2 * m.hidden * 2)  # + the final norm's input and the head's input
     out = {"weights": 2.0 * (p - embed), "masters": 4.0 * p, "moments": float(moment * p), "grads": 4.0 * p,
-           "activations": float(acts), "logits": 10.0 * T * m.vocab_size}
+           "activations": float(acts),
+           # train.loss_chunk: one chunk's logits at a time, plus the head's fp32 gradient kept to the backward
+           "logits": (10.0 * min(T, t.loss_chunk) * m.vocab_size + 4.0 * embed) if t.loss_chunk else 10.0 * T * m.vocab_size}
     out["total"] = sum(out.values())
     return out
 
@@ -118,12 +121,12 @@ def fits(cfg: Config, capacity: float, device_name: str = "this GPU") -> dict[st
         return pl
     t, d = cfg.train, cfg.dispatch
     static = pl["total"] - pl["activations"] - pl["logits"]
-    one = static + (pl["activations"] + pl["logits"]) / t.micro_batch  # at train.micro_batch=1
+    fit = next((b for b in range(t.micro_batch - 1, 0, -1)
+                if plan(replace(cfg, train=replace(t, micro_batch=b)))["total"] <= HEADROOM * capacity), 0)
     hints = []
-    if t.micro_batch > 1 and one <= HEADROOM * capacity:
-        fit = int((HEADROOM * capacity - static) // (one - static))
-        hints.append(f"lower train.micro_batch={t.micro_batch} to {fit} or less (activations and logits take "
-                     f"{(one - static) / GIB:.2f} GiB per sequence; train.grad_accum keeps the batch)")
+    if fit:
+        hints.append(f"lower train.micro_batch={t.micro_batch} to {fit} or less (activations and logits: "
+                     f"{(pl['activations'] + pl['logits']) / GIB:.1f} GiB now; train.grad_accum keeps the batch)")
     else:
         hints.append(f"raise dispatch.ep_size={d.ep_size} (the experts' share of the {static / GIB:.1f} GiB of "
                      f"weights and optimizer state), shorten train.seq_len={t.seq_len}, or use GPUs with more memory")

@@ -34,6 +34,7 @@ from moefp8.fp8 import ScaleStats
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.rope import rope, rope_tables
 from moefp8.linear import make_linear
+from moefp8.loss import linear_cross_entropy
 from moefp8.mlp import DenseMLP
 from moefp8.moe import MoELayer
 from moefp8.overlap import Handoff, OverlappedBlock, OverlapPolicy, mean_over_halves
@@ -150,7 +151,7 @@ def _nonfinite(x: Tensor) -> Tensor:
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  ep_rank: int = 0, seed: int = 0, overlap: OverlapPolicy | None = None,
-                 gemm: GemmPolicy = GemmPolicy(), recompute: tuple[str, ...] = ()):
+                 gemm: GemmPolicy = GemmPolicy(), recompute: tuple[str, ...] = (), loss_chunk: int = 0):
         """recipe: the `Recipe` (training builds it with `Recipe.from_config`); dispatcher: this
         rank's expert-parallel dispatcher, shared by the MoE layers (default: the EP=1 `local`
         backend); ep_rank: this rank's index in its EP group (it holds global experts
@@ -158,10 +159,11 @@ class Transformer(nn.Module):
         layers' two micro-batch overlap (an `OverlapPolicy`; None: off); gemm: the `GemmPolicy`
         every GEMM runs with; recompute: sub-layers whose activations the backward recomputes
         instead of keeping ("attention": each block's attention with its norms, from the block's
-        input; train.recompute). `scale_stats`: the model's FP8 tile-scale recorder (off until the
+        input; train.recompute); loss_chunk: the LM head's cross-entropy by chunks of that many
+        tokens, the [T, V] logits never whole (moefp8.loss; train.loss_chunk; 0: off). `scale_stats`: the model's FP8 tile-scale recorder (off until the
         caller turns it on)."""
         super().__init__()
-        self.cfg, self.recipe = cfg, recipe
+        self.cfg, self.recipe, self.loss_chunk = cfg, recipe, loss_chunk
         self.scale_stats = ScaleStats()
         dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
@@ -215,10 +217,15 @@ class Transformer(nn.Module):
             if load is not None:
                 loads.append(load)
         handoff.wait()
-        logits = F.linear(self.norm(x), self.head.weight.to(BF16)).float()  # [B, S, V]
-        flags.append(_nonfinite(logits))
         load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64,
                                                                device=idx_BS.device)
+        h = self.norm(x)
+        if targets_BS is not None and self.loss_chunk > 0:  # the logits by chunks, never whole
+            loss = linear_cross_entropy(h.view(B * S, -1), self.head.weight, targets_BS.reshape(-1), self.loss_chunk)
+            flags.append(_nonfinite(loss))  # a non-finite logit makes its row's log-sum-exp, and so the loss
+            return ModelOutput(loss, aux, load_LE, torch.stack(flags))
+        logits = F.linear(h, self.head.weight.to(BF16)).float()  # [B, S, V]
+        flags.append(_nonfinite(logits))
         if targets_BS is None:
             return ModelOutput(logits, aux, load_LE, torch.stack(flags))
         loss = F.cross_entropy(logits.view(B * S, -1), targets_BS.reshape(-1))

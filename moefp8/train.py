@@ -126,7 +126,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
                                       transport=cfg.dispatch.transport, slots=cfg.dispatch.slots)
         model = Transformer(routing_config(cfg, par.world), Recipe.from_config(cfg.recipe), dispatcher, par.ep_rank,
                             t.seed, overlap=OverlapPolicy() if cfg.dispatch.overlap else None,
-                            recompute=tuple(t.recompute)).to(device)
+                            recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
         opt = AdamW(model.named_parameters(), cfg.optim)
         ckpt = find_resume(t.resume, run_dir, console.print)
         start = restore(ckpt, model, opt, loader, device) if ckpt is not None else 0

@@ -55,7 +55,7 @@ def build(cfg, device: torch.device, par: Parallel | None):
                                 capacity=dispatch_capacity(cfg), mode=d.mode, transport=d.transport, slots=d.slots)
         ep_rank = par.ep_rank
     model = Transformer(m, Recipe.from_config(cfg.recipe), disp, ep_rank, cfg.train.seed,
-                        recompute=tuple(cfg.train.recompute)).to(device)
+                        recompute=tuple(cfg.train.recompute), loss_chunk=cfg.train.loss_chunk).to(device)
     opt = AdamW(model.named_parameters(), cfg.optim)
     grads = None
     if par is not None:

@@ -1,0 +1,72 @@
+"""The LM head and its cross-entropy without the [T, V] logits in memory: chunks of tokens.
+
+    loss = linear_cross_entropy(x_TH, w_VH, targets_T, chunk)       # = the reference below
+
+The reference, `linear_cross_entropy_ref`, is what `Transformer.forward` computes by default:
+BF16 logits `x · W_bf16ᵀ`, cast to fp32, mean cross-entropy; autograd keeps the fp32
+log-softmax [T, V] and the backward makes an fp32 [T, V] gradient: ~10 bytes per token and
+vocabulary entry at the peak (moefp8.memory's "logits"), 7.8 GiB for 8192 tokens of a 102400
+vocabulary.
+
+`linear_cross_entropy` computes the same per `chunk` tokens and takes each chunk's gradients in
+the forward (the loss is the last op: its gradient is known up to the incoming scale): the
+logits of a chunk in fp32, their log-sum-exp, then `g = (softmax - onehot) / T` cast to BF16 (the
+reference's gradient dtype at the BF16 GEMMs), `dx = g · W_bf16` and `dW += gᵀ · x` (a BF16 GEMM
+per chunk, summed in fp32: the reference's one BF16-output GEMM rounds once; here each chunk's
+part rounds, then adds in fp32). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward,
+which scales them by the incoming gradient. Peak: chunk x V x 10 bytes plus dW. Same GEMM FLOPs
+as the reference, no recompute.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BF16 = torch.bfloat16
+
+
+def linear_cross_entropy_ref(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor) -> Tensor:
+    """Mean cross-entropy of F.linear(x, W_bf16) in fp32: x BF16 [T, H], w [V, H] (fp32 master),
+    targets int64 [T] -> fp32 scalar."""
+    return F.cross_entropy(F.linear(x_TH, w_VH.to(BF16)).float(), targets_T)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: int) -> Tensor:
+        T = x_TH.shape[0]
+        wb = w_VH.to(BF16)
+        loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
+        dx = torch.empty_like(x_TH)
+        dw = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device)
+        for s in range(0, T, chunk):
+            xc, tc = x_TH[s: s + chunk], targets_T[s: s + chunk]
+            logits = F.linear(xc, wb).float()  # [c, V]: the reference's rows, bit for bit
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g[torch.arange(len(tc), device=g.device), tc] -= 1
+            gb = g.div_(T).to(BF16)
+            del logits, g
+            dx[s: s + chunk] = gb @ wb
+            dw += (gb.t() @ xc).float()
+        ctx.save_for_backward(dx, dw)
+        ctx.w_dtype = w_VH.dtype
+        return loss / T
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        dx, dw = ctx.saved_tensors
+        return (dx * grad.to(dx.dtype)).to(dx.dtype), (dw * grad).to(ctx.w_dtype), None, None
+
+
+def linear_cross_entropy(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: int) -> Tensor:
+    """linear_cross_entropy_ref in chunks of `chunk` tokens (module docstring); chunk <= 0: the
+    reference itself. Without a gradient to take (evaluation), the chunks' losses only."""
+    if chunk <= 0:
+        return linear_cross_entropy_ref(x_TH, w_VH, targets_T)
+    if torch.is_grad_enabled() and (x_TH.requires_grad or w_VH.requires_grad):
+        return _LinearCrossEntropy.apply(x_TH, w_VH, targets_T, chunk)
+    wb = w_VH.to(BF16)
+    return sum(F.cross_entropy(F.linear(x_TH[s: s + chunk], wb).float(), targets_T[s: s + chunk], reduction="sum")
+               for s in range(0, x_TH.shape[0], chunk)) / x_TH.shape[0]
