@@ -327,6 +327,8 @@ def validate(cfg: Config) -> None:
                          f"data.val_windows (e.g. 256) or train.eval_every=0")
     if not t.out_dir:
         raise ValueError("train.out_dir='': the run needs a directory")
+    if not data.path:
+        raise ValueError("data.path='': the prepared data needs a folder; e.g. data.path=outputs/data/mine")
     if not os.path.exists(os.path.join(data.path, "index.json")):
         src = data.prepare_from
         if not src:

@@ -437,6 +437,22 @@ def _same_source(index: dict, prepare_from: str, glob: str, max_bytes: int) -> b
             and index.get("max_bytes", max_bytes) == max_bytes)
 
 
+def data_id(index: dict) -> str:
+    """What the data is, whatever folder holds it: the shards' names, sizes and (recorded since
+    2026-11) checksums. A checkpoint keeps it (a resume on other data is refused); the nodes of a
+    run compare theirs (a copy per node is fine, other data is not)."""
+    return hashlib.sha256(json.dumps([[s["file"], s["tokens"], s.get("sha256")]
+                                      for s in index["shards"]]).encode()).hexdigest()[:16]
+
+
+def folder_data_id(path) -> str | None:
+    """data_id of the prepared folder `path`; None where it has no readable index."""
+    try:
+        return data_id(read_index(str(path)))
+    except DataError:
+        return None
+
+
 def _same_tokenizer(index: dict, spec: str) -> bool:
     """Whether `index` was tokenized with `spec`: the same spec for bytes and bpe:N; for a file,
     the same tokenizer.json content (sha256), wherever it lies now."""
@@ -496,10 +512,7 @@ class Loader:
                             f"{self.vocab} (index.json), more than model.vocab_size={vocab_size}: set "
                             f"model.vocab_size >= {self.vocab}")
         self.files = [Path(path) / s["file"] for s in index["shards"]]  # named in errors
-        # what the data is, whatever folder holds it: the shards' names, sizes and (recorded since
-        # 2026-11) checksums; a checkpoint keeps it, and a resume on other data is refused
-        self.data_id = hashlib.sha256(json.dumps([[s["file"], s["tokens"], s.get("sha256")]
-                                                  for s in index["shards"]]).encode()).hexdigest()[:16]
+        self.data_id = data_id(index)
         self.path = path
         self.shards = load_shards(path, index)
         self.batch, self.seq_len, self.rank, self.world, self.seed = batch, seq_len, rank, world, seed

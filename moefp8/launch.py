@@ -44,6 +44,12 @@ def check_launch(cfg: Config, env=os.environ) -> None:
                    int(env.get("LOCAL_WORLD_SIZE", "1")))
     d = cfg.dispatch
     if d.backend == "deepep":
+        per_node = d.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", str(d.ep_size)))
+        if d.ep_size > per_node or per_node % d.ep_size:
+            raise ValueError(f"dispatch=deepep with dispatch.ep_size={d.ep_size}: the EP groups span nodes ({per_node} "
+                             f"ranks per node), and the deepep backend is intranode only (DeepEP's internode mode "
+                             f"needs RDMA NICs and NVSHMEM, untested here); use dispatch=all_to_all for expert "
+                             f"parallelism across nodes, or a dispatch.ep_size that divides {per_node}")
         try:
             import deep_ep  # noqa: F401
         except ImportError as e:

@@ -1,13 +1,17 @@
 """The process layout of a training run and its guards: data x expert parallel groups
-(`Parallel`), rank-0 decisions every rank learns (`Parallel.on_main`), and the step watchdog that
-ends a rank blocked on a dead or hung peer (`StepWatchdog`).
+(`Parallel`), rank-0 decisions every rank learns (`Parallel.on_main`), files every node must see
+alike (`same_file`), and the step watchdog that ends a rank blocked on a dead or hung peer
+(`StepWatchdog`).
 
     par = Parallel(cfg, device)               # one process: no process group, everything local
     index = par.on_main(lambda: prepare(...))  # rank 0 runs it; its UserError is raised everywhere
+    same_file(run_dir / "lock.json", ...)      # every rank reads what rank 0 wrote, or one line
 """
 
 import datetime
+import hashlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -84,6 +88,35 @@ class Parallel:
         if err is not None:
             raise err
         return out
+
+
+def file_digest(path) -> str | None:
+    """sha256 of a file's bytes; None where it cannot be read (missing, a folder, no permission)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def same_file(path, what: str, fix: str, rank: int, world: int, digest=file_digest) -> None:
+    """Multi-node runs: every rank reads `path` (the same path string on every node) and must find
+    what rank 0 finds (`digest` of it, not None), or every rank raises the same UserError naming the
+    first rank and host that differ (reported by rank 0, quiet elsewhere). Catches a run dir or
+    data folder on a filesystem that is not shared between the nodes (or differs). One process:
+    nothing to compare."""
+    if world == 1:
+        return
+    mine = (digest(path), socket.gethostname())
+    box = [None] * world
+    dist.all_gather_object(box, mine)
+    ref, host0 = box[0]
+    for r, (d, host) in enumerate(box):
+        if d != ref or d is None:
+            seen = "cannot read it" if d is None else "finds other contents"
+            raise UserError(f"{what}: rank {r} on {host} {seen} at {path} (rank 0 on {host0} "
+                            f"{'cannot read it either' if ref is None else 'wrote or reads it'}); {fix}",
+                            quiet=rank != 0)
 
 
 class StepWatchdog:

@@ -30,7 +30,7 @@ from rich.console import Console
 
 from moefp8 import checkpoint
 from moefp8.config import Config, validate
-from moefp8.data import DataError, Loader, ensure
+from moefp8.data import DataError, Loader, ensure, folder_data_id
 from moefp8.dispatch import build_dispatcher
 from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line, report
 from moefp8.grad_sync import GradBuckets
@@ -42,10 +42,10 @@ from moefp8.memory import fits
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.overlap import OverlapPolicy
-from moefp8.parallel import Parallel, StepWatchdog
+from moefp8.parallel import Parallel, StepWatchdog, same_file
 from moefp8.recipe import Recipe
 from moefp8.router import load_stats
-from moefp8.rundir import open_run_dir, take
+from moefp8.rundir import LOCK, open_run_dir, take
 from moefp8.runlog import RunLog, memory_mb, record_start, start_wandb
 from moefp8.state import find_resume, restore, train_state
 from moefp8.stop import StopSignals
@@ -93,6 +93,9 @@ def train(cfg: Config) -> dict:
         with StopSignals(quiet=par.rank != 0) as stop:
             with same_on_every_rank(par.rank):
                 lock = par.on_main(lambda: take(t.out_dir, t.resume, console.print))
+                same_file(Path(t.out_dir) / LOCK, f"train.out_dir={t.out_dir}", "put it on a filesystem that every "
+                          "node mounts at the same path (every rank writes its checkpoint shards there)",
+                          par.rank, par.world)
             out = _train(cfg, par, device, console, stop)
     except UserError:
         if par.world > 1:
@@ -115,6 +118,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
             console.print(describe_memory(fits(cfg, props.total_memory, props.name), props.total_memory))
         par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print,
                                    tokenizer=d.tokenizer, check=d.verify))
+        same_file(d.path, f"data.path={d.path}", "prepare it on every node (the same command and sources give the "
+                  "same shards) or put it on a filesystem every node mounts", par.rank, par.world, folder_data_id)
         torch.manual_seed(t.seed)
         try:
             loader = Loader(d.path, t.micro_batch, t.seq_len, par.rank, par.world, t.seed, d.val_windows,

@@ -97,6 +97,23 @@ def test_deepep_missing(monkeypatch):
         check_launch(compose_config(["dispatch=deepep", "train.device=cpu"]), {"WORLD_SIZE": "2"})
 
 
+def test_deepep_across_nodes_is_refused_naming_all_to_all(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # refused before the import is tried
+    cfg = compose_config(["dispatch=deepep", "dispatch.ep_size=4", "train.device=cpu"])
+    for env in ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, {"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"}):
+        with pytest.raises(ValueError, match=r"^dispatch=deepep with dispatch.ep_size=4: the EP groups span nodes "
+                                             r"\(\d ranks per node\), .* use dispatch=all_to_all for expert parallelism "
+                                             r"across nodes"):
+            check_launch(cfg, env)
+    with pytest.raises(ValueError, match="import deep_ep"):  # one node of 4: past this check
+        check_launch(cfg, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+
+
+def test_empty_data_path():
+    with pytest.raises(ValueError, match=r"^data.path='': the prepared data needs a folder"):
+        compose_config(["data.path="])
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("data") / "d"

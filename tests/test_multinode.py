@@ -1,0 +1,129 @@
+"""Expert parallelism across nodes, on one host posing as two: two torchrun launchers on
+127.0.0.1 (`--nnodes 2`, c10d rendezvous), 2 gloo ranks each, EP4 spanning both "nodes". They
+train as one launcher of 4 ranks does, bit for bit, with node-limited routing on; a node that dies
+ends the other within train.dist_timeout_s; a run dir or data folder that the nodes do not see
+alike is one line (docs/multinode.md)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from moefp8.errors import UserError
+from moefp8.parallel import file_digest, same_file
+from moefp8.testing import spawn_group, torchrun_worker_pid
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_args(data_dir, out: Path, *overrides) -> list[str]:
+    return ["-m", "moefp8.train", "model=tiny", "logger.mode=disabled", "train.progress=false", "train.micro_batch=4",
+            "train.seq_len=64", "train.log_every=1", "optim.warmup_steps=2", f"data.path={data_dir}",
+            "data.max_bytes=2000000", "dispatch=all_to_all", "dispatch.ep_size=4", f"train.out_dir={out}", *overrides]
+
+
+def two_nodes(args: list[str], **kw) -> list[subprocess.Popen]:
+    """Two launchers of 2 ranks each, rendezvous on 127.0.0.1: node 0 ranks 0-1, node 1 ranks 2-3."""
+    port, procs = free_port(), []
+    for n in (0, 1):
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                                       str(n), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                       f"127.0.0.1:{port}", "--rdzv-id", f"moefp8-test-{port}", *args], cwd=REPO,
+                                      env=ENV, text=True, **kw))
+        if n == 0:  # node 0's launcher binds the rendezvous store first (the other side of a lost node)
+            time.sleep(3)
+    return procs
+
+
+def losses(run: Path) -> list[tuple]:
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path):
+    """EP4 across 2 x 2 ranks with node-limited routing (each token's experts on one node): the same
+    losses and grad norms, step by step, as 4 ranks of one launcher told they are 2 nodes of 2."""
+    steps = ["train.steps=4", "dispatch.max_nodes=1"]
+    procs = two_nodes(train_args(data_dir, tmp_path / "nodes", *steps), stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                          *train_args(data_dir, tmp_path / "one", *steps, "dispatch.ranks_per_node=2")],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = losses(tmp_path / "nodes"), losses(tmp_path / "one")
+    assert len(a) == 4 and a == b
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_ends_the_other_within_the_timeout(data_dir, tmp_path):
+    run = tmp_path / "run"
+    procs = two_nodes(train_args(data_dir, run, "train.steps=100000", "train.ckpt_every=0",
+                                 "train.dist_timeout_s=5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            try:
+                if len((run / "metrics.jsonl").read_text().splitlines()) >= 3:
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), "a node exited before step 3"
+        # node 1 goes down: its ranks and its launcher (torchrun's workers outlive a killed launcher)
+        workers = [torchrun_worker_pid(procs[1].pid, r) for r in (0, 1)]
+        assert all(workers), workers
+        for pid in (*workers, procs[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert procs[0].returncode != 0 and elapsed < 60, (elapsed, err[-3000:])
+    ours = [line for line in err.splitlines() if line.startswith("error: rank")]
+    assert ours and all("a collective failed, a peer rank died or hangs" in line for line in ours), err[-3000:]
+    assert "moefp8/" not in err.split("Root Cause")[0]  # no traceback from our code
+
+
+def _not_shared(rank, world, dev, root):
+    """Rank 1 reads another folder at "the same path", as a node without the shared mount would."""
+    path = Path(root) / ("a" if rank == 0 else "b") / "lock.json"
+    with pytest.raises(UserError) as e:
+        same_file(path, "train.out_dir=/runs/x", "put it on a shared filesystem", rank, world)
+    msg = str(e.value)
+    assert msg.startswith(f"train.out_dir=/runs/x: rank 1 on {socket.gethostname()} finds other contents at ")
+    assert msg.endswith("; put it on a shared filesystem") and e.value.quiet == (rank != 0)
+    same_file(Path(root) / "a" / "lock.json", "x", "y", rank, world)  # the same file: fine
+    dist.barrier()
+    if rank == 1:
+        (Path(root) / "a" / "lock.json").unlink()
+    dist.barrier()
+    with pytest.raises(UserError, match="rank 0 on .* cannot read it at .*cannot read it either"):
+        same_file(Path(root) / "a" / "lock.json", "x", "y", rank, world)
+
+
+def test_a_folder_the_nodes_do_not_see_alike_is_one_line(tmp_path):
+    for d, text in (("a", '{"pid": 1}'), ("b", '{"pid": 2}')):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "lock.json").write_text(text)
+    assert file_digest(tmp_path / "a" / "lock.json") and file_digest(tmp_path / "missing") is None
+    spawn_group(_not_shared, 2, str(tmp_path), timeout_s=120)
