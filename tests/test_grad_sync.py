@@ -3,6 +3,7 @@ gradients as one all-reduce per tensor after the backward (bit for bit at 2 rank
 accumulation, expert groups, parameters without a gradient, and buckets that start before the
 backward ends."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,18 +14,18 @@ from moefp8.recipe import Recipe
 from moefp8.testing import spawn_group
 
 
-def _batch(rank: int, i: int):
+def _batch(rank: int, i: int, dev):
     g = torch.Generator().manual_seed(100 * rank + i)
-    t = torch.randint(0, 257, (2, 33), generator=g)
+    t = torch.randint(0, 257, (2, 33), generator=g).to(dev)
     return t[:, :-1], t[:, 1:]
 
 
-def _grads_after(model, named, accum: int, rank: int, reduce) -> dict:
+def _grads_after(model, named, accum: int, rank: int, reduce, dev) -> dict:
     """Gradients of `accum` micro-batches of this rank's data, then reduce(named)."""
     for i in range(accum):
         if isinstance(reduce, GradBuckets):
             reduce.arm(last=i == accum - 1)
-        x, y = _batch(rank, i)
+        x, y = _batch(rank, i, dev)
         out = model(x, y)
         ((out.out + out.aux_loss) / accum).backward()
     started_in_backward = reduce.next if isinstance(reduce, GradBuckets) else None
@@ -34,11 +35,14 @@ def _grads_after(model, named, accum: int, rank: int, reduce) -> dict:
 
 def _check(rank, world, dev):
     torch.manual_seed(0)
+    if dev == "cuda":  # the two passes must compute the same local gradients (train.deterministic's settings)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     solo = {r: dist.new_group([r]) for r in range(world)}  # each rank its own expert shard's group
-    model = Transformer(ModelConfig(), Recipe("bf16"), seed=0)
+    model = Transformer(ModelConfig(), Recipe("bf16"), seed=0).to(dev)
     # no gradient on any step: reduces zeros. First in registration order, so in the last bucket
     # (a bucket with a parameter that gets no gradient starts only in finish(), and so the ones after it)
-    named = {"unused": torch.nn.Parameter(torch.ones(3, 5)), **dict(model.named_parameters())}
+    named = {"unused": torch.nn.Parameter(torch.ones(3, 5, device=dev)), **dict(model.named_parameters())}
 
     def group_of(n):
         return solo[rank] if ".mlp.w" in n else None
@@ -53,15 +57,15 @@ def _check(rank, world, dev):
     for accum in (1, 2):
         for n, p in named.items():
             p.grad = None
-        want, _ = _grads_after(model, named, accum, rank, per_tensor)
+        want, _ = _grads_after(model, named, accum, rank, per_tensor, dev)
         for mb in (0.01, 25):  # many small buckets; a few large ones
             grads = GradBuckets(named, group_of, world, bucket_mb=mb)
             for step in range(2):  # and again after zero_grad: the views stay the gradients
                 grads.zero_grad()
-                got, started = _grads_after(model, named, accum, rank, grads)
+                got, started = _grads_after(model, named, accum, rank, grads, dev)
                 for n in want:
                     assert torch.equal(got[n], want[n]), (n, accum, mb, step)
-                assert torch.equal(got["unused"], torch.zeros(3, 5))
+                assert torch.equal(got["unused"], torch.zeros(3, 5, device=dev))
                 if mb < 1:
                     assert len(grads.buckets) > 5 and started > 0  # reductions began inside the backward
             assert any(b.group is solo[rank] for b in grads.buckets) and any(b.group is None for b in grads.buckets)
@@ -69,5 +73,8 @@ def _check(rank, world, dev):
             assert all(p.grad is None for p in named.values())
 
 
-def test_bucketed_reduction_equals_the_per_tensor_one():
-    spawn_group(_check, 2, timeout_s=300)
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_bucketed_reduction_equals_the_per_tensor_one(backend):
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    spawn_group(_check, 2, backend=backend, timeout_s=300)

@@ -38,9 +38,10 @@ def truth(x, w, t):
     return loss.detach(), x64.grad, w64.grad
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("T, chunk", [(1000, 256), (256, 256), (77, 1000), (300, 1)])
-def test_loss_and_gradients_against_the_reference(T, chunk):
-    x, w, t = inputs(T, 128, 1000, seed=T)
+def test_loss_and_gradients_against_the_reference(T, chunk, device):
+    x, w, t = (a.to(device) for a in inputs(T, 128, 1000, seed=T))
     lr, dxr, dwr = grads(linear_cross_entropy_ref, x, w, t)
     lc, dxc, dwc = grads(lambda a, b, c: linear_cross_entropy(a, b, c, chunk), x, w, t)
     l64, dx64, dw64 = truth(x, w, t)
