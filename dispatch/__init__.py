@@ -76,13 +76,15 @@ DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.c
 
 def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str = "pow2",
                      capacity: int | None = None, mode: str = "auto", transport: str = "collective",
-                     slots: int = 4) -> Dispatcher:
+                     slots: int = 4, ranks_per_node: int | None = None, node_groups: tuple | None = None) -> Dispatcher:
     """The dispatcher for a backend name; ``group`` is the expert-parallel process group (None:
     the default group for the communicating backends); ``scale_fmt`` the FP8 recipe's scale format
     (it fixes how scales travel). ``capacity`` (the most tokens any rank passes to one dispatch),
     ``mode`` ("auto" | "exact" | "capacity"), ``transport`` ("collective" | "copy_engine") and
     ``slots`` (the copy engines' send slots) select the all_to_all backend's mode and how its bytes
-    move (see `all_to_all.py`); the other backends ignore them."""
+    move (see `all_to_all.py`); ``ranks_per_node`` (a group spanning nodes) fixes its combine's
+    summation order; ``node_groups`` (intra, inter: `hierarchical.build_node_groups`) makes it the
+    hierarchical dispatch (`hierarchical.py`). The other backends ignore them."""
     if backend == "local":
         from moefp8.dispatch.local import LocalDispatcher
 
@@ -91,9 +93,13 @@ def build_dispatcher(backend: str, num_experts: int, group=None, scale_fmt: str 
                              f"{group.size()} ranks: use 'all_to_all' or 'deepep'")
         return LocalDispatcher(num_experts)
     if backend == "all_to_all":
+        if node_groups is not None:
+            from moefp8.dispatch.hierarchical import HierarchicalDispatcher
+
+            return HierarchicalDispatcher(num_experts, *node_groups, scale_fmt)
         from moefp8.dispatch.all_to_all import AllToAllDispatcher
 
-        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode, transport, slots)
+        return AllToAllDispatcher(num_experts, group, scale_fmt, capacity, mode, transport, slots, ranks_per_node)
     if backend == "deepep":
         try:
             import deep_ep  # noqa: F401

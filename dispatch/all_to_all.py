@@ -207,7 +207,7 @@ class AllToAllDispatcher:
     communicates = True
 
     def __init__(self, num_experts: int, group=None, scale_fmt: str = "pow2", capacity: int | None = None,
-                 mode: str = "auto", transport: str = "collective", slots: int = 4):
+                 mode: str = "auto", transport: str = "collective", slots: int = 4, ranks_per_node: int | None = None):
         check_scale_fmt(scale_fmt)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -232,6 +232,11 @@ class AllToAllDispatcher:
         self.num_experts, self.scale_fmt, self.capacity, self.mode = num_experts, scale_fmt, capacity, mode
         check_slots(slots, "AllToAllDispatcher")  # here, not at the first exchange
         self.transport, self.slots = transport, slots
+        if ranks_per_node is not None and (ranks_per_node < 1 or self.world % ranks_per_node):
+            raise ValueError(f"AllToAllDispatcher: ranks_per_node={ranks_per_node!r} does not divide the group's "
+                             f"{self.world} ranks into nodes")
+        # a group spanning nodes: the combine sums per node first (`sum_over_ranks`), as the hierarchical mode must
+        self.ranks_per_node = ranks_per_node if ranks_per_node and ranks_per_node < self.world else None
         self._ce = None  # the CopyEngineExchange, made at the first exchange
         # A CUDA stream for the communication (set by moefp8.overlap around its calls): the
         # capacity mode then packs on the caller's stream and exchanges and unpacks on this one
@@ -477,7 +482,7 @@ class AllToAllDispatcher:
                 back = self._exchange(_as_bytes(y), splits, splits)
             else:
                 back = self._exchange(_as_bytes(y), handle.recv_splits, handle.send_splits)
-            return sum_over_ranks(back.view(y.dtype), handle.pos_TR, y.shape[1])
+            return sum_over_ranks(back.view(y.dtype), handle.pos_TR, y.shape[1], self.ranks_per_node)
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -488,11 +493,22 @@ def _as_bytes(t: Tensor) -> Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def sum_over_ranks(rows_SC: Tensor, pos_TR: Tensor, C: int) -> Tensor:
+def sum_over_ranks(rows_SC: Tensor, pos_TR: Tensor, C: int, ranks_per_node: int | None = None) -> Tensor:
     """rows [S, C] (row pos[t, r] belongs to token t, from rank r) -> [T, C] like rows: the sum over r
     in rank order, in fp32, rounded once. BF16 goes through the permute module's combine kernel
-    (weights 1.0: exact products), fp32 through the PyTorch loop."""
+    (weights 1.0: exact products), fp32 through the PyTorch loop. ranks_per_node G (a group spanning
+    nodes): each node's G ranks summed so first (rounded to the rows' dtype), then the nodes' sums
+    the same way over the nodes that hold a row for t: the hierarchical dispatch's order
+    (dispatch/hierarchical.py), so that the two modes agree bit for bit."""
     T, R = pos_TR.shape
+    if ranks_per_node is not None and ranks_per_node < R:
+        G = ranks_per_node
+        parts = [sum_over_ranks(rows_SC, pos_TR[:, n:n + G].contiguous(), C) for n in range(0, R, G)]
+        held = (pos_TR.view(T, R // G, G) >= 0).any(-1)  # [T, N]: node n holds a row for t
+        rows_NC = torch.cat(parts) if parts else rows_SC.new_zeros(0, C)
+        pos_TN = torch.where(held, torch.arange(R // G, device=pos_TR.device) * T + torch.arange(T, device=pos_TR.device)[:, None],
+                             -1).to(pos_TR.dtype)
+        return sum_over_ranks(rows_NC, pos_TN, C)
     if rows_SC.shape[0] == 0:  # nothing came back (no token of this rank had an expert anywhere)
         return torch.zeros(T, C, dtype=rows_SC.dtype, device=rows_SC.device)
     if rows_SC.dtype == torch.bfloat16:

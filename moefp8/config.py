@@ -94,7 +94,12 @@ class DispatchConfig:
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
     # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off
     max_nodes: int = 0
-    ranks_per_node: int = 0  # node-limited routing: ranks per node; 0: torchrun's LOCAL_WORLD_SIZE
+    # ranks per node (node-limited routing, the hierarchical dispatch, the combine's summation order
+    # across nodes); 0: torchrun's LOCAL_WORLD_SIZE
+    ranks_per_node: int = 0
+    # all_to_all across nodes: each token crosses to a remote node once and is forwarded inside it
+    # (dispatch/hierarchical.py; exact mode, no dispatch.overlap); false: once per remote rank
+    hierarchical: bool = False
 
 
 # AdamW on fp32 master weights (moefp8.optim): linear warm-up, then cosine decay to train.steps.
@@ -256,6 +261,11 @@ def validate(cfg: Config) -> None:
                      ("ranks_per_node", "torchrun's LOCAL_WORLD_SIZE")):
         if getattr(d, key) < 0:
             raise ValueError(f"dispatch.{key}={getattr(d, key)}: must be >= 0 (0: {off})")
+    if d.hierarchical and (d.backend != "all_to_all" or d.mode == "capacity" or d.transport != "collective"
+                           or d.overlap):
+        raise ValueError(f"dispatch.hierarchical=true: a mode of the all_to_all backend's exact exchange over "
+                         f"torch.distributed, without dispatch.overlap; got dispatch={d.backend}, dispatch.mode={d.mode}, "
+                         f"dispatch.transport={d.transport}, dispatch.overlap={d.overlap}")
     if d.max_nodes and d.backend == "local":
         raise ValueError(f"dispatch.max_nodes={d.max_nodes}: node-limited routing needs expert parallelism across "
                          f"nodes (dispatch=all_to_all or deepep with dispatch.ep_size spanning nodes)")

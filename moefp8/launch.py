@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from moefp8.config import Config
 from moefp8.dispatch import DEEPEP_INSTALL, node_limited_groups
-from moefp8.parallel import check_parallel
+from moefp8.parallel import check_parallel, ranks_per_node
 
 # Dense BF16 peak of the GPU (SXM), TFLOP/s: MFU is reported against it for both recipes.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0}
@@ -68,6 +68,11 @@ def check_launch(cfg: Config, env=os.environ) -> None:
         raise ValueError("logger.mode=online: no wandb API key found (WANDB_API_KEY, or `wandb login`); log in, or "
                          "use logger.mode=offline and upload later with `wandb sync <run dir>/wandb/offline-run-*`")
     check_parallel(cfg, int(env.get("WORLD_SIZE", "1")))
+    rpn = ranks_per_node(cfg, int(env.get("WORLD_SIZE", "1")), env)
+    if d.hierarchical and (d.ep_size <= rpn or d.ep_size % rpn):
+        raise ValueError(f"dispatch.hierarchical=true: the EP group of dispatch.ep_size={d.ep_size} ranks must span "
+                         f"several whole nodes of {rpn} ranks (torchrun --nnodes, or dispatch.ranks_per_node); within "
+                         f"one node use dispatch.hierarchical=false")
     routing_config(cfg, int(env.get("WORLD_SIZE", "1")), env)  # node-limited routing fits the topology
 
 def wandb_key(env=os.environ) -> bool:
@@ -112,7 +117,7 @@ def routing_config(cfg: Config, world: int, env=os.environ):
     d = cfg.dispatch
     if not d.max_nodes:
         return cfg.model
-    rpn = d.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world))
+    rpn = ranks_per_node(cfg, world, env)
     n_groups, topk_groups = node_limited_groups(d.ep_size, rpn, cfg.model.n_experts, cfg.model.topk, d.max_nodes)
     return replace(cfg.model, n_groups=n_groups, topk_groups=topk_groups)
 

@@ -24,6 +24,11 @@ from moefp8.dispatch import build_ep_group
 from moefp8.errors import UserError, first_line
 
 
+def ranks_per_node(cfg: Config, world: int, env=os.environ) -> int:
+    """Ranks per node: dispatch.ranks_per_node, else torchrun's LOCAL_WORLD_SIZE, else all of them."""
+    return cfg.dispatch.ranks_per_node or int(env.get("LOCAL_WORLD_SIZE", world))
+
+
 def check_parallel(cfg: Config, world: int) -> None:
     """The checks that need the process count (torchrun's WORLD_SIZE): ValueError naming the value."""
     ep, backend = cfg.dispatch.ep_size, cfg.dispatch.backend
@@ -40,14 +45,19 @@ class Parallel:
 
     world, rank: all processes (torchrun's WORLD_SIZE, RANK); ep_group: this rank's EP group (None
     on one process); ep_rank = rank % ep_size; expert_dp_group: the ranks holding the same expert
-    shard (rank % ep_size equal), over which the experts' gradients are summed; None when alone."""
+    shard (rank % ep_size equal), over which the experts' gradients are summed; None when alone.
+    ranks_per_node: the node size (`ranks_per_node`); spans_nodes: the EP group holds several
+    nodes; node_groups: (this rank's node group, its local-rank group) inside the EP group for
+    dispatch.hierarchical, else None."""
 
     def __init__(self, cfg: Config, device: torch.device):
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         ep, d = cfg.dispatch.ep_size, cfg.dispatch
         check_parallel(cfg, self.world)
         self.ep_size, self.ep_rank = ep, self.rank % ep
-        self.ep_group = self.expert_dp_group = None
+        self.ep_group = self.expert_dp_group = self.node_groups = None
+        self.ranks_per_node = ranks_per_node(cfg, self.world)
+        self.spans_nodes = ep > self.ranks_per_node and ep % self.ranks_per_node == 0
         if self.world == 1:
             return
         # Every collective of every group waits at most this long for its peers (a dead or hung
@@ -58,6 +68,10 @@ class Parallel:
         # (new_group's default is 30 min for gloo, 10 for NCCL, not the world's).
         if d.backend != "local":
             self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts, timeout)
+        if d.hierarchical:
+            from moefp8.dispatch.hierarchical import build_node_groups
+
+            self.node_groups = build_node_groups(self.world, ep, self.ranks_per_node, timeout)
         for r in range(ep):
             g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout)
             if r == self.ep_rank:

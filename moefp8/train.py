@@ -128,7 +128,9 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
             raise DataError(f"data.path={d.path}: {e}") from None
         dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
                                       capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode,
-                                      transport=cfg.dispatch.transport, slots=cfg.dispatch.slots)
+                                      transport=cfg.dispatch.transport, slots=cfg.dispatch.slots,
+                                      ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
+                                      node_groups=par.node_groups)
         model = Transformer(routing_config(cfg, par.world), Recipe.from_config(cfg.recipe), dispatcher, par.ep_rank,
                             t.seed, overlap=OverlapPolicy() if cfg.dispatch.overlap else None,
                             recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
@@ -149,6 +151,9 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     console.print(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; "
                   f"recipe {cfg.recipe.recipe}; {device} x {par.world} (EP {par.ep_size}); {tokens_per_step} "
                   f"tokens/step; run dir {run_dir}")
+    if par.node_groups is not None:
+        console.print(f"dispatch: hierarchical, {par.ep_size // par.ranks_per_node} nodes x {par.ranks_per_node} ranks "
+                      f"per EP group")
     epoch = loader.steps_per_epoch(t.grad_accum)
     held = f" (+{len(loader.val_ids)} held out)" if len(loader.val_ids) else ""
     console.print(f"data: {loader.n_windows} training windows of {t.seq_len + 1} tokens{held}: an epoch is {epoch} "

@@ -109,6 +109,17 @@ def test_deepep_across_nodes_is_refused_naming_all_to_all(monkeypatch):
         check_launch(cfg, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
 
 
+def test_hierarchical_dispatch_needs_nodes_and_the_exact_all_to_all():
+    with pytest.raises(ValueError, match=r"^dispatch.hierarchical=true: a mode of the all_to_all backend's exact "
+                                         r"exchange .* dispatch.overlap=True"):
+        compose_config(["dispatch=all_to_all", "dispatch.ep_size=4", "dispatch.hierarchical=true", "dispatch.overlap=true"])
+    cfg = compose_config(["dispatch=all_to_all", "dispatch.ep_size=4", "dispatch.hierarchical=true", "train.device=cpu"])
+    with pytest.raises(ValueError, match=r"^dispatch.hierarchical=true: the EP group of dispatch.ep_size=4 ranks must "
+                                         r"span several whole nodes of 4 ranks"):
+        check_launch(cfg, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+    check_launch(cfg, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})  # 2 nodes of 2: fine
+
+
 def test_empty_data_path():
     with pytest.raises(ValueError, match=r"^data.path='': the prepared data needs a folder"):
         compose_config(["data.path="])

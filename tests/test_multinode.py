@@ -1,8 +1,8 @@
 """Expert parallelism across nodes, on one host posing as two: two torchrun launchers on
 127.0.0.1 (`--nnodes 2`, c10d rendezvous), 2 gloo ranks each, EP4 spanning both "nodes". They
-train as one launcher of 4 ranks does, bit for bit, with node-limited routing on; a node that dies
-ends the other within train.dist_timeout_s; a run dir or data folder that the nodes do not see
-alike is one line (docs/multinode.md)."""
+train as one launcher of 4 ranks does, bit for bit, with node-limited routing on, with the flat
+and with the hierarchical dispatch; a node that dies ends the other within train.dist_timeout_s; a
+run dir or data folder that the nodes do not see alike is one line (docs/multinode.md)."""
 
 import json
 import os
@@ -55,19 +55,24 @@ def losses(run: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path):
-    """EP4 across 2 x 2 ranks with node-limited routing (each token's experts on one node): the same
-    losses and grad norms, step by step, as 4 ranks of one launcher told they are 2 nodes of 2."""
+    """EP4 across 2 x 2 ranks with node-limited routing (each token's experts on at most one node),
+    flat and hierarchical dispatch: the same losses and grad norms, step by step, as 4 ranks of one
+    launcher told they are 2 nodes of 2 (flat)."""
     steps = ["train.steps=4", "dispatch.max_nodes=1"]
-    procs = two_nodes(train_args(data_dir, tmp_path / "nodes", *steps), stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT)
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                           *train_args(data_dir, tmp_path / "one", *steps, "dispatch.ranks_per_node=2")],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    a, b = losses(tmp_path / "nodes"), losses(tmp_path / "one")
-    assert len(a) == 4 and a == b
+    want = losses(tmp_path / "one")
+    assert len(want) == 4
+    for hierarchical in ("false", "true"):
+        run = tmp_path / f"nodes-{hierarchical}"
+        procs = two_nodes(train_args(data_dir, run, *steps, f"dispatch.hierarchical={hierarchical}"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+        assert ("dispatch: hierarchical, 2 nodes x 2 ranks" in outs[0]) == (hierarchical == "true")
+        assert losses(run) == want, hierarchical
 
 
 @pytest.mark.slow

@@ -52,7 +52,9 @@ def build(cfg, device: torch.device, par: Parallel | None):
         disp, ep_rank = build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0
     else:
         disp = build_dispatcher(d.backend, m.n_experts, par.ep_group, cfg.recipe.scale_fmt,
-                                capacity=dispatch_capacity(cfg), mode=d.mode, transport=d.transport, slots=d.slots)
+                                capacity=dispatch_capacity(cfg), mode=d.mode, transport=d.transport, slots=d.slots,
+                                ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
+                                node_groups=par.node_groups)
         ep_rank = par.ep_rank
     model = Transformer(m, Recipe.from_config(cfg.recipe), disp, ep_rank, cfg.train.seed,
                         recompute=tuple(cfg.train.recompute), loss_chunk=cfg.train.loss_chunk).to(device)
