@@ -5,6 +5,7 @@ empty ranks, unrouted tokens and tokens whose experts sit on one node; inter-nod
 (token, remote node hosting one of its experts), against one per (token, remote rank) flat. The
 node-grouped flat combine stays within BF16 rounding of the plain rank-order sum."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -43,18 +44,18 @@ def _check(rank, world, dev):
     assert hier.num_local_experts == flat.num_local_experts == E // world
     for case, T_r in (("uniform", [37, 5, 64, 1]), ("unrouted", [20, 0, 33, 8]), ("one_node", [9, 16, 0, 12])):
         T = T_r[rank]
-        x, idx, w = _inputs(rank, T, case)
+        x, idx, w = (a.to(dev) for a in _inputs(rank, T, case))
         for payload in ("fp8", "bf16"):
             xin = quant_rowwise(x, "pow2") if payload == "fp8" else x
             a, b = hier.dispatch(xin, idx, w), flat.dispatch(xin, idx, w)
             assert _same(a.x, b.x) and torch.equal(a.topk_idx, b.topk_idx) and torch.equal(a.topk_w, b.topk_w), (case, payload)
             g = torch.Generator().manual_seed(7 + rank)
-            y = torch.randn(a.x.shape[0], H, generator=g).to(torch.bfloat16)
+            y = torch.randn(a.x.shape[0], H, generator=g).to(dev, torch.bfloat16)
             out_h, out_f = hier.combine(y, a.handle), flat.combine(y, b.handle)
             assert out_h.shape == (T, H) and torch.equal(out_h, out_f), (case, payload)
-            dw = torch.randn(a.x.shape[0], K, generator=g)  # fp32 rows: the routing weights' gradient
+            dw = torch.randn(a.x.shape[0], K, generator=g).to(dev)  # fp32 rows: the routing weights' gradient
             assert torch.equal(hier.combine(dw, a.handle), flat.combine(dw, b.handle))
-            gx = quant_rowwise(torch.randn(T, H, generator=g).to(torch.bfloat16), "pow2")  # the backward's dispatch
+            gx = quant_rowwise(torch.randn(T, H, generator=g).to(dev, torch.bfloat16), "pow2")  # the backward's dispatch
             assert _same(hier.dispatch(gx, handle=a.handle).x, flat.dispatch(gx, handle=b.handle).x)
             p = plain.dispatch(xin, idx, w)
             ref = plain.combine(y, p.handle)  # rank order, one rounding: within BF16 rounding of it
@@ -62,7 +63,7 @@ def _check(rank, world, dev):
                 assert rel_err(out_f.float(), ref.float()) < 2 ** -7
         # inter-node rows: hierarchical one per (token, remote node), flat one per (token, remote rank)
         node = rank // G
-        hosts = [set((e // (E // world)) for e in row.tolist() if e >= 0) for row in idx]
+        hosts = [set((e // (E // world)) for e in row.tolist() if e >= 0) for row in idx.cpu()]
         want_h = sum(len({r // G for r in h} - {node}) for h in hosts)
         want_f = sum(len({r for r in h if r // G != node}) for h in hosts)
         a = hier.dispatch(x, idx, w)
@@ -72,5 +73,9 @@ def _check(rank, world, dev):
     dist.barrier()
 
 
-def test_hierarchical_equals_flat_bit_for_bit():
-    spawn_group(_check, 4, timeout_s=180)
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_hierarchical_equals_flat_bit_for_bit(backend):
+    """gloo on CPU; NCCL on 4 GPUs posing as 2 nodes of 2."""
+    if backend == "nccl" and torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    spawn_group(_check, 4, backend=backend, timeout_s=180)
