@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
+from moefp8.dispatch.hierarchical import HierarchicalDispatcher, build_node_groups
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.testing import print_table, results_path, save_results
 
@@ -130,9 +131,33 @@ def _rows(disp, x, x8, idx, w, warmup, iters, dev, wire):
     return out
 
 
-def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact"):
-    """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic."""
-    disp = AllToAllDispatcher(E, None, capacity=x.shape[0] if mode == "capacity" else None, mode=mode)
+def link_rows(disp, handle, G: int) -> tuple[int, int]:
+    """Rows this rank sends per dispatch (routes of `handle`) over inter-node and intra-node links,
+    for nodes of G ranks: flat, to each remote rank and to its node's other ranks; hierarchical,
+    to each remote node (stage A) and, forwarding, to its node's other ranks (stage B)."""
+    rank = dist.get_rank()
+    node, local = divmod(rank, G)
+    if isinstance(disp, HierarchicalDispatcher):
+        inter = sum(s for b, s in enumerate(handle.a.send_splits) if b != node)
+        return inter, sum(s for l, s in enumerate(handle.b.send_splits) if l != local)
+    sends = handle.send_splits
+    return (sum(s for r, s in enumerate(sends) if r // G != node),
+            sum(s for r, s in enumerate(sends) if r // G == node and r != rank))
+
+
+def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact", G=None, node_groups=None):
+    """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic. G: ranks
+    per node (the combine sums per node); node_groups: the hierarchical mode's groups."""
+    if node_groups is not None:
+        disp = HierarchicalDispatcher(E, *node_groups)
+        H, K = x.shape[1], idx.shape[1]
+        per_row = {"fp8": row_bytes(H, K, "fp8-pow2"), "bf16": row_bytes(H, K, "bf16"), "combine": 2 * H,
+                   "fp8 cached": row_bytes(H, None, "fp8-pow2"), "bf16 cached": row_bytes(H, None, "bf16")}
+        # the wire: the rows of both stages (stage A's include the ones a rank keeps in its node)
+        return _rows(disp, x, x8, idx, w, warmup, iters, dev,
+                     lambda kind, d: (d.handle.a.num_recv + d.handle.b.num_recv) * per_row[kind])
+    disp = AllToAllDispatcher(E, None, capacity=x.shape[0] if mode == "capacity" else None, mode=mode,
+                              ranks_per_node=G)
     H, K = x.shape[1], idx.shape[1]
     per_row = {"fp8": row_bytes(H, K, "fp8-pow2"), "bf16": row_bytes(H, K, "bf16"), "combine": 2 * H,
                "fp8 cached": row_bytes(H, None, "fp8-pow2"), "bf16 cached": row_bytes(H, None, "bf16")}
@@ -173,6 +198,8 @@ def main():
     p.add_argument("--backends", default="all_to_all,deepep",
                    help="comma list; deepep is skipped if it does not import")
     p.add_argument("--modes", default="exact,capacity", help="all_to_all modes to run (comma list)")
+    p.add_argument("--ranks-per-node", type=int, default=0, help="pose as nodes of this many ranks (0: torchrun's "
+                   "LOCAL_WORLD_SIZE): adds the hierarchical mode and rows per link class when the ranks span nodes")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/dispatch-<device>-ep<N>.json)")
     a = p.parse_args()
@@ -195,6 +222,9 @@ def main():
     w = torch.rand(a.tokens, a.topk, device=dev)
 
     busbw, t_ar = allreduce_busbw(a.allreduce_mb << 20, a.warmup, a.iters, dev)
+    G = a.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    nodes = G < n and n % G == 0
+    groups = build_node_groups(n, n, G) if nodes else None  # collective: every rank, before any timing
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     runs = []  # (impl, mode, fn)
     for backend in backends:
@@ -203,7 +233,11 @@ def main():
                 if mode not in ("exact", "capacity"):
                     raise SystemExit(f"bench_dispatch: unknown all_to_all mode {mode!r} (exact, capacity)")
                 impl = "all_to_all" if mode == "exact" else f"all_to_all-{mode}"
-                runs.append((impl, mode, lambda *args, mode=mode: bench_all_to_all(*args, mode=mode)))
+                runs.append((impl, mode, lambda *args, mode=mode: bench_all_to_all(*args, mode=mode,
+                                                                                   G=G if nodes else None)))
+            if nodes:
+                runs.append(("all_to_all-hierarchical", "exact",
+                             lambda *args: bench_all_to_all(*args, G=G, node_groups=groups)))
         elif backend == "deepep":
             try:
                 import deep_ep  # noqa: F401
@@ -223,6 +257,14 @@ def main():
                 raise
             print(f"rank {rank}: {impl} failed: {type(e).__name__}: {e}")
             continue
+        links = {}
+        if nodes and impl in ("all_to_all", "all_to_all-hierarchical"):
+            disp = (HierarchicalDispatcher(E, *groups) if impl.endswith("hierarchical")
+                    else AllToAllDispatcher(E, None, mode="exact", ranks_per_node=G))
+            inter, intra = link_rows(disp, disp.dispatch(x8, idx, w).handle, G)
+            links = {"ranks_per_node": G, "inter_node_rows": inter, "intra_node_rows": intra,
+                     "inter_node_fp8_bytes": inter * row_bytes(a.hidden, a.topk, "fp8-pow2"),
+                     "intra_node_fp8_bytes": intra * row_bytes(a.hidden, a.topk, "fp8-pow2")}
         for case, t, nbytes, wire in results:
             gbs = nbytes / t / 1e9
             rows.append({"case": f"{case} T{a.tokens} H{a.hidden} top{a.topk}/E{E} EP{n}", "impl": impl, "mode": mode,
@@ -230,13 +272,14 @@ def main():
                          "bytes_per_rank": nbytes, "wire_bytes_per_rank": wire,
                          "wire_over_useful": round(wire / nbytes, 3) if nbytes else None,
                          "baseline": f"{dist.get_backend()} all-reduce busbw {a.allreduce_mb} MB", "baseline_value": round(busbw, 1),
-                         "ratio": round(gbs / busbw, 3) if busbw == busbw else None})
+                         "ratio": round(gbs / busbw, 3) if busbw == busbw else None, **links})
     # the received-token count differs per rank; the table shows rank 0's bytes with the max time
     if rank == 0:
         print(f"EP={n} on {dev.type}; all-reduce {a.allreduce_mb} MB: {t_ar * 1e6:.0f} us, busbw {busbw:.1f} GB/s; "
               f"wire bytes/token FP8 {row_bytes(a.hidden, a.topk, 'fp8-pow2')} vs BF16 "
               f"{row_bytes(a.hidden, a.topk, 'bf16')} ({ratio8:.3f}x)")
-        print_table(rows, ["case", "impl", "time_us", "value", "unit", "baseline_value", "ratio", "wire_over_useful"])
+        print_table(rows, ["case", "impl", "time_us", "value", "unit", "baseline_value", "ratio", "wire_over_useful"]
+                    + (["inter_node_rows", "intra_node_rows"] if nodes else []))
         peak = {"what": f"{dist.get_backend()} all-reduce bus bandwidth, {a.allreduce_mb} MB, {n} ranks", "value": round(busbw, 1),
                 "unit": "GB/s"}
         path = save_results("bench_dispatch", rows, peak, path=a.out or results_path("dispatch", ep=n),

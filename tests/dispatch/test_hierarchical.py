@@ -79,3 +79,26 @@ def test_hierarchical_equals_flat_bit_for_bit(backend):
     if backend == "nccl" and torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
     spawn_group(_check, 4, backend=backend, timeout_s=180)
+
+
+def test_bench_dispatch_reports_rows_per_link_class(tmp_path):
+    """tools/bench_dispatch.py on 4 gloo ranks posing as 2 nodes of 2: the hierarchical rows beside
+    the flat ones, with rows per link class; fewer inter-node rows than flat."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent.parent
+    out = tmp_path / "bd.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                        str(repo / "tools/bench_dispatch.py"), "--smoke", "--backends", "all_to_all", "--modes", "exact",
+                        "--ranks-per-node", "2", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=repo)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    by = {row["impl"]: row for row in rows if row["case"].startswith("dispatch fp8 T")}
+    flat, hier = by["all_to_all"], by["all_to_all-hierarchical"]
+    assert 0 < hier["inter_node_rows"] < flat["inter_node_rows"] and hier["intra_node_rows"] > flat["intra_node_rows"]
+    assert flat["inter_node_fp8_bytes"] == flat["inter_node_rows"] * (flat["inter_node_fp8_bytes"] // flat["inter_node_rows"])
