@@ -206,6 +206,9 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
         model.scale_stats.on = False
         gnorm = clip_grad_norm(replicated_params, o.grad_clip, sharded_params, par.ep_group)
+        # the expert loads ride on the same sync (a pinned copy queued before it): per-layer statistics
+        # read on the host, not five device syncs per MoE layer
+        load_host = load_LE.to("cpu", non_blocking=True) if load_LE.is_cuda else load_LE
         loss_s, aux_s, signalled, time_up, gn = torch.cat([sums, gnorm.view(1)]).tolist()  # one host sync
         loss, aux = loss_s / world / t.grad_accum, aux_s / world / t.grad_accum
         stopping = stop.requested or ("a signal to another rank" if signalled else None)
@@ -236,7 +239,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             router.update_bias(load_E)
         dt = time.perf_counter() - t0
         watchdog.beat(dt)
-        stats = [load_stats(load_E) for load_E in load_LE]
+        stats = [load_stats(load_E) for load_E in load_host]
         m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
              "tokens_per_s": log.tokens_per_step / dt, "step_time_s": dt,
              "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
@@ -249,7 +252,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             watchdog.allow(t.dist_timeout_s)  # not a step: its own collectives, its own time
             m["val_loss"] = evaluate(model, loader, device, par)
             watchdog.beat()
-        log.step(m, load_LE, stats)
+        log.step(m, load_host, stats)
         if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps or stop_now:
             watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
             last_saved = checkpoint.save(run_dir, step + 1, train_state(model, opt, loader, device, step + 1),
