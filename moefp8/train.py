@@ -29,21 +29,17 @@ import torch.distributed as dist
 from rich.console import Console
 
 from moefp8 import checkpoint
+from moefp8.build import build_model, grad_buckets, open_data
 from moefp8.config import Config, validate
-from moefp8.data import DataError, Loader, ensure, folder_data_id
-from moefp8.dispatch import build_dispatcher
+from moefp8.data import Loader
 from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line, report
-from moefp8.grad_sync import GradBuckets
 from moefp8.hydra_config import CONFIG_DIR, config_help, load_config, register_schema
-from moefp8.launch import (check_launch, comm_failure, dispatch_capacity, job_dir_name, peak_flops, resolve_device,
-                           routing_config)
+from moefp8.launch import check_launch, comm_failure, job_dir_name, peak_flops, resolve_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
-from moefp8.overlap import OverlapPolicy
 from moefp8.parallel import Parallel, StepWatchdog, same_file
-from moefp8.recipe import Recipe
 from moefp8.router import load_stats
 from moefp8.rundir import LOCK, open_run_dir, take
 from moefp8.runlog import RunLog, memory_mb, record_start, start_wandb
@@ -111,29 +107,14 @@ def train(cfg: Config) -> dict:
 
 def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, stop: StopSignals) -> dict:
     """train() in an owned run dir: the data, the model, the resume, then the loop."""
-    t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.out_dir)
+    t, run_dir = cfg.train, Path(cfg.train.out_dir)
     with same_on_every_rank(par.rank):
         if device.type == "cuda":  # before the data and the model: a preset that cannot fit stops here
             props = torch.cuda.get_device_properties(device)
             console.print(describe_memory(fits(cfg, props.total_memory, props.name), props.total_memory))
-        par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, console.print,
-                                   tokenizer=d.tokenizer, check=d.verify))
-        same_file(d.path, f"data.path={d.path}", "prepare it on every node (the same command and sources give the "
-                  "same shards) or put it on a filesystem every node mounts", par.rank, par.world, folder_data_id)
         torch.manual_seed(t.seed)
-        try:
-            loader = Loader(d.path, t.micro_batch, t.seq_len, par.rank, par.world, t.seed, d.val_windows,
-                            vocab_size=cfg.model.vocab_size)
-        except OSError as e:  # an unreadable shard
-            raise DataError(f"data.path={d.path}: {e}") from None
-        dispatcher = build_dispatcher(cfg.dispatch.backend, cfg.model.n_experts, par.ep_group, cfg.recipe.scale_fmt,
-                                      capacity=dispatch_capacity(cfg), mode=cfg.dispatch.mode,
-                                      transport=cfg.dispatch.transport, slots=cfg.dispatch.slots,
-                                      ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
-                                      node_groups=par.node_groups)
-        model = Transformer(routing_config(cfg, par.world), Recipe.from_config(cfg.recipe), dispatcher, par.ep_rank,
-                            t.seed, overlap=OverlapPolicy() if cfg.dispatch.overlap else None,
-                            recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
+        loader = open_data(cfg, par, console.print)
+        model = build_model(cfg, par, device)
         opt = AdamW(model.named_parameters(), cfg.optim)
         ckpt = find_resume(t.resume, run_dir, console.print)
         start = restore(ckpt, model, opt, loader, device) if ckpt is not None else 0
@@ -171,9 +152,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]
     sharded_params = [p for n, p in opt.params.items() if n in sharded]
-    # the mean gradient over the ranks: bucketed all-reduces started during the last backward
-    grads = GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, world,
-                        t.grad_bucket_mb) if world > 1 else None
+    grads = grad_buckets(cfg, par, model, opt)  # the mean gradient over the ranks, reduced during the last backward
     zero_grad = grads.zero_grad if grads else opt.zero_grad
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]

@@ -5,7 +5,7 @@ naming the stage it came from; FP8 cannot overflow: activations up to 1e4 and gr
 import pytest
 import torch
 
-import moefp8.train as train_mod
+import moefp8.build as build_mod
 from moefp8.linear import Fp8Linear
 from moefp8.model import Transformer
 from moefp8.moe import MoELayer
@@ -49,7 +49,7 @@ def faulty_model(monkeypatch, module: str, at_call: int, kind: str):
             t.register_hook(lambda g: torch.full_like(g, float("inf")))
             return None
 
-    monkeypatch.setattr(train_mod, "Transformer", Faulty)
+    monkeypatch.setattr(build_mod, "Transformer", Faulty)  # the model the run builds (moefp8.build)
 
 
 def test_nan_activation_stops_naming_the_layer(data_dir, tmp_path, monkeypatch):

@@ -32,39 +32,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.dispatch import build_dispatcher  # noqa: E402
-from moefp8.grad_sync import GradBuckets  # noqa: E402
+from moefp8.build import build_model, grad_buckets  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
-from moefp8.model import Transformer, flops_per_token, param_counts  # noqa: E402
+from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
-from moefp8.recipe import Recipe  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
-from moefp8.launch import dispatch_capacity, peak_flops, resolve_device  # noqa: E402
+from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 from moefp8.memory import plan  # noqa: E402
 from moefp8.parallel import Parallel  # noqa: E402
 
 
 def build(cfg, device: torch.device, par: Parallel | None):
     """The model, its optimizer and (under torchrun) its gradient buckets, as the training loop
-    builds them; one process: EP=1, `local` dispatch."""
-    m, d = cfg.model, cfg.dispatch
-    if par is None:
-        disp, ep_rank = build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0
-    else:
-        disp = build_dispatcher(d.backend, m.n_experts, par.ep_group, cfg.recipe.scale_fmt,
-                                capacity=dispatch_capacity(cfg), mode=d.mode, transport=d.transport, slots=d.slots,
-                                ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
-                                node_groups=par.node_groups)
-        ep_rank = par.ep_rank
-    model = Transformer(m, Recipe.from_config(cfg.recipe), disp, ep_rank, cfg.train.seed,
-                        recompute=tuple(cfg.train.recompute), loss_chunk=cfg.train.loss_chunk).to(device)
+    builds them (moefp8.build); one process: EP=1, `local` dispatch."""
+    model = build_model(cfg, par, device)
     opt = AdamW(model.named_parameters(), cfg.optim)
-    grads = None
-    if par is not None:
-        sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
-        grads = GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
-                            cfg.train.grad_bucket_mb)
-    return model, opt, grads
+    return model, opt, grad_buckets(cfg, par, model, opt)
 
 
 def step_fn(cfg, model, opt, grads, device, rank: int = 0):

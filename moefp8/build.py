@@ -1,0 +1,61 @@
+"""What a training process builds from its config, in the order the run needs it: the data
+(`open_data`), the model on its expert-parallel dispatcher (`build_model`) and the data-parallel
+gradient buckets (`grad_buckets`). The training loop (`moefp8.train`) and the whole-step profiler
+(`tools/profile_step.py`) build through these, so that what is profiled is what trains.
+"""
+
+import torch
+
+from moefp8.config import Config
+from moefp8.data import DataError, Loader, ensure, folder_data_id
+from moefp8.dispatch import build_dispatcher
+from moefp8.grad_sync import GradBuckets
+from moefp8.launch import dispatch_capacity, routing_config
+from moefp8.model import Transformer
+from moefp8.optim import AdamW
+from moefp8.overlap import OverlapPolicy
+from moefp8.parallel import Parallel, same_file
+from moefp8.recipe import Recipe
+
+
+def open_data(cfg: Config, par: Parallel, say=print) -> Loader:
+    """data.path prepared (rank 0, from data.prepare_from with data.tokenizer, if it has no index)
+    and verified (data.verify), checked to be the same data on every node, and this rank's
+    loader over it. UserError (one line) for what the user can fix."""
+    t, d = cfg.train, cfg.data
+    par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, say, tokenizer=d.tokenizer,
+                               check=d.verify))
+    same_file(d.path, f"data.path={d.path}", "prepare it on every node (the same command and sources give the "
+              "same shards) or put it on a filesystem every node mounts", par.rank, par.world, folder_data_id)
+    try:
+        return Loader(d.path, t.micro_batch, t.seq_len, par.rank, par.world, t.seed, d.val_windows,
+                      vocab_size=cfg.model.vocab_size)
+    except OSError as e:  # an unreadable shard
+        raise DataError(f"data.path={d.path}: {e}") from None
+
+
+def build_model(cfg: Config, par: Parallel | None, device: torch.device) -> Transformer:
+    """The model on `device`, its MoE layers on the config's dispatcher (par None: one process,
+    the `local` backend at EP=1, whatever the config's dispatch says)."""
+    m, d, t = cfg.model, cfg.dispatch, cfg.train
+    if par is None or par.world == 1:
+        dispatcher, ep_rank, model_cfg = build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0, m
+    else:
+        dispatcher = build_dispatcher(d.backend, m.n_experts, par.ep_group, cfg.recipe.scale_fmt,
+                                      capacity=dispatch_capacity(cfg), mode=d.mode, transport=d.transport,
+                                      slots=d.slots, ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
+                                      node_groups=par.node_groups)
+        ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
+    return Transformer(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, t.seed,
+                       overlap=OverlapPolicy() if d.overlap else None, recompute=tuple(t.recompute),
+                       loss_chunk=t.loss_chunk).to(device)
+
+
+def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: AdamW) -> GradBuckets | None:
+    """The data-parallel gradient buckets (moefp8.grad_sync): replicated parameters summed over all
+    ranks, the routed experts over their expert-data-parallel group; None on one process."""
+    if par is None or par.world == 1:
+        return None
+    sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
+    return GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
+                       cfg.train.grad_bucket_mb)
