@@ -146,6 +146,9 @@ class TrainConfig:
     # the LM head's loss by chunks of this many tokens of the micro-batch, the [T, V] logits never
     # whole (moefp8.loss: ~10 bytes per token and vocabulary entry less at the peak); 0: off
     loss_chunk: int = 0
+    # before a GPU run: stop with one line when moefp8.memory's plan passes 90% of the GPU (an
+    # estimate: false runs anyway, e.g. to find the largest micro-batch by trying)
+    check_memory: bool = True
     grad_bucket_mb: float = 25.0  # data-parallel gradient all-reduce buckets (moefp8.grad_sync), MB
     # selective activation recompute: [attention] keeps only each block's input for its attention
     # and runs norm, QKV, attention, output projection again in the backward (moefp8.memory counts it)

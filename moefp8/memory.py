@@ -131,7 +131,8 @@ def fits(cfg: Config, capacity: float, device_name: str = "this GPU") -> dict[st
         hints.append(f"raise dispatch.ep_size={d.ep_size} (the experts' share of the {static / GIB:.1f} GiB of "
                      f"weights and optimizer state), shorten train.seq_len={t.seq_len}, or use GPUs with more memory")
     raise UserError(f"model.name={cfg.model.name}: {describe(pl)}, more than {HEADROOM:.0%} of the "
-                    f"{capacity / GIB:.1f} GiB of {device_name}; " + ", or ".join(hints))
+                    f"{capacity / GIB:.1f} GiB of {device_name}; " + ", or ".join(hints)
+                    + " (the plan is an estimate: train.check_memory=false runs anyway)")
 
 
 def main(argv=None) -> None:

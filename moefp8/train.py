@@ -36,7 +36,7 @@ from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line,
 from moefp8.hydra_config import CONFIG_DIR, config_help, load_config, register_schema
 from moefp8.launch import check_launch, comm_failure, job_dir_name, peak_flops, resolve_device
 from moefp8.memory import describe as describe_memory
-from moefp8.memory import fits
+from moefp8.memory import fits, plan
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.parallel import Parallel, StepWatchdog, same_file
@@ -111,7 +111,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     with same_on_every_rank(par.rank):
         if device.type == "cuda":  # before the data and the model: a preset that cannot fit stops here
             props = torch.cuda.get_device_properties(device)
-            console.print(describe_memory(fits(cfg, props.total_memory, props.name), props.total_memory))
+            pl = fits(cfg, props.total_memory, props.name) if t.check_memory else plan(cfg)
+            console.print(describe_memory(pl, props.total_memory))
         torch.manual_seed(t.seed)
         loader = open_data(cfg, par, console.print)
         model = build_model(cfg, par, device)
