@@ -23,7 +23,7 @@ import time
 EXIT_ERROR = 1
 EXIT_STOPPED = 75  # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports an interrupted command
-QUIET_EXIT_DELAY_S = 5.0  # under a launcher: a quiet rank's head start for the reporting rank
+QUIET_EXIT_DELAY_S = 2.0  # under a launcher: a quiet rank's head start for the reporting rank (which prints at once)
 
 
 class UserError(ValueError):

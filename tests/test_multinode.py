@@ -55,17 +55,18 @@ def losses(run: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path):
-    """EP4 across 2 x 2 ranks with node-limited routing (each token's experts on at most one node),
-    flat and hierarchical dispatch: the same losses and grad norms, step by step, as 4 ranks of one
-    launcher told they are 2 nodes of 2 (flat)."""
-    steps = ["train.steps=4", "dispatch.max_nodes=1"]
+    """EP4 across 2 x 2 ranks with node-limited routing (each token's experts on at most one node)
+    and the hierarchical dispatch: the same losses and grad norms, step by step, as 4 ranks of one
+    launcher told they are 2 nodes of 2, with the flat dispatch. (Two launchers with the flat
+    dispatch matched too, when tried; not repeated here for CI time.)"""
+    steps = ["train.steps=3", "dispatch.max_nodes=1"]
     one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                           *train_args(data_dir, tmp_path / "one", *steps, "dispatch.ranks_per_node=2")],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     want = losses(tmp_path / "one")
-    assert len(want) == 4
-    for hierarchical in ("false", "true"):
+    assert len(want) == 3
+    for hierarchical in ("true",):
         run = tmp_path / f"nodes-{hierarchical}"
         procs = two_nodes(train_args(data_dir, run, *steps, f"dispatch.hierarchical={hierarchical}"),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
