@@ -1,8 +1,9 @@
 """Expert parallelism across nodes, on one host posing as two: two torchrun launchers on
-127.0.0.1 (`--nnodes 2`, c10d rendezvous), 2 gloo ranks each, EP4 spanning both "nodes". They
-train as one launcher of 4 ranks does, bit for bit, with node-limited routing on, with the flat
-and with the hierarchical dispatch; a node that dies ends the other within train.dist_timeout_s; a
-run dir or data folder that the nodes do not see alike is one line (docs/multinode.md)."""
+127.0.0.1 (`--nnodes 2`, c10d rendezvous), 2 ranks each (gloo on CPU; NCCL on 4 GPUs, each
+"node" seeing 2 of them), EP4 spanning both "nodes". They train as one launcher of 4 ranks does,
+bit for bit, with node-limited routing on and the hierarchical dispatch; a node that dies ends the
+other within train.dist_timeout_s; a run dir or data folder that the nodes do not see alike is one
+line (docs/multinode.md)."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from moefp8.errors import UserError
@@ -36,14 +38,26 @@ def train_args(data_dir, out: Path, *overrides) -> list[str]:
             "data.max_bytes=2000000", "dispatch=all_to_all", "dispatch.ep_size=4", f"train.out_dir={out}", *overrides]
 
 
-def two_nodes(args: list[str], **kw) -> list[subprocess.Popen]:
-    """Two launchers of 2 ranks each, rendezvous on 127.0.0.1: node 0 ranks 0-1, node 1 ranks 2-3."""
+# cpu: gloo; cuda: NCCL on 4 GPUs, each "node" sees its own 2 (CUDA_VISIBLE_DEVICES), and NCCL's
+# all-reduce algorithm is pinned so that the data-parallel sums' order is the rank order's alone
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+NCCL_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+
+
+def need_gpus(device: str) -> None:
+    if device == "cuda" and torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+
+
+def two_nodes(args: list[str], device: str = "cpu", **kw) -> list[subprocess.Popen]:
+    """Two launchers of 2 ranks each, rendezvous on 127.0.0.1: node 0 ranks 0-1, node 1 ranks 2-3
+    (on cuda: GPUs 0-1 and 2-3)."""
     port, procs = free_port(), []
     for n in (0, 1):
+        env = ENV if device == "cpu" else {**ENV, **NCCL_ENV, "CUDA_VISIBLE_DEVICES": f"{2 * n},{2 * n + 1}"}
         procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                        str(n), "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                                       f"127.0.0.1:{port}", "--rdzv-id", f"moefp8-test-{port}", *args], cwd=REPO,
-                                      env=ENV, text=True, **kw))
+                                       f"127.0.0.1:{port}", "--rdzv-id", f"moefp8-test-{port}", *args], cwd=REPO, env=env, text=True, **kw))
         if n == 0:  # node 0's launcher binds the rendezvous store first (the other side of a lost node)
             time.sleep(3)
     return procs
@@ -54,21 +68,24 @@ def losses(run: Path) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path, device):
     """EP4 across 2 x 2 ranks with node-limited routing (each token's experts on at most one node)
     and the hierarchical dispatch: the same losses and grad norms, step by step, as 4 ranks of one
     launcher told they are 2 nodes of 2, with the flat dispatch. (Two launchers with the flat
     dispatch matched too, when tried; not repeated here for CI time.)"""
-    steps = ["train.steps=3", "dispatch.max_nodes=1"]
+    need_gpus(device)
+    steps = ["train.steps=3", "dispatch.max_nodes=1", f"train.device={device}"]
     one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                           *train_args(data_dir, tmp_path / "one", *steps, "dispatch.ranks_per_node=2")],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=ENV if device == "cpu" else {**ENV, **NCCL_ENV}, capture_output=True,
+                         text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     want = losses(tmp_path / "one")
     assert len(want) == 3
     for hierarchical in ("true",):
         run = tmp_path / f"nodes-{hierarchical}"
-        procs = two_nodes(train_args(data_dir, run, *steps, f"dispatch.hierarchical={hierarchical}"),
+        procs = two_nodes(train_args(data_dir, run, *steps, f"dispatch.hierarchical={hierarchical}"), device,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         outs = [p.communicate(timeout=300)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
@@ -77,10 +94,14 @@ def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_node_that_dies_ends_the_other_within_the_timeout(data_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_node_that_dies_ends_the_other_within_the_timeout(data_dir, tmp_path, device):
+    need_gpus(device)
     run = tmp_path / "run"
     procs = two_nodes(train_args(data_dir, run, "train.steps=100000", "train.ckpt_every=0",
-                                 "train.dist_timeout_s=5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                 "train.dist_timeout_s=5", "dispatch.hierarchical=true",
+                                 f"train.device={device}"), device,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 240
         while time.time() < deadline and all(p.poll() is None for p in procs):

@@ -1,5 +1,6 @@
 """tools/profile_step.py end to end on CPU (tiny model, one step each): both recipes timed, a
-kernel table per recipe, the JSON written."""
+kernel table per recipe, the JSON written; under torchrun a variant sweep over rounds with its
+medians and ratios."""
 
 import json
 import os
@@ -16,8 +17,9 @@ def test_profile_step_smoke(tmp_path):
                         "train.seq_len=32", "--warmup", "1", "--steps", "1", "--profile-steps", "1", "--top", "5",
                         "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "fp8 / bf16 tokens/s" in r.stdout
     doc = json.loads(out.read_text())
+    fp8 = doc["summary"][1]
+    assert doc["complete"] and fp8["recipe"] == "fp8" and fp8["rounds"] == 1 and f"over_bf16 {fp8['over_bf16']:.3f}" in r.stdout
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
     assert all(0 < row["host_ms"] <= row["step_ms"] * 1.5 and row["gpu_ops_per_step"] == 0 for row in doc["rows"])
@@ -25,16 +27,24 @@ def test_profile_step_smoke(tmp_path):
 
 def test_profile_step_under_torchrun_with_ep(tmp_path):
     """Two gloo ranks, EP2 over all_to_all, gradients through moefp8.grad_sync: figures per GPU and
-    for both, one report (rank 0)."""
+    for both, one report (rank 0); the overlap off and on, two rounds interleaved, medians and the
+    ratios in the summary, the kernel table from the first round only."""
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "tools/profile_step.py", "model=tiny", "train.device=cpu", "train.micro_batch=2",
                         "train.seq_len=32", "dispatch=all_to_all", "dispatch.ep_size=2", "--warmup", "1", "--steps", "1",
+                        "--vary", "dispatch.overlap=false,true", "--rounds", "2",
                         "--profile-steps", "1", "--top", "3", "--json", str(out)], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("fp8 / bf16 tokens/s") == 1 and "on 2 (EP 2)" in r.stdout
-    rows = json.loads(out.read_text())["rows"]
+    assert r.stdout.count("fp8 dispatch.overlap=true: ") == 1 and "on 2 (EP 2)" in r.stdout
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [(row["round"], row["variant"], row["recipe"]) for row in rows] == [
+        (i, f"dispatch.overlap={v}", recipe) for i in (0, 1) for v in ("false", "true") for recipe in ("bf16", "fp8")]
+    assert all(bool(row["top"]) == (row["round"] == 0) for row in rows)
+    on = {row["recipe"]: row for row in doc["summary"] if row["variant"] == "dispatch.overlap=true"}
+    assert on["bf16"]["rounds"] == 2 and "over_bf16" in on["fp8"] and on["fp8"]["over_dispatch.overlap=false"] > 0
     assert all(row["world"] == 2 and row["ep_size"] == 2 for row in rows)
     assert all(row["tokens_per_s_all"] == 2 * row["tokens_per_s"] for row in rows)
     assert all(row["plan_gib"] > 0 and row["peak_mem_gib"] is None for row in rows)  # (CPU: no CUDA peak)

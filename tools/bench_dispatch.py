@@ -39,6 +39,7 @@ import torch.distributed as dist
 from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
 from moefp8.dispatch.hierarchical import HierarchicalDispatcher, build_node_groups
 from moefp8.kernels.quant import quant_rowwise
+from moefp8.router import select_experts
 from moefp8.testing import print_table, results_path, save_results
 
 
@@ -145,6 +146,16 @@ def link_rows(disp, handle, G: int) -> tuple[int, int]:
             sum(s for r, s in enumerate(sends) if r // G == node and r != rank))
 
 
+def expected_inter_rows(idx, E: int, n: int, G: int, hierarchical: bool) -> tuple[int, int]:
+    """From the routing alone: the inter-node rows this rank must send, one per (token, distinct
+    remote node hosting one of its experts) hierarchical, one per (token, distinct remote rank)
+    flat; and the most any one token sends."""
+    node = dist.get_rank() // G
+    hosts = (idx.clamp(min=0) // (E // n)).masked_fill(idx < 0, -1).cpu()
+    rows = [{(r // G if hierarchical else r) for r in h.tolist() if r >= 0 and r // G != node} for h in hosts]
+    return sum(map(len, rows)), max(map(len, rows), default=0)
+
+
 def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact", G=None, node_groups=None):
     """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic. G: ranks
     per node (the combine sums per node); node_groups: the hierarchical mode's groups."""
@@ -200,6 +211,8 @@ def main():
     p.add_argument("--modes", default="exact,capacity", help="all_to_all modes to run (comma list)")
     p.add_argument("--ranks-per-node", type=int, default=0, help="pose as nodes of this many ranks (0: torchrun's "
                    "LOCAL_WORLD_SIZE): adds the hierarchical mode and rows per link class when the ranks span nodes")
+    p.add_argument("--max-nodes", type=int, default=0, help="node-limited routing (with nodes): each token's "
+                   "experts on at most this many nodes, as dispatch.max_nodes (0: off)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/gloo smoke test)")
     p.add_argument("--out", default=None, help="results JSON path (default bench/results/dispatch-<device>-ep<N>.json)")
     a = p.parse_args()
@@ -218,12 +231,18 @@ def main():
     x = torch.randn(a.tokens, a.hidden, device=dev).bfloat16()
     x8 = quant_rowwise(x)
     scores = torch.randn(a.tokens, E, device=dev).abs() + 1
-    idx = scores.topk(a.topk, dim=-1, sorted=False).indices
+    G = a.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    nodes = G < n and n % G == 0
+    if a.max_nodes and not (nodes and 0 < a.max_nodes <= n // G):
+        raise SystemExit(f"bench_dispatch: --max-nodes {a.max_nodes} needs ranks posing as nodes (--ranks-per-node) "
+                         f"and at most their {n // G if nodes else 1} nodes")
+    if a.max_nodes:  # the router's node-limited selection: the groups are the nodes
+        idx = select_experts(scores, torch.zeros(E, device=dev), a.topk, n // G, a.max_nodes)
+    else:
+        idx = scores.topk(a.topk, dim=-1, sorted=False).indices
     w = torch.rand(a.tokens, a.topk, device=dev)
 
     busbw, t_ar = allreduce_busbw(a.allreduce_mb << 20, a.warmup, a.iters, dev)
-    G = a.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", n))
-    nodes = G < n and n % G == 0
     groups = build_node_groups(n, n, G) if nodes else None  # collective: every rank, before any timing
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     runs = []  # (impl, mode, fn)
@@ -262,7 +281,11 @@ def main():
             disp = (HierarchicalDispatcher(E, *groups) if impl.endswith("hierarchical")
                     else AllToAllDispatcher(E, None, mode="exact", ranks_per_node=G))
             inter, intra = link_rows(disp, disp.dispatch(x8, idx, w).handle, G)
-            links = {"ranks_per_node": G, "inter_node_rows": inter, "intra_node_rows": intra,
+            want, most = expected_inter_rows(idx, E, n, G, impl.endswith("hierarchical"))
+            assert inter == want, f"rank {rank} {impl}: {inter} inter-node rows sent, the routing asks {want}"
+            assert not (a.max_nodes and impl.endswith("hierarchical") and most > a.max_nodes), (most, a.max_nodes)
+            links = {"ranks_per_node": G, "max_nodes": a.max_nodes, "inter_node_rows": inter,
+                     "inter_node_rows_expected": want, "inter_node_rows_per_token_max": most, "intra_node_rows": intra,
                      "inter_node_fp8_bytes": inter * row_bytes(a.hidden, a.topk, "fp8-pow2"),
                      "intra_node_fp8_bytes": intra * row_bytes(a.hidden, a.topk, "fp8-pow2")}
         for case, t, nbytes, wire in results:

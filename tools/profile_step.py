@@ -76,7 +76,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(overrides: list[str], recipe: str, args, par_box: list) -> dict:
+def measure(overrides: list[str], recipe: str, args, par_box: list, profile_steps: int) -> dict:
     cfg = compose_config([*overrides, f"recipe={recipe}"])
     device = resolve_device(cfg.train.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -104,21 +104,21 @@ def measure(overrides: list[str], recipe: str, args, par_box: list) -> dict:
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(args.profile_steps):
-            step()
-        sync(device)
     dev = "cuda" if device.type == "cuda" else "cpu"
     rows, launches = [], 0
-    for e in prof.key_averages():
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(profile_steps):
+            step()
+        sync(device)
+    for e in prof.key_averages() if profile_steps else ():
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
         if dev == "cuda" and on_gpu and not annotation:
             launches += e.count
         us = getattr(e, f"self_{dev}_time_total", 0) or (e.self_device_time_total if dev == "cuda" else 0)
         if us > 0 and not annotation and (dev == "cpu" or on_gpu):
-            rows.append({"kernel": e.key[:160], "ms_per_step": us / 1e3 / args.profile_steps,
-                         "calls_per_step": e.count / args.profile_steps})
+            rows.append({"kernel": e.key[:160], "ms_per_step": us / 1e3 / profile_steps,
+                         "calls_per_step": e.count / profile_steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
     step_s = statistics.median(times)
     if par is not None:  # the slowest rank's median sets the pace
@@ -133,7 +133,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list) -> dict:
         torch.cuda.empty_cache()
     pl = plan(cfg)
     return {"recipe": recipe, "step_ms": step_s * 1e3, "host_ms": statistics.median(host) * 1e3,
-            "gpu_ops_per_step": launches / args.profile_steps, "tokens_per_s": tokens / step_s, "tflops": tflops,
+            "gpu_ops_per_step": launches / profile_steps if profile_steps else None, "tokens_per_s": tokens / step_s, "tflops": tflops,
             "world": world, "ep_size": cfg.dispatch.ep_size if world > 1 else 1,
             "tokens_per_s_all": tokens * world / step_s,
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
@@ -142,17 +142,71 @@ def measure(overrides: list[str], recipe: str, args, par_box: list) -> dict:
             "top": rows[:args.top], "device": str(device), "params": param_counts(cfg.model)}
 
 
+def report(r: dict) -> None:
+    sol = f" of {r['peak_tflops']:.0f} peak ({r['tflops'] / r['peak_tflops']:.1%})" if r["peak_tflops"] else ""
+    mem = f"; memory peak {r['peak_mem_gib']:.1f} GiB (plan {r['plan_gib']:.1f})" if r["peak_mem_gib"] else ""
+    every = f" per GPU, {r['tokens_per_s_all']:,.0f} on {r['world']} (EP {r['ep_size']})" if r["world"] > 1 else ""
+    ops = f", {r['gpu_ops_per_step']:.0f} GPU ops/step" if r["gpu_ops_per_step"] else ""
+    print(f"\n{r['recipe']}{r['variant'] and ' ' + r['variant']}, round {r['round']}: step {r['step_ms']:.1f} ms, "
+          f"{r['tokens_per_s']:,.0f} tokens/s{every}, {r['tflops']:.1f} TFLOP/s{sol}; kernels "
+          f"{r['kernels_ms_per_step']:.1f} ms/step, host enqueue {r['host_ms']:.1f} ms/step{ops}{mem}")
+    if r["top"]:
+        print(f"  {'ms/step':>8} {'calls':>6}  kernel")
+    for k in r["top"]:
+        print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
+
+
+def summarize(res: list[dict]) -> list[dict]:
+    """Per (recipe, variant): the median over rounds; the ratios FP8/BF16 per variant and each
+    variant over the first per recipe."""
+    keys = list(dict.fromkeys((r["recipe"], r["variant"]) for r in res))
+    med = {k: statistics.median(r["tokens_per_s"] for r in res if (r["recipe"], r["variant"]) == k) for k in keys}
+    out = []
+    for (recipe, variant), tps in med.items():
+        row = {"recipe": recipe, "variant": variant, "rounds": sum((r["recipe"], r["variant"]) == (recipe, variant)
+                                                                    for r in res), "median_tokens_per_s": tps}
+        if recipe != "bf16" and ("bf16", variant) in med:
+            row["over_bf16"] = tps / med[("bf16", variant)]
+        first = next(v for r_, v in keys if r_ == recipe)
+        if variant != first:
+            row[f"over_{first}"] = tps / med[(recipe, first)]
+        out.append(row)
+    return out
+
+
+def save(path: str, res: list[dict], overrides: list[str], complete: bool) -> None:
+    save_results("profile_step", res, {r["recipe"]: r["peak_tflops"] for r in res}, path=Path(path),
+                 overrides=overrides, summary=summarize(res), complete=complete)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="bf16,fp8")
+    p.add_argument("--vary", default="", help="KEY=V1,V2,...: one override more per variant, e.g. "
+                   "dispatch.overlap=false,true (every recipe, every round; ratios to the first)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the (variant, recipe) sweep, interleaved; "
+                   "the kernel table comes from the first round")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", help="write the rows here")
     args, overrides = p.parse_known_args()
-    par_box = []
-    res = [measure(overrides, r, args, par_box) for r in args.recipes.split(",")]
+    variants = [""]
+    if args.vary:
+        key, _, values = args.vary.partition("=")
+        if not key or not values:
+            raise SystemExit(f"profile_step: --vary {args.vary!r}: write KEY=V1,V2 (e.g. dispatch.overlap=false,true)")
+        variants = [f"{key}={v}" for v in values.split(",")]
+    par_box, res = [], []
+    for round_ in range(args.rounds):
+        for variant in variants:
+            for recipe in args.recipes.split(","):
+                r = measure([*overrides, *filter(None, [variant])], recipe, args, par_box,
+                            args.profile_steps if round_ == 0 else 0)
+                res.append({**r, "variant": variant, "round": round_})
+                if args.json and not (par_box and par_box[0].rank):  # what is measured so far, complete: false
+                    save(args.json, res, overrides, complete=False)
     if par_box and par_box[0].rank != 0:
         torch.distributed.destroy_process_group()
         return
@@ -160,21 +214,14 @@ def main() -> None:
     print(f"overrides: {' '.join(overrides) or '(none)'}; {n['total'] / 1e6:.1f}M parameters, "
           f"{n['active'] / 1e6:.1f}M active")
     for r in res:
-        sol = f" of {r['peak_tflops']:.0f} peak ({r['tflops'] / r['peak_tflops']:.1%})" if r["peak_tflops"] else ""
-        mem = f"; memory peak {r['peak_mem_gib']:.1f} GiB (plan {r['plan_gib']:.1f})" if r["peak_mem_gib"] else ""
-        every = f" per GPU, {r['tokens_per_s_all']:,.0f} on {r['world']} (EP {r['ep_size']})" if r["world"] > 1 else ""
-        print(f"\n{r['recipe']}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s{every}, "
-              f"{r['tflops']:.1f} TFLOP/s{sol}; kernels {r['kernels_ms_per_step']:.1f} ms/step, "
-              f"host enqueue {r['host_ms']:.1f} ms/step, {r['gpu_ops_per_step']:.0f} GPU ops/step{mem}")
-        print(f"  {'ms/step':>8} {'calls':>6}  kernel")
-        for k in r["top"]:
-            print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
-    if len(res) == 2:
-        a, b = res
-        print(f"\n{b['recipe']} / {a['recipe']} tokens/s: {b['tokens_per_s'] / a['tokens_per_s']:.3f}")
+        report(r)
+    print()
+    for row in summarize(res):
+        ratios = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("over_"))
+        print(f"{row['recipe']}{row['variant'] and ' ' + row['variant']}: {row['median_tokens_per_s']:,.0f} tokens/s "
+              f"per GPU (median of {row['rounds']}){ratios and '; ' + ratios}")
     if args.json:
-        save_results("profile_step", res, {r["recipe"]: r["peak_tflops"] for r in res}, path=Path(args.json),
-                     overrides=overrides)
+        save(args.json, res, overrides, complete=True)
     if par_box:
         torch.distributed.destroy_process_group()
 

@@ -81,9 +81,11 @@ def test_hierarchical_equals_flat_bit_for_bit(backend):
     spawn_group(_check, 4, backend=backend, timeout_s=180)
 
 
-def test_bench_dispatch_reports_rows_per_link_class(tmp_path):
+@pytest.mark.parametrize("max_nodes", [0, 1])
+def test_bench_dispatch_reports_rows_per_link_class(tmp_path, max_nodes):
     """tools/bench_dispatch.py on 4 gloo ranks posing as 2 nodes of 2: the hierarchical rows beside
-    the flat ones, with rows per link class; fewer inter-node rows than flat."""
+    the flat ones, with rows per link class (checked there against the routing); fewer inter-node
+    rows than flat; node-limited routing to one node: at most one inter-node row per token."""
     import json
     import os
     import subprocess
@@ -94,12 +96,15 @@ def test_bench_dispatch_reports_rows_per_link_class(tmp_path):
     out = tmp_path / "bd.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                         str(repo / "tools/bench_dispatch.py"), "--smoke", "--backends", "all_to_all", "--modes", "exact",
-                        "--ranks-per-node", "2", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                        "--ranks-per-node", "2", "--max-nodes", str(max_nodes), "--out", str(out)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=repo)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     by = {row["impl"]: row for row in rows if row["case"].startswith("dispatch fp8 T")}
     flat, hier = by["all_to_all"], by["all_to_all-hierarchical"]
     assert 0 < hier["inter_node_rows"] < flat["inter_node_rows"] and hier["intra_node_rows"] > flat["intra_node_rows"]
+    assert hier["inter_node_rows"] == hier["inter_node_rows_expected"] and hier["max_nodes"] == max_nodes
+    assert hier["inter_node_rows_per_token_max"] == 1  # 2 nodes: one remote node at most
+    assert flat["inter_node_rows_per_token_max"] == 2  # both ranks of the other node
     for row in (flat, hier):  # rows of 560 bytes: FP8 data 512 + UE8M0 scales 4 + routing 32, padded to 16
         assert row["inter_node_fp8_bytes"] == 560 * row["inter_node_rows"]
