@@ -127,7 +127,8 @@ def test_a_node_that_dies_ends_the_other_within_the_timeout(data_dir, tmp_path, 
             p.wait()
     assert procs[0].returncode != 0 and elapsed < 60, (elapsed, err[-3000:])
     ours = [line for line in err.splitlines() if line.startswith("error: rank")]
-    assert ours and all("a collective failed, a peer rank died or hangs" in line for line in ours), err[-3000:]
+    # gloo: the failed collective raises; NCCL: the step watchdog stops the rank; both lines say this
+    assert ours and all("a peer rank died or hangs" in line for line in ours), err[-3000:]
     assert "moefp8/" not in err.split("Root Cause")[0]  # no traceback from our code
 
 

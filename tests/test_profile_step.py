@@ -15,7 +15,7 @@ def test_profile_step_smoke(tmp_path):
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, "tools/profile_step.py", "model=tiny", "train.device=cpu", "train.micro_batch=2",
                         "train.seq_len=32", "--warmup", "1", "--steps", "1", "--profile-steps", "1", "--top", "5",
-                        "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                        "--host-profile", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     fp8 = doc["summary"][1]
@@ -23,6 +23,11 @@ def test_profile_step_smoke(tmp_path):
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
     assert all(0 < row["host_ms"] <= row["step_ms"] * 1.5 and row["gpu_ops_per_step"] == 0 for row in doc["rows"])
+    for row in doc["rows"]:  # the host's time by function and file: the model's own forward among them
+        h = row["host_top"]
+        assert h["host_ms"] > 0 and len(h["functions"]) == 5 and 0 < len(h["files"]) <= 5
+        assert any(f["function"].endswith(" forward") for f in h["functions"]) or any(
+            f["file"].startswith("moefp8/") for f in h["files"]), h
 
 
 def test_profile_step_under_torchrun_with_ep(tmp_path):

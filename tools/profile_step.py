@@ -23,7 +23,9 @@ with --json.
 """
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -76,6 +78,57 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _ProfileThisThread(torch.autograd.Function):
+    """Identity whose backward turns a cProfile on or off in the thread that runs it: on CUDA the
+    autograd engine runs backward in its own thread per device, which the caller's profiler misses."""
+
+    @staticmethod
+    def forward(ctx, x, prof, on):
+        ctx.prof, ctx.on = prof, on
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.prof.enable() if ctx.on else ctx.prof.disable()
+        return g, None, None
+
+
+def _in_backward_thread(prof: cProfile.Profile, on: bool, device: torch.device) -> None:
+    x = torch.zeros(1, device=device, requires_grad=True)
+    _ProfileThisThread.apply(x, prof, on).sum().backward()
+
+
+def host_profile(step, device: torch.device, top: int) -> dict:
+    """One step under cProfile (the caller's thread and, on CUDA, the autograd engine's): where the
+    host's time goes, by function (self time) and by source file; the step's host time under the
+    profiler beside (cProfile slows Python, not the GPU)."""
+    sync(device)
+    prof, bwd = cProfile.Profile(), cProfile.Profile() if device.type == "cuda" else None
+    if bwd:
+        _in_backward_thread(bwd, True, device)
+    t0 = time.perf_counter()
+    prof.enable()
+    step()
+    prof.disable()
+    host = time.perf_counter() - t0
+    if bwd:
+        _in_backward_thread(bwd, False, device)
+    sync(device)
+    st = pstats.Stats(prof)
+    if bwd:
+        st.add(bwd)
+    stats = st.stats  # (file, line, name) -> (prim calls, calls, self s, cumulative s, callers)
+    by_file: dict[str, float] = {}
+    for (file, _, name), (_, _, tt, _, _) in stats.items():
+        key = name if file == "~" else "/".join(Path(file).parts[-2:])  # "~": builtins and C functions
+        by_file[key] = by_file.get(key, 0.0) + tt
+    fns = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"host_ms": host * 1e3, "threads": 2 if bwd else 1,
+            "functions": [{"function": f"{'/'.join(Path(f).parts[-2:])}:{line} {name}", "self_ms": tt * 1e3,
+                           "cum_ms": ct * 1e3, "calls": nc} for (f, line, name), (_, nc, tt, ct, _) in fns],
+            "files": [{"file": k, "self_ms": v * 1e3} for k, v in sorted(by_file.items(), key=lambda kv: -kv[1])[:top]]}
+
+
 def measure(overrides: list[str], recipe: str, args, par_box: list, profile_steps: int) -> dict:
     cfg = compose_config([*overrides, f"recipe={recipe}"])
     device = resolve_device(cfg.train.device)
@@ -104,6 +157,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    host_top = host_profile(step, device, args.top) if args.host_profile else None
     dev = "cuda" if device.type == "cuda" else "cpu"
     rows, launches = [], 0
     with torch.profiler.profile(activities=acts) as prof:
@@ -139,7 +193,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "top": rows[:args.top], "device": str(device), "params": param_counts(cfg.model)}
+            "top": rows[:args.top], "host_top": host_top, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -154,6 +208,13 @@ def report(r: dict) -> None:
         print(f"  {'ms/step':>8} {'calls':>6}  kernel")
     for k in r["top"]:
         print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
+    if r["host_top"]:
+        h = r["host_top"]
+        print(f"  host, one step under cProfile: {h['host_ms']:.1f} ms; by file (self ms): "
+              + ", ".join(f"{f['file']} {f['self_ms']:.1f}" for f in h["files"][:12]))
+        print(f"  {'self ms':>8} {'cum ms':>8} {'calls':>6}  function")
+        for f in h["functions"]:
+            print(f"  {f['self_ms']:8.2f} {f['cum_ms']:8.2f} {f['calls']:6d}  {f['function']}")
 
 
 def summarize(res: list[dict]) -> list[dict]:
@@ -190,6 +251,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--host-profile", action="store_true", help="one more step under cProfile: the host's "
+                   "time by Python function and by source file (the host_top table)")
     p.add_argument("--json", help="write the rows here")
     args, overrides = p.parse_known_args()
     variants = [""]
