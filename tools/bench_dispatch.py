@@ -36,11 +36,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes
-from moefp8.dispatch.hierarchical import HierarchicalDispatcher, build_node_groups
-from moefp8.kernels.quant import quant_rowwise
-from moefp8.router import select_experts
-from moefp8.testing import print_table, results_path, save_results
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, as tools/profile_step.py
+from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes  # noqa: E402
+from moefp8.dispatch.hierarchical import HierarchicalDispatcher, build_node_groups  # noqa: E402
+from moefp8.kernels.quant import quant_rowwise  # noqa: E402
+from moefp8.router import select_experts  # noqa: E402
+from moefp8.testing import print_table, results_path, save_results  # noqa: E402
 
 
 def init_torchrun(bind_cpus: bool = False) -> tuple[int, int, torch.device]:

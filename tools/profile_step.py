@@ -103,7 +103,9 @@ def host_profile(step, device: torch.device, top: int) -> dict:
     host's time goes, by function (self time) and by source file; the step's host time under the
     profiler beside (cProfile slows Python, not the GPU)."""
     sync(device)
-    prof, bwd = cProfile.Profile(), cProfile.Profile() if device.type == "cuda" else None
+    # Python >= 3.12: cProfile is one sys.monitoring tool for every thread of the process already
+    threads = device.type == "cuda" and sys.version_info < (3, 12)
+    prof, bwd = cProfile.Profile(), cProfile.Profile() if threads else None
     if bwd:
         _in_backward_thread(bwd, True, device)
     t0 = time.perf_counter()
@@ -123,7 +125,7 @@ def host_profile(step, device: torch.device, top: int) -> dict:
         key = name if file == "~" else "/".join(Path(file).parts[-2:])  # "~": builtins and C functions
         by_file[key] = by_file.get(key, 0.0) + tt
     fns = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {"host_ms": host * 1e3, "threads": 2 if bwd else 1,
+    return {"host_ms": host * 1e3,
             "functions": [{"function": f"{'/'.join(Path(f).parts[-2:])}:{line} {name}", "self_ms": tt * 1e3,
                            "cum_ms": ct * 1e3, "calls": nc} for (f, line, name), (_, nc, tt, ct, _) in fns],
             "files": [{"file": k, "self_ms": v * 1e3} for k, v in sorted(by_file.items(), key=lambda kv: -kv[1])[:top]]}
