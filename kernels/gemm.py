@@ -20,6 +20,8 @@ contiguous, FP32 output included, M % 16 == 0. Hopper's FP8 tensor cores need bo
 K-major, so dgrad multiplies by `transpose_weight(W)`, an FP8 copy of Wᵀ (cuBLAS and Triton).
 """
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -58,9 +60,17 @@ def _cublas_ok(M: int, N: int, K: int) -> bool:
     return M % 16 == 0 and N % TILE == 0 and (K // TILE) % 4 == 0
 
 
+@functools.lru_cache(maxsize=64)
+def _one_group(M: int, device: torch.device) -> Tensor:
+    """The group offsets [0, M] of a dense GEMM run as one group, made once per (M, device):
+    `torch.tensor([0, M], device=cuda)` copies from pageable host memory, which waits for the stream
+    (a host sync per GEMM: 27 per step of the 16B preset, bench/notes/scale.md). Read-only."""
+    return torch.tensor([0, M], dtype=torch.int32).to(device)
+
+
 def _triton_nt(a: Fp8Tensor, b: Fp8Tensor, policy: GemmPolicy) -> Tensor:
     M, N = a.data.shape[0], b.data.shape[0]
-    off = torch.tensor([0, M], dtype=torch.int32, device=a.data.device)
+    off = _one_group(M, a.data.device)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=a.data.device)
     return launch_mgrouped(a, Fp8Tensor(b.data.unsqueeze(0), b.scale.unsqueeze(0), b.layout), off, out, policy)
 
@@ -130,7 +140,7 @@ def _fp8_wgrad(dy: Fp8Tensor, x: Fp8Tensor, out: Tensor | None, impl: str | None
     accumulate = out is not None
     if out is None:
         out = torch.empty(N, K, dtype=torch.float32, device=dy.data.device)
-    off = torch.tensor([0, M], dtype=torch.int32, device=dy.data.device)
+    off = _one_group(M, dy.data.device)
     launch_kgrouped(dy, x, off, out.unsqueeze(0), accumulate, policy)
     return out
 

@@ -328,3 +328,25 @@ def test_cublas_loop_only_where_it_pays():
     assert loop_pays(dsv3, 4096, 7168) and loop_pays(dsv3, 4096, 7168, min_rows=2048)
     assert not loop_pays([1024 * e for e in range(33)], 4096, 7168, min_rows=2048)  # wgrad below 2048 rows
     assert not loop_pays([0] * 9, 4096, 7168)  # no tokens at all
+
+
+@pytest.mark.gpu
+def test_gpu_dense_triton_fallback_makes_no_host_sync():
+    """K = 2816 (K/128 % 4 != 0: the 16B preset's shared experts' down projection) runs the Triton
+    kernel as one group; its offsets were a pageable host copy, a stream sync per GEMM that made the
+    16B step host-paced (bench/notes/scale.md). Forward, dgrad and the Triton wgrad: no sync."""
+    M, N, K = 512, 2048, 2816
+    x, w, dy = _rand(M, K, outliers=True).cuda(), _rand(N, K).cuda(), _rand(M, N).cuda()
+    a, b, d8, xc, dyc = (quant_rowwise_ref(x), quant_weight_ref(w), quant_rowwise_ref(dy), quant_colwise_ref(x),
+                         quant_colwise_ref(dy))
+    triton_wgrad = GemmPolicy(dense_wgrad_cublas=False)
+    for _ in range(2):  # warm-up: compilation, the offsets made once per M
+        fp8_gemm(a, b), fp8_gemm_dgrad(d8, b), fp8_gemm(dyc, xc, policy=triton_wgrad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [fp8_gemm(a, b), fp8_gemm_dgrad(d8, b), fp8_gemm(dyc, xc, policy=triton_wgrad)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _gpu_ref_check(outs[0], a.dequantize().double() @ b.dequantize().double().t(), BF16_TOL)
+    _gpu_ref_check(outs[2], dyc.dequantize().double().t() @ xc.dequantize().double(), GPU_FP32_TOL)
