@@ -3,6 +3,7 @@
 Installed as `moefp8.kernels` (the top-level folder is `kernels/`).
 """
 
+import functools
 import os
 
 import torch
@@ -24,4 +25,9 @@ def num_sms(device: torch.device) -> int:
     and under TRITON_INTERPRET=1, so that the interpreter runs several programs)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # asked per launch (persistent grids): the properties read once
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -29,6 +29,8 @@ Measured (one H200, bench/results/gemm-NVIDIA-H200.json, DeepSeek-V3 expert shap
 1.06-1.10x BF16 `_grouped_mm` at 1024 tokens x 32 experts (FP32 dW: twice BF16's output bytes).
 """
 
+import functools
+
 import torch
 import triton
 
@@ -314,13 +316,25 @@ if HAVE_GLUON:
             mbarrier.invalidate(ready.index(q))
             mbarrier.invalidate(empty.index(q))
 
+    # The shared-memory layouts of the descriptors' blocks, made once (made per launch they were
+    # ~20 ms of Python per step of the 16B preset, bench/notes/scale.md)
+    @functools.cache
+    def _kg_layouts():
+        return (gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv),
+                gl.NVMMASharedLayout.get_default_for([64, 128], gl.float32))
+
+    @functools.cache
+    def _mg_layouts():
+        return (gl.NVMMASharedLayout.get_default_for([TILE_M, 128], gl.float8e4nv),
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.float8e4nv),
+                gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16))
+
     def kg_descriptors(a_data: torch.Tensor, b_data: torch.Tensor, out: torch.Tensor):
         """Host TMA descriptors: a [N, M] and b [K, M] FP8, out [E, N, K] fp32 (all contiguous)."""
         N, M = a_data.shape
         K = b_data.shape[0]
         E = out.shape[0]
-        l8 = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
-        c_l = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float32)
+        l8, c_l = _kg_layouts()
         return (TensorDescriptor(a_data, [N, M], [M, 1], [128, 128], l8),
                 TensorDescriptor(b_data, [K, M], [M, 1], [128, 128], l8),
                 TensorDescriptor(out.view(E * N, K), [E * N, K], [K, 1], [64, 128], c_l))
@@ -329,9 +343,7 @@ if HAVE_GLUON:
         """Host TMA descriptors: a [M, K] and b [E, N, K] FP8, out [M, N] BF16 (all contiguous)."""
         M, K = a_data.shape
         E, N, _ = b_data.shape
-        a_l = gl.NVMMASharedLayout.get_default_for([TILE_M, 128], gl.float8e4nv)
-        b_l = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.float8e4nv)
-        c_l = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
+        a_l, b_l, c_l = _mg_layouts()
         return (TensorDescriptor(a_data, [M, K], [K, 1], [TILE_M, 128], a_l),
                 TensorDescriptor(b_data.view(E * N, K), [E * N, K], [K, 1], [BLOCK_N, 128], b_l),
                 TensorDescriptor(out, [M, N], [N, 1], [64, BLOCK_N], c_l))
@@ -346,7 +358,16 @@ def _grid_sms(device: torch.device, reserved: int) -> int:
 
 def available(device: torch.device) -> bool:
     """Gluon present and `device` a Hopper (sm_90) GPU."""
-    return HAVE_GLUON and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return HAVE_GLUON and device.type == "cuda" and _is_sm90(_index(device))
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:  # asked per launch: the device's properties read once
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def supported(a: Fp8Tensor, b: Fp8Tensor, out: torch.Tensor) -> bool:
