@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 from collections import Counter
@@ -194,8 +195,6 @@ def _batches(docs, size: int):
 
 def _progress(total_bytes: int, what: str):
     """A rich progress bar over bytes of text on a terminal (stderr); a no-op elsewhere (CI, logs)."""
-    import sys
-
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     p = Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),

@@ -57,7 +57,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         dx, dw = ctx.saved_tensors
-        return (dx * grad.to(dx.dtype)).to(dx.dtype), (dw * grad).to(ctx.w_dtype), None, None
+        return dx * grad.to(dx.dtype), (dw * grad).to(ctx.w_dtype), None, None
 
 
 def linear_cross_entropy(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: int) -> Tensor:

@@ -8,6 +8,7 @@ alike (`same_file`), and the step watchdog that ends a rank blocked on a dead or
     same_file(run_dir / "lock.json", ...)      # every rank reads what rank 0 wrote, or one line
 """
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -37,6 +38,17 @@ def check_parallel(cfg: Config, world: int) -> None:
                          f"--nproc_per_node N -m moefp8.train ...); use dispatch=local on one process")
     if world % ep:
         raise ValueError(f"dispatch.ep_size={ep}: does not divide the {world} processes")
+
+
+@contextlib.contextmanager
+def same_on_every_rank(rank: int):
+    """Around code whose UserErrors every rank meets alike (a config, a broadcast decision, the
+    shared checkpoint verification, the same files): rank 0 reports them, the others stay quiet."""
+    try:
+        yield
+    except UserError as e:
+        e.quiet = e.quiet or rank != 0
+        raise
 
 
 class Parallel:

@@ -17,10 +17,8 @@ and the ranks, logging, checkpointing. A SIGTERM/SIGINT (`stop`) or train.time_l
 after a step, with a checkpoint; the same command resumes the same loss curve.
 """
 
-import contextlib
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -28,40 +26,23 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from moefp8 import checkpoint
+from moefp8 import checkpoint, cli
 from moefp8.build import build_model, grad_buckets, open_data
-from moefp8.config import Config, validate
+from moefp8.config import Config
 from moefp8.data import Loader
-from moefp8.errors import EXIT_INTERRUPTED, EXIT_STOPPED, UserError, first_line, report
-from moefp8.hydra_config import CONFIG_DIR, config_help, load_config, register_schema
-from moefp8.launch import check_launch, comm_failure, job_dir_name, peak_flops, resolve_device
+from moefp8.diverge import skip_or_stop
+from moefp8.errors import UserError
+from moefp8.launch import peak_flops, resolve_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, plan
 from moefp8.model import Transformer, flops_per_token, param_counts
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
-from moefp8.parallel import Parallel, StepWatchdog, same_file
+from moefp8.parallel import Parallel, StepWatchdog, same_file, same_on_every_rank
 from moefp8.router import load_stats
-from moefp8.rundir import LOCK, open_run_dir, take
+from moefp8.rundir import LOCK, take
 from moefp8.runlog import RunLog, memory_mb, record_start, start_wandb
 from moefp8.state import find_resume, restore, train_state
 from moefp8.stop import StopSignals
-
-
-class Diverged(UserError):
-    """A non-finite loss or gradient norm under nan_policy=stop, or more than
-    train.max_skipped_steps skipped steps in a row under skip (the message names the stage and the
-    last good checkpoint)."""
-
-
-@contextlib.contextmanager
-def same_on_every_rank(rank: int):
-    """Around code whose UserErrors every rank meets alike (a config, a broadcast decision, the
-    shared checkpoint verification, the same files): rank 0 reports them, the others stay quiet."""
-    try:
-        yield
-    except UserError as e:
-        e.quiet = e.quiet or rank != 0
-        raise
 
 
 def train(cfg: Config) -> dict:
@@ -194,16 +175,9 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         stopping = stop.requested or ("a signal to another rank" if signalled else None)
         stop_now = bool(signalled) or (bool(time_up) and step + 1 < t.steps)
         if not (math.isfinite(loss) and math.isfinite(gn)):  # the same values on every rank
-            where = locate_nonfinite(model, par.all_reduce_(nonfinite_S.int()))  # any rank's stages
             good = last_saved or checkpoint.latest_name(run_dir)
-            msg = f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g}); {where}"
-            if t.nan_policy == "stop":
-                raise Diverged(f"{msg}; last good checkpoint: {good}. Stopped (train.nan_policy=stop).",
-                               quiet=par.rank != 0)
-            skipped += 1
-            if skipped > t.max_skipped_steps:
-                raise Diverged(f"{msg}; {skipped} steps skipped in a row, more than train.max_skipped_steps="
-                               f"{t.max_skipped_steps}; last good checkpoint: {good}", quiet=par.rank != 0)
+            skipped, msg = skip_or_stop(t, f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g})",
+                                        model, par.all_reduce_(nonfinite_S.int()), good, skipped, par.rank)
             console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip), {skipped} in a row")
             model.scale_stats.report()  # dropped with the step
             zero_grad()
@@ -260,93 +234,9 @@ def evaluate(model: Transformer, loader: Loader, device: torch.device, par: Para
     return (total / n).item()
 
 
-def locate_nonfinite(model: Transformer, nonfinite_S: torch.Tensor) -> str:
-    """Where a step's NaN/Inf came from, for the error message (called only after the loss or the
-    gradient norm came out non-finite, so the host syncs here cost nothing in a healthy run):
-    the first stage (in forward order) whose output was non-finite, else the parameter whose
-    gradient went non-finite first in backward order (the last in forward order)."""
-    bad = [name for name, f in zip(model.stages(), nonfinite_S.tolist()) if f]
-    if bad:
-        return f"first non-finite activation: {bad[0]} output" + (f" (then {len(bad) - 1} later stage(s))"
-                                                                   if len(bad) > 1 else "")
-    grads = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-    if grads:
-        return (f"activations finite; first non-finite gradient (backward order): {grads[-1]}"
-                + (f" (and {len(grads) - 1} earlier parameter(s))" if len(grads) > 1 else ""))
-    return "activations and gradients of this rank finite"
-
-
-def _main() -> None:
-    import hydra
-    from hydra._internal.utils import get_args_parser
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
-    args = get_args_parser().parse_args()  # what @hydra.main parses (exits with usage on a bad flag)
-    env, pre = os.environ, None
-    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-    quiet = rank != 0  # what every rank finds alike (the config, the run dir) is reported by rank 0
-    if args.help:
-        try:
-            print(config_help(), flush=True)
-        except BrokenPipeError:  # `--help | head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return
-    if not (args.hydra_help or args.cfg or args.info or args.shell_completion or args.multirun):
-        try:  # compose once here: any config problem is one line, before Hydra's own (multi-line) report
-            pre = load_config(args.overrides, auto_model=True)
-            check_launch(pre, env)
-        except ValueError as e:
-            report(f"config error: {e}", quiet=quiet)
-        try:  # before Hydra creates it (hydra.run.dir): a file, a folder that cannot be written, ...
-            open_run_dir(pre.train.out_dir, pre.train.resume)
-        except UserError as e:
-            report(f"error: {e}", quiet=quiet)
-    register_schema()
-    OmegaConf.register_new_resolver("moefp8_job_dir", job_dir_name, replace=True)
-
-    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-    def entry(dcfg) -> None:  # --cfg/--info are answered by Hydra before this runs
-        cfg = pre
-        try:
-            if cfg is None:  # --multirun: one job per composed config, each in its own run dir
-                cfg = OmegaConf.to_object(dcfg)
-                validate(cfg)
-                check_launch(cfg, env)
-                hc = HydraConfig.get()
-                if hc.mode == RunMode.MULTIRUN:
-                    cfg.train.out_dir = hc.runtime.output_dir
-                    print(f"multirun job {hc.job.num}: run dir {cfg.train.out_dir}")
-        except ValueError as e:
-            report(f"config error: {e}", quiet=quiet)
-        try:
-            out = train(cfg)
-        except UserError as e:
-            report(f"error: {e}", quiet=e.quiet)
-        except Exception as e:
-            if world == 1 or not comm_failure(e):
-                raise
-            # a peer is gone: no clean shutdown of the process group is possible (it could hang)
-            print(f"error: rank {rank}: a collective failed, a peer rank died or hangs (collectives wait "
-                  f"at most train.dist_timeout_s={cfg.train.dist_timeout_s:g} s): {first_line(e)}",
-                  file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)
-        if out.get("stopped"):
-            sys.stdout.flush()
-            sys.exit(EXIT_STOPPED)
-
-    entry()
-
-
 def main() -> None:
-    """`python -m moefp8.train`: _main, with a Ctrl-C before training began (no handler yet) as one line."""
-    try:
-        _main()
-    except KeyboardInterrupt:
-        report("interrupted before training began; nothing was written", EXIT_INTERRUPTED,
-               quiet=os.environ.get("RANK", "0") != "0")
+    """`python -m moefp8.train`: the Hydra command line (moefp8.cli) around `train`."""
+    cli.main(train)
 
 
 if __name__ == "__main__":

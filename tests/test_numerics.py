@@ -12,7 +12,8 @@ from moefp8.moe import MoELayer
 from moefp8.recipe import Recipe
 from moefp8.testing import rel_err, sqnr
 from moefp8.hydra_config import compose_config
-from moefp8.train import Diverged, train
+from moefp8.diverge import Diverged
+from moefp8.train import train
 
 
 def tiny(data_dir, out, **kw):

@@ -21,7 +21,8 @@ from moefp8.recipe import Recipe
 from moefp8.hydra_config import compose_config
 from moefp8.testing import boot_id
 from moefp8.state import model_state
-from moefp8.train import Diverged, train
+from moefp8.diverge import Diverged
+from moefp8.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 
