@@ -53,3 +53,4 @@ def test_profile_step_under_torchrun_with_ep(tmp_path):
     assert all(row["world"] == 2 and row["ep_size"] == 2 for row in rows)
     assert all(row["tokens_per_s_all"] == 2 * row["tokens_per_s"] for row in rows)
     assert all(row["plan_gib"] > 0 and row["peak_mem_gib"] is None for row in rows)  # (CPU: no CUDA peak)
+    assert all(row["routing"]["load_max_over_mean"] >= 1 for row in rows)

@@ -19,7 +19,11 @@ memsets) per step; a step whose host time is near its step time waits for Python
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
 dense BF16 / FP8 peak (moefp8.launch.peak_flops). Memory: the CUDA peak of the timed steps
 beside moefp8.memory's plan for the config. Writes a JSON (rows per recipe, the top kernels)
-with --json.
+with --json. Routing: random tokens through a fresh router route less evenly than a trained
+run (the per-expert GEMM shapes and the cuBLAS-loop choices follow); the last step's expert
+load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
+step under cProfile, the host's time by function and by file. --vary KEY=V1,V2 --rounds N: an
+interleaved sweep, medians and ratios in the JSON's `summary`.
 """
 
 import argparse
@@ -42,6 +46,7 @@ from moefp8.testing import save_results  # noqa: E402
 from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 from moefp8.memory import plan  # noqa: E402
 from moefp8.parallel import Parallel  # noqa: E402
+from moefp8.router import load_stats  # noqa: E402
 
 
 def build(cfg, device: torch.device, par: Parallel | None):
@@ -62,7 +67,7 @@ def step_fn(cfg, model, opt, grads, device, rank: int = 0):
             grads.arm(last=True)
         out = model(x[:, :-1], x[:, 1:])
         (out.out + out.aux_loss).backward()
-        load_LE = out.load_LE
+        load_LE = step.load_LE = out.load_LE  # (the last step's, summed over ranks: how even the routing was)
         if grads is not None:
             grads.finish()
             torch.distributed.all_reduce(load_LE)
@@ -159,6 +164,9 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    loads = [load_stats(load_E) for load_E in step.load_LE.cpu()]  # random tokens route unevenly: shown beside
+    balance = {"load_max_over_mean": statistics.mean(r["load_max_over_mean"] for r in loads) if loads else 0.0,
+               "experts_empty": sum(r["experts_empty"] for r in loads)}
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     dev = "cuda" if device.type == "cuda" else "cpu"
     rows, launches = [], 0
@@ -195,7 +203,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "top": rows[:args.top], "host_top": host_top, "device": str(device), "params": param_counts(cfg.model)}
+            "routing": balance, "top": rows[:args.top], "host_top": host_top, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -205,7 +213,9 @@ def report(r: dict) -> None:
     ops = f", {r['gpu_ops_per_step']:.0f} GPU ops/step" if r["gpu_ops_per_step"] else ""
     print(f"\n{r['recipe']}{r['variant'] and ' ' + r['variant']}, round {r['round']}: step {r['step_ms']:.1f} ms, "
           f"{r['tokens_per_s']:,.0f} tokens/s{every}, {r['tflops']:.1f} TFLOP/s{sol}; kernels "
-          f"{r['kernels_ms_per_step']:.1f} ms/step, host enqueue {r['host_ms']:.1f} ms/step{ops}{mem}")
+          f"{r['kernels_ms_per_step']:.1f} ms/step, host enqueue {r['host_ms']:.1f} ms/step{ops}{mem}; routing: "
+          f"max/mean expert load {r['routing']['load_max_over_mean']:.2f} (layer mean), "
+          f"{r['routing']['experts_empty']} empty experts")
     if r["top"]:
         print(f"  {'ms/step':>8} {'calls':>6}  kernel")
     for k in r["top"]:
