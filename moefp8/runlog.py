@@ -22,7 +22,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moefp8 import checkpoint
 from moefp8.config import Config
+from moefp8.data import Loader
 from moefp8.errors import UserError, first_line
+from moefp8.model import param_counts
 from moefp8.parallel import Parallel
 from moefp8.testing import boot_id, git_commit
 
@@ -78,6 +80,22 @@ class RunLog:
                                f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {tps:,.0f} tok/s{mfu} "
                                f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
             self.span_steps, self.span_s = 0, 0.0
+
+
+def describe_run(cfg: Config, par: Parallel, device: torch.device, loader: Loader, tokens_per_step: int,
+                 say) -> None:
+    """The run's opening lines: the model, recipe and parallel layout, and what an epoch of the data is."""
+    t, n = cfg.train, param_counts(cfg.model)
+    say(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; recipe "
+        f"{cfg.recipe.recipe}; {device} x {par.world} (EP {par.ep_size}); {tokens_per_step} tokens/step; "
+        f"run dir {Path(t.out_dir)}")
+    if par.node_groups is not None:
+        say(f"dispatch: hierarchical, {par.ep_size // par.ranks_per_node} nodes x {par.ranks_per_node} ranks per EP "
+            f"group")
+    epoch = loader.steps_per_epoch(t.grad_accum)
+    held = f" (+{len(loader.val_ids)} held out)" if len(loader.val_ids) else ""
+    say(f"data: {loader.n_windows} training windows of {t.seq_len + 1} tokens{held}: an epoch is {epoch} steps"
+        + (f"; train.steps={t.steps} reads it {t.steps / epoch:.2f} times" if t.steps > epoch else ""))
 
 
 def record_start(cfg: Config, run_dir: Path, start: int, device: torch.device, par: Parallel, say) -> None:

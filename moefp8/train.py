@@ -35,12 +35,12 @@ from moefp8.errors import UserError
 from moefp8.launch import peak_flops, resolve_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, plan
-from moefp8.model import Transformer, flops_per_token, param_counts
+from moefp8.model import Transformer, flops_per_token
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.parallel import Parallel, StepWatchdog, same_file, same_on_every_rank
 from moefp8.router import load_stats
 from moefp8.rundir import LOCK, take
-from moefp8.runlog import RunLog, memory_mb, record_start, start_wandb
+from moefp8.runlog import RunLog, describe_run, memory_mb, record_start, start_wandb
 from moefp8.state import find_resume, restore, train_state
 from moefp8.stop import StopSignals
 
@@ -109,18 +109,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
         # the checkpoint has loaded: from here on the run dir changes
         par.on_main(lambda: record_start(cfg, run_dir, start, device, par, console.print))
         wb = par.on_main(lambda: start_wandb(cfg, run_dir))
-    n = param_counts(cfg.model)
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * par.world
-    console.print(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; "
-                  f"recipe {cfg.recipe.recipe}; {device} x {par.world} (EP {par.ep_size}); {tokens_per_step} "
-                  f"tokens/step; run dir {run_dir}")
-    if par.node_groups is not None:
-        console.print(f"dispatch: hierarchical, {par.ep_size // par.ranks_per_node} nodes x {par.ranks_per_node} ranks "
-                      f"per EP group")
-    epoch = loader.steps_per_epoch(t.grad_accum)
-    held = f" (+{len(loader.val_ids)} held out)" if len(loader.val_ids) else ""
-    console.print(f"data: {loader.n_windows} training windows of {t.seq_len + 1} tokens{held}: an epoch is {epoch} "
-                  f"steps" + (f"; train.steps={t.steps} reads it {t.steps / epoch:.2f} times" if t.steps > epoch else ""))
+    describe_run(cfg, par, device, loader, tokens_per_step, console.print)
     peak = peak_flops(cfg, device)
     log = RunLog(cfg, run_dir, console, wb, start, tokens_per_step, flops_per_token(cfg.model, t.seq_len),
                  peak * par.world if peak else None)
