@@ -25,7 +25,12 @@ def num_sms(device: torch.device) -> int:
     and under TRITON_INTERPRET=1, so that the interpreter runs several programs)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
         return 4
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(device_index(device))
+
+
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index (`cuda` alone: the current device), a key for what is read once per GPU."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache

@@ -35,7 +35,7 @@ import torch
 import triton
 
 from moefp8.fp8 import Fp8Tensor
-from moefp8.kernels import num_sms
+from moefp8.kernels import device_index, num_sms
 
 try:
     from triton.experimental import gluon
@@ -358,16 +358,13 @@ def _grid_sms(device: torch.device, reserved: int) -> int:
 
 def available(device: torch.device) -> bool:
     """Gluon present and `device` a Hopper (sm_90) GPU."""
-    return HAVE_GLUON and device.type == "cuda" and _is_sm90(_index(device))
+    return HAVE_GLUON and device.type == "cuda" and _is_sm90(device_index(device))
 
 
 @functools.cache
 def _is_sm90(index: int) -> bool:  # asked per launch: the device's properties read once
     return torch.cuda.get_device_capability(index) == (9, 0)
 
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def supported(a: Fp8Tensor, b: Fp8Tensor, out: torch.Tensor) -> bool:

@@ -83,48 +83,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _ProfileThisThread(torch.autograd.Function):
-    """Identity whose backward turns a cProfile on or off in the thread that runs it: on CUDA the
-    autograd engine runs backward in its own thread per device, which the caller's profiler misses."""
-
-    @staticmethod
-    def forward(ctx, x, prof, on):
-        ctx.prof, ctx.on = prof, on
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.prof.enable() if ctx.on else ctx.prof.disable()
-        return g, None, None
-
-
-def _in_backward_thread(prof: cProfile.Profile, on: bool, device: torch.device) -> None:
-    x = torch.zeros(1, device=device, requires_grad=True)
-    _ProfileThisThread.apply(x, prof, on).sum().backward()
-
-
 def host_profile(step, device: torch.device, top: int) -> dict:
-    """One step under cProfile (the caller's thread and, on CUDA, the autograd engine's): where the
-    host's time goes, by function (self time) and by source file; the step's host time under the
-    profiler beside (cProfile slows Python, not the GPU)."""
+    """One step under cProfile: where the host's time goes, by function (self time) and by source
+    file; the step's host time under the profiler beside (cProfile slows Python, not the GPU). On
+    Python >= 3.12 cProfile sees every thread (sys.monitoring), the autograd engine's backward thread
+    on CUDA included; on older Pythons only the caller's."""
     sync(device)
-    # Python >= 3.12: cProfile is one sys.monitoring tool for every thread of the process already
-    threads = device.type == "cuda" and sys.version_info < (3, 12)
-    prof, bwd = cProfile.Profile(), cProfile.Profile() if threads else None
-    if bwd:
-        _in_backward_thread(bwd, True, device)
+    prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     step()
     prof.disable()
     host = time.perf_counter() - t0
-    if bwd:
-        _in_backward_thread(bwd, False, device)
     sync(device)
-    st = pstats.Stats(prof)
-    if bwd:
-        st.add(bwd)
-    stats = st.stats  # (file, line, name) -> (prim calls, calls, self s, cumulative s, callers)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, self s, cumulative s, callers)
     by_file: dict[str, float] = {}
     for (file, _, name), (_, _, tt, _, _) in stats.items():
         key = name if file == "~" else "/".join(Path(file).parts[-2:])  # "~": builtins and C functions
@@ -169,12 +141,14 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
                "experts_empty": sum(r["experts_empty"] for r in loads)}
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     dev = "cuda" if device.type == "cuda" else "cpu"
-    rows, launches = [], 0
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(profile_steps):
-            step()
-        sync(device)
-    for e in prof.key_averages() if profile_steps else ():
+    rows, launches, events = [], 0, []
+    if profile_steps:
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(profile_steps):
+                step()
+            sync(device)
+        events = prof.key_averages()
+    for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
         if dev == "cuda" and on_gpu and not annotation:
