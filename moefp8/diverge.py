@@ -16,11 +16,11 @@ class Diverged(UserError):
 
 
 def skip_or_stop(t: TrainConfig, what: str, model: Transformer, nonfinite_S: torch.Tensor, good, skipped: int,
-                 rank: int) -> tuple[int, str]:
-    """-> (the skipped steps in a row, this one counted; the message with where the step went
-    non-finite); raises Diverged under nan_policy=stop or past
-    max_skipped_steps. what: "step N: non-finite loss ..."; nonfinite_S: every rank's flags per
-    stage (all-reduced); good: the last good checkpoint's name."""
+                 rank: int, say) -> int:
+    """-> the skipped steps in a row, this one counted, once `say` has told where the step went
+    non-finite (its FP8 scale statistics are dropped with it); raises Diverged under
+    nan_policy=stop or past max_skipped_steps. what: "step N: non-finite loss ..."; nonfinite_S:
+    every rank's flags per stage (all-reduced); good: the last good checkpoint's name."""
     msg = f"{what}; {locate_nonfinite(model, nonfinite_S)}"
     if t.nan_policy == "stop":
         raise Diverged(f"{msg}; last good checkpoint: {good}. Stopped (train.nan_policy=stop).", quiet=rank != 0)
@@ -28,7 +28,9 @@ def skip_or_stop(t: TrainConfig, what: str, model: Transformer, nonfinite_S: tor
     if skipped > t.max_skipped_steps:
         raise Diverged(f"{msg}; {skipped} steps skipped in a row, more than train.max_skipped_steps="
                        f"{t.max_skipped_steps}; last good checkpoint: {good}", quiet=rank != 0)
-    return skipped, msg
+    say(f"[yellow]{msg}; step skipped (train.nan_policy=skip), {skipped} in a row")
+    model.scale_stats.report()  # dropped with the step
+    return skipped
 
 
 def locate_nonfinite(model: Transformer, nonfinite_S: torch.Tensor) -> str:

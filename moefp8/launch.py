@@ -25,6 +25,23 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError("train.device='cuda': no CUDA device is available (use train.device=auto or cpu)")
     return torch.device(name)
 
+def setup_device(t) -> torch.device:
+    """This process's device for train config `t` (under torchrun the GPU of its LOCAL_RANK, made
+    current), with the deterministic kernels chosen first when train.deterministic."""
+    if t.deterministic:  # before the first cuBLAS call; GPU runs (and resumes) then repeat bit for bit
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns, naming it
+        # attention: the memory-efficient kernels. Flash attention's backward is not deterministic (and does not
+        # warn): two passes over one batch gave other wqkv gradients in every layer (small model, H100, torch
+        # 2.11), while the memory-efficient, cuDNN and math backends repeated; cuDNN's warns that it may not.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    device = resolve_device(t.device)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    return device
+
 def check_gpus(device: torch.device, local_rank: int, visible: int, nproc: int) -> None:
     """More processes on this node than GPUs it can see (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE
     against torch.cuda.device_count()): ValueError before any CUDA or NCCL call."""

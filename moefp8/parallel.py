@@ -89,6 +89,15 @@ class Parallel:
             if r == self.ep_rank:
                 self.expert_dp_group = g
 
+    def __enter__(self) -> "Parallel":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Ends the process group after the run or a UserError (every rank reports and exits); a
+        bug's exception leaves it to the process's exit (a peer may be stuck in a collective)."""
+        if self.world > 1 and (exc is None or isinstance(exc, UserError)):
+            dist.destroy_process_group()
+
     def all_reduce_(self, x: torch.Tensor, group=None) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(x, group=group)

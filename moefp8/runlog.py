@@ -3,9 +3,9 @@ console (one line every train.log_every steps, a progress bar on a terminal), me
 JSON line per step, flushed), wandb (offline by default: panels of per-layer expert load and the
 FP8 scale statistics), and the run dir's record of each start (config.yaml, starts.jsonl).
 
-    with RunLog(cfg, run_dir, console, wb, start, tokens_per_step, peak) as log:
+    with RunLog(cfg, run_dir, console, wb, start, tokens_per_step, flops_per_token, peak, device) as log:
         for step ...:
-            log.step(metrics, load_LE, stats)
+            metrics = log.step(step + 1, seconds, load_LE, {"loss": ..., "lr": ...})
 """
 
 import datetime
@@ -26,19 +26,20 @@ from moefp8.data import Loader
 from moefp8.errors import UserError, first_line
 from moefp8.model import param_counts
 from moefp8.parallel import Parallel
+from moefp8.router import load_stats
 from moefp8.testing import boot_id, git_commit
 
 
 class RunLog:
     """The console line, the progress bar, metrics.jsonl and wandb, for the steps of one start.
-    `step(m, load_LE, stats)` after each optimizer step: m is the step's metrics (written as they
-    are); the console's tok/s covers every step since its previous line (their training time, no
+    `step(...)` after each optimizer step; the console's tok/s covers every step since its previous line (their training time, no
     eval or saves), not the printed step alone: on the FP8 recipe that step also gathers the scale
     statistics and is ~1.3x slower. peak: the GPUs' summed BF16 peak FLOP/s for MFU (None: none)."""
 
     def __init__(self, cfg: Config, run_dir: Path, console: Console, wb, start: int, tokens_per_step: int,
-                 flops_per_token: float, peak: float | None):
+                 flops_per_token: float, peak: float | None, device: torch.device):
         self.t, self.run_dir, self.console, self.wb, self.start = cfg.train, run_dir, console, wb, start
+        self.device = device
         self.tokens_per_step, self.fpt, self.peak = tokens_per_step, flops_per_token, peak
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}"), console=console,
@@ -62,8 +63,17 @@ class RunLog:
         if self.wb is not None:
             self.wb.finish()
 
-    def step(self, m: dict, load_LE: torch.Tensor, stats: list[dict]) -> None:
-        step, t = m["step"], self.t
+    def step(self, step: int, dt: float, load_LE: torch.Tensor, values: dict) -> dict:
+        """Logs optimizer step `step` (1-based) that took dt s of training, load_LE its tokens per
+        expert of each MoE layer (on the host), values the step's own figures (loss, lr, ...);
+        returns the metrics as written."""
+        t, stats = self.t, [load_stats(load_E) for load_E in load_LE]
+        m = {"step": step, **values, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+             "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
+             "load_max_over_mean_by_layer": [s["load_max_over_mean"] for s in stats],
+             "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(self.device)}
+        if self.peak:
+            m["mfu"] = self.mfu(m["tokens_per_s"])
         printed = step % t.log_every == 0 or step == t.steps or step == self.start + 1
         self.span_steps, self.span_s = self.span_steps + 1, self.span_s + m["step_time_s"]
         if self.file is not None:
@@ -80,6 +90,7 @@ class RunLog:
                                f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} {tps:,.0f} tok/s{mfu} "
                                f"load max/mean {m['load_max_over_mean']:.2f} empty {m['experts_empty']}{fp8_line(m)}")
             self.span_steps, self.span_s = 0, 0.0
+        return m
 
 
 def describe_run(cfg: Config, par: Parallel, device: torch.device, loader: Loader, tokens_per_step: int,

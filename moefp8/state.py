@@ -1,7 +1,7 @@
 """What a checkpoint holds and how a start finds and restores it: the model and optimizer state
 with the routed experts keyed by global index (resumable under another EP size), the data
 position, the RNG states and the step (`train_state`), which checkpoint train.resume names
-(`find_resume`), and loading it back in place (`restore`).
+(`find_resume`), saving it (`save`) and loading it back in place (`restore`).
 """
 
 from pathlib import Path
@@ -43,6 +43,15 @@ def train_state(model: Transformer, opt: AdamW, loader: Loader, device: torch.de
     return {**model_state(model, opt), "data": loader.state_dict(), "rng": rng, "step": step}
 
 
+def save(cfg, par, step: int, model: Transformer, opt: AdamW, loader: Loader, device: torch.device,
+         loss: float, tokens: int) -> Path:
+    """Checkpoint `step` of the run in train.out_dir (every rank calls it; rank 0 writes the
+    metadata: the loss, the tokens seen, the world and EP sizes); returns its path."""
+    return checkpoint.save(cfg.train.out_dir, step, train_state(model, opt, loader, device, step),
+                           {"loss": loss, "tokens": tokens, "world": par.world, "ep_size": par.ep_size},
+                           is_writer=par.rank == 0, keep_last=cfg.train.keep_last)
+
+
 def find_resume(resume: str, run_dir: Path, say) -> Path | None:
     """The checkpoint this start continues from (train.resume): "auto" the one `latest` names
     (verified; a damaged one stops the run, named), "last_good" the newest one that verifies (each
@@ -64,7 +73,10 @@ def restore(ckpt: Path, model: Transformer, opt: AdamW, loader: Loader, device: 
     """Loads checkpoint `ckpt` (verified) into the model, the optimizer, the loader and the RNGs in
     place; returns its step. Every rank calls it (a collective under torch.distributed)."""
     st = train_state(model, opt, loader, device, 0)
-    checkpoint.load(ckpt, st, optional=("data.val_windows", "data.data_id"))  # checkpoints of older versions
+    # checkpoints of older versions: no val_windows / data_id; the dense layers' MLP as two linears
+    dense = [f"layers.{i}.mlp.{w}" for i, b in enumerate(model.layers) if not b.is_moe for w in ("w1", "w2")]
+    aliases = {(*sec, n): f"{n}.weight" for n in dense for sec in (("model",), ("optim", "exp_avg"), ("optim", "exp_avg_sq"))}
+    checkpoint.load(ckpt, st, optional=("data.val_windows", "data.data_id"), aliases=aliases)
     opt.step_count = st["optim"]["step"]
     try:
         loader.load_state_dict(st["data"])

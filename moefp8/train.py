@@ -18,12 +18,10 @@ after a step, with a checkpoint; the same command resumes the same loss curve.
 """
 
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 
 from moefp8 import checkpoint, cli
@@ -31,17 +29,15 @@ from moefp8.build import build_model, grad_buckets, open_data
 from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
-from moefp8.errors import UserError
-from moefp8.launch import peak_flops, resolve_device
+from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, plan
 from moefp8.model import Transformer, flops_per_token
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.parallel import Parallel, StepWatchdog, same_file, same_on_every_rank
-from moefp8.router import load_stats
 from moefp8.rundir import LOCK, take
-from moefp8.runlog import RunLog, describe_run, memory_mb, record_start, start_wandb
-from moefp8.state import find_resume, restore, train_state
+from moefp8.runlog import RunLog, describe_run, record_start, start_wandb
+from moefp8.state import find_resume, restore, save
 from moefp8.stop import StopSignals
 
 
@@ -51,39 +47,21 @@ def train(cfg: Config) -> dict:
     SIGTERM/SIGINT stopped it (after its checkpoint). Raises a UserError (one line) for what the
     user can fix: a run dir that is unusable or owned by another run, data, a checkpoint, divergence."""
     t = cfg.train
-    if t.deterministic:  # before the first cuBLAS call; GPU runs (and resumes) then repeat bit for bit
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without a deterministic kernel warns, naming it
-        # attention: the memory-efficient kernels. Flash attention's backward is not deterministic (and does not
-        # warn): two passes over one batch gave other wqkv gradients in every layer (small model, H100, torch
-        # 2.11), while the memory-efficient, cuDNN and math backends repeated; cuDNN's warns that it may not.
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    device = resolve_device(t.device)
-    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    par = Parallel(cfg, device)
-    console = Console(soft_wrap=True, quiet=par.rank != 0)
+    device = setup_device(t)
     lock = None
-    try:
-        with StopSignals(quiet=par.rank != 0) as stop:
-            with same_on_every_rank(par.rank):
-                lock = par.on_main(lambda: take(t.out_dir, t.resume, console.print))
-                same_file(Path(t.out_dir) / LOCK, f"train.out_dir={t.out_dir}", "put it on a filesystem that every "
-                          "node mounts at the same path (every rank writes its checkpoint shards there)",
-                          par.rank, par.world)
-            out = _train(cfg, par, device, console, stop)
-    except UserError:
-        if par.world > 1:
-            dist.destroy_process_group()
-        raise
-    finally:
-        if lock is not None:
-            lock.release()
-    if par.world > 1:
-        dist.destroy_process_group()
-    return out
+    with Parallel(cfg, device) as par:  # the process group ends with the run or a UserError
+        console = Console(soft_wrap=True, quiet=par.rank != 0)
+        try:
+            with StopSignals(quiet=par.rank != 0) as stop:
+                with same_on_every_rank(par.rank):
+                    lock = par.on_main(lambda: take(t.out_dir, t.resume, console.print))
+                    same_file(Path(t.out_dir) / LOCK, f"train.out_dir={t.out_dir}", "put it on a filesystem that "
+                              "every node mounts at the same path (every rank writes its checkpoint shards there)",
+                              par.rank, par.world)
+                return _train(cfg, par, device, console, stop)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, stop: StopSignals) -> dict:
@@ -113,7 +91,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     describe_run(cfg, par, device, loader, tokens_per_step, console.print)
     peak = peak_flops(cfg, device)
     log = RunLog(cfg, run_dir, console, wb, start, tokens_per_step, flops_per_token(cfg.model, t.seq_len),
-                 peak * par.world if peak else None)
+                 peak * par.world if peak else None, device)
     with log, StepWatchdog(par.rank, t.dist_timeout_s, enabled=par.world > 1) as watchdog:
         return _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start)
 
@@ -131,8 +109,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, o, t.steps)
-        loss_sum = torch.zeros((), device=device)
-        aux_sum = torch.zeros((), device=device)
+        sums = torch.zeros(4, device=device)  # [loss, aux loss, signalled, past the time limit]
         load_LE = nonfinite_S = None
         model.scale_stats.on = (model.recipe.fp8 and t.fp8_stats_every > 0
                                 and ((step + 1) % t.fp8_stats_every == 0 or step == start))
@@ -142,15 +119,14 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             x, y = loader.next()
             out = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             ((out.out + out.aux_loss) / t.grad_accum).backward()
-            loss_sum += out.out.detach()
-            aux_sum += out.aux_loss.detach()
+            sums[:2] += torch.stack([out.out, out.aux_loss]).detach()
             load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
             nonfinite_S = out.nonfinite if nonfinite_S is None else nonfinite_S | out.nonfinite
         # stop requests ride on the loss's all-reduce: a signal to any rank, any rank's clock past the limit
         flags_host[0] = float(stop.requested is not None)
         flags_host[1] = float(bool(t.time_limit_s) and time.monotonic() - began > t.time_limit_s)
         # (pinned, copied without a host sync; the previous step's read below has finished its last copy)
-        sums = torch.cat([torch.stack([loss_sum, aux_sum]), flags_host.to(device, non_blocking=True)])
+        sums[2:] = flags_host.to(device, non_blocking=True)
         if grads:  # gradients of the mean loss over all ranks' tokens
             grads.finish()
             par.all_reduce_(sums)
@@ -166,10 +142,8 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         stop_now = bool(signalled) or (bool(time_up) and step + 1 < t.steps)
         if not (math.isfinite(loss) and math.isfinite(gn)):  # the same values on every rank
             good = last_saved or checkpoint.latest_name(run_dir)
-            skipped, msg = skip_or_stop(t, f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g})",
-                                        model, par.all_reduce_(nonfinite_S.int()), good, skipped, par.rank)
-            console.print(f"[yellow]{msg}; step skipped (train.nan_policy=skip), {skipped} in a row")
-            model.scale_stats.report()  # dropped with the step
+            skipped = skip_or_stop(t, f"step {step + 1}: non-finite loss {loss} or grad norm {gn} (lr {lr:.3g})",
+                                   model, par.all_reduce_(nonfinite_S.int()), good, skipped, par.rank, console.print)
             zero_grad()
             watchdog.beat()
             if stop_now:  # no checkpoint of weights that just gave a non-finite step
@@ -183,25 +157,16 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             router.update_bias(load_E)
         dt = time.perf_counter() - t0
         watchdog.beat(dt)
-        stats = [load_stats(load_E) for load_E in load_host]
-        m = {"step": step + 1, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn,
-             "tokens_per_s": log.tokens_per_step / dt, "step_time_s": dt,
-             "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
-             "load_max_over_mean_by_layer": [s["load_max_over_mean"] for s in stats],
-             "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(device),
-             **model.scale_stats.report()}  # this rank's FP8 tile scales, on stats steps (train.fp8_stats_every)
-        if log.peak:
-            m["mfu"] = log.mfu(m["tokens_per_s"])
+        val = {}
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             watchdog.allow(t.dist_timeout_s)  # not a step: its own collectives, its own time
-            m["val_loss"] = evaluate(model, loader, device, par)
+            val = {"val_loss": evaluate(model, loader, device, par)}
             watchdog.beat()
-        log.step(m, load_host, stats)
+        m = log.step(step + 1, dt, load_host, {"loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": gn, **val,
+                                               **model.scale_stats.report()})  # this rank's FP8 tile scales
         if (t.ckpt_every and (step + 1) % t.ckpt_every == 0) or step + 1 == t.steps or stop_now:
             watchdog.allow(t.dist_timeout_s)  # a save's collectives wait at most that long each
-            last_saved = checkpoint.save(run_dir, step + 1, train_state(model, opt, loader, device, step + 1),
-                                         {"loss": loss, "tokens": (step + 1) * log.tokens_per_step, "world": world,
-                                          "ep_size": par.ep_size}, is_writer=par.rank == 0, keep_last=t.keep_last)
+            last_saved = save(cfg, par, step + 1, model, opt, loader, device, loss, (step + 1) * log.tokens_per_step)
             console.print(f"checkpoint {last_saved}")
             watchdog.beat()
         if stop_now:
