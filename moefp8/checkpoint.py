@@ -464,11 +464,12 @@ def _damaged(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} is damaged: {what}; {FIX}")
 
 
-def load(path: str | Path, state: dict, optional: tuple[str, ...] = ()) -> dict:
+def load(path: str | Path, state: dict, optional: tuple[str, ...] = (), aliases: dict[tuple, str] | None = None) -> dict:
     """Verifies checkpoint `path` (see `verify`), then loads it into `state` (tensors in place,
     plain values replaced); returns its meta.json. `optional`: dotted keys of `state` (e.g.
     "data.val_windows") that checkpoints written before they existed lack; those are dropped from
-    `state` when the checkpoint has none. A state of another shape: "checkpoint P does not fit this
+    `state` when the checkpoint has none. `aliases`: {(section, ..., key): the key older
+    checkpoints stored it under}, loaded from there when the checkpoint has only the old key. A state of another shape: "checkpoint P does not fit this
     model (was it written for another model config?): <DCP's words, naming the tensor>"; an
     unreadable .metadata or data file (no checksums to catch it first): "checkpoint P is damaged:
     ...". Under torch.distributed every rank calls it and meets the same error."""
@@ -486,6 +487,12 @@ def load(path: str | Path, state: dict, optional: tuple[str, ...] = ()) -> dict:
             for k in parents:
                 d = d[k]
             d.pop(leaf, None)
+    for (*parents, leaf), old in (aliases or {}).items():
+        d = state
+        for k in parents:
+            d = d[k]
+        if ".".join([*parents, leaf]) not in have and ".".join([*parents, old]) in have and leaf in d:
+            d[old] = d.pop(leaf)  # the same tensor: loaded in place under its old name
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_PG_WARNING)
         try:

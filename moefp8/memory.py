@@ -58,20 +58,19 @@ def activation_bytes_per_token(cfg: Config) -> dict[str, float]:
     attn += (q8 if dense_lin and "wo" not in cfg.recipe.bf16_linears else 2) * d
     if "attention" in cfg.train.recompute:
         attn = 2 * H  # the block's input only
-    # dense SwiGLU MLP: its norm's input, x, h (gate and up), the fc2 input
-    dense_mlp = fp8 and cfg.recipe.fp8_dense and "dense_mlp" not in cfg.recipe.bf16_linears
-    Id = m.dense_inter
-    dense = 2 * H + ((q8 * H + q8 * 2 * Id + q8 * Id) if dense_mlp else (2 * H + 2 * 2 * Id + 2 * Id))
+    # the dense SwiGLU MLP (moefp8.mlp.MLP, as the shared experts): its norm's input, x and h (gate
+    # and up), FP8 or BF16, and the fc2 input while backward recomputes it
+    def mlp(fp8_mlp: bool, inter: int, x_bf16: float = 2 * H) -> float:
+        return (q8 * H + q8 * 2 * inter + q8 * inter) if fp8_mlp else (x_bf16 + 2 * 2 * inter + 2 * inter)
+
+    dense = 2 * H + mlp(fp8 and cfg.recipe.fp8_dense and "dense_mlp" not in cfg.recipe.bf16_linears, m.dense_inter)
     # MoE: its norm's input, the router's x (BF16), routing (ids, weights, layout), the dispatched
     # rows, and per routed slot h (2I) and the fc2 input (I) -- FP8 caches, or BF16 h and y (H)
     # for the routing-weight gradient in the BF16 recipe; shared experts as a dense MLP of n_shared x I
     rows = distinct_ranks(m.n_experts, K, cfg.dispatch.ep_size)
     routing = K * (8 + 4 + 4 + 4)
     slot = (q8 * 2 * I + q8 * I) if fp8 else (2 * 2 * I + 2 * H)
-    Is = m.n_shared * I
-    shared = 0.0
-    if Is:
-        shared = (q8 * H + q8 * 2 * Is + q8 * Is) if fp8 else (2 * 2 * Is + 2 * Is)
+    shared = mlp(fp8, m.n_shared * I, x_bf16=0) if m.n_shared else 0.0  # BF16 x: the router's (counted)
     moe = 2 * H + 2 * H + routing + rows * low * H + K * slot + shared
     return {"attention": attn, "dense_mlp": dense, "moe_mlp": moe}
 

@@ -5,10 +5,10 @@
     MLP:    the first n_dense_layers are dense SwiGLU, the rest `MoELayer` (routed + shared experts)
 
 Precision (docs/design.md §1): every weight is an fp32 master; activations between layers are BF16.
-Under `Recipe("fp8")` the attention projections and the dense MLPs are `Fp8Linear`s and the experts
-run the FP8 MoE path, except the linears named in the recipe's `bf16_linears` (the training config's
-default: wo, bench/notes/convergence.md session 11); under "bf16" the same linears compute in BF16
-(`Bf16Linear`). Embedding, LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention,
+Under `Recipe("fp8")` the attention projections are `Fp8Linear`s, the dense MLPs run the shared
+experts' FP8 MLP (moefp8.mlp.MLP) and the experts the FP8 MoE path, except the linears named in the
+recipe's `bf16_linears` (the training config's default: wo, bench/notes/convergence.md session 11);
+under "bf16" the same layers compute in BF16 (`Bf16Linear`, the MLP's BF16 path). Embedding, LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention,
 causal) and the router stay in high precision. Attention is multi-head attention with RoPE, not
 DeepSeek-V3's MLA.
 
@@ -35,7 +35,7 @@ from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.rope import rope, rope_tables
 from moefp8.linear import make_linear
 from moefp8.loss import linear_cross_entropy
-from moefp8.mlp import DenseMLP
+from moefp8.mlp import MLP
 from moefp8.moe import MoELayer
 from moefp8.overlap import Handoff, OverlappedBlock, OverlapPolicy, mean_over_halves
 from moefp8.recipe import Recipe
@@ -108,7 +108,8 @@ class Block(nn.Module):
                                 topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
                                 bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha)
         else:
-            self.mlp = DenseMLP(cfg.hidden, cfg.dense_inter, recipe, stats, gemm)
+            self.mlp = MLP(cfg.hidden, cfg.dense_inter, recipe.dense_fp8("dense_mlp"), recipe.scale_fmt, stats,
+                           gemm)
 
     def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The block up to its MLP: -> (attention output a, x + a, the MLP's input RMSNorm(x + a))."""

@@ -1,5 +1,5 @@
 """The MoE layer (docs/design.md §2): router -> quantize -> dispatch -> permute -> experts ->
-unpermute -> combine, plus shared experts (a dense MLP on every token, moefp8.mlp.SharedExperts).
+unpermute -> combine, plus shared experts (a dense MLP on every token, moefp8.mlp.MLP).
 
 The routed path's stages live in moefp8.moe_stages: `RoutedExperts` runs them one after the
 other (the plain schedule); with an `OverlapPolicy` the layer runs moefp8.overlap's two
@@ -20,7 +20,7 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache
 from moefp8.fp8 import TILE, ScaleStats
 from moefp8.kernels.grouped_gemm import GemmPolicy
-from moefp8.mlp import SharedExperts
+from moefp8.mlp import MLP
 from moefp8.moe_stages import RoutedExperts
 from moefp8.overlap import OverlappedMoE, OverlapPolicy
 from moefp8.recipe import Recipe
@@ -71,7 +71,7 @@ class MoELayer(nn.Module):
         self.stats = stats if stats is not None else ScaleStats()
         self.w1 = nn.Parameter(torch.randn(E_local, 2 * inter, hidden) * hidden**-0.5)
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
-        self.shared = SharedExperts(hidden, n_shared * inter, recipe, self.stats, gemm) if n_shared else None
+        self.shared = MLP(hidden, n_shared * inter, recipe.fp8, recipe.scale_fmt, self.stats, gemm) if n_shared else None
         self.cache = WeightCache()
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:

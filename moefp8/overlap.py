@@ -62,7 +62,7 @@ from torch import Tensor
 
 from moefp8.fp8 import record_stream
 from moefp8.kernels.grouped_gemm import GemmPolicy
-from moefp8.mlp import shared_backward, shared_forward
+from moefp8.mlp import mlp_backward, mlp_forward
 from moefp8.moe_stages import (RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts,
                                fwd_layout, restore, save)
 
@@ -320,7 +320,7 @@ class _MoEForward:
     def shared(self, i: int) -> None:  # no communication: fills the compute stream while the comm stream works
         if self.layer.shared is not None:
             with self.st.stage(f"{'AB'[i]} shared"):
-                self.s_out[i], self.s_saved[i] = shared_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2,
+                self.s_out[i], self.s_saved[i] = mlp_forward(self.layer.shared, self.xs[i], self.sw1, self.sw2,
                                                                 self.st.gemm)
 
     def routed(self, i: int) -> Tensor:
@@ -388,7 +388,7 @@ class _MoEBackward:
         if self.has_shared:
             sw1, sw2, saved = self.sparams[0], self.sparams[1], self.sparams[2 + 4 * i:6 + 4 * i]
             with self.st.stage(f"{'AB'[i]} shared bwd"):
-                self.sh[i] = shared_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx,
+                self.sh[i] = mlp_backward(self.layer.shared, self.douts[i], saved, sw1, sw2, self.want_dx,
                                              self.st.gemm)
 
     def routed(self, i: int) -> tuple:

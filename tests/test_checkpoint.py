@@ -154,6 +154,24 @@ def test_optional_keys_and_checkpoints_from_before_checksums(tmp_path):
     assert checkpoint.find_last_good(tmp_path / "run") == (p, [])
 
 
+def test_aliases_load_a_tensor_stored_under_its_old_name(tmp_path):
+    """A checkpoint of an older version stored model.b as model.b_old.weight: with the alias it
+    loads into b (the same tensor, in place); a checkpoint with the new name ignores the alias."""
+    old = state_of(1, 1000)
+    old["model"]["b.weight"] = old["model"].pop("b")
+    p = checkpoint.save(tmp_path / "old", 1, old)
+    st = empty_state(1000)
+    b = st["model"]["b"]
+    checkpoint.load(p, st, aliases={("model", "b"): "b.weight", ("model", "nope"): "nope.weight"})
+    assert torch.equal(b, state_of(1, 1000)["model"]["b"]) and st["data"] == {"pos": 1000}
+    with pytest.raises(CheckpointError, match="Missing key"):  # without it: the one-line misfit
+        checkpoint.load(p, empty_state(1000))
+    p = checkpoint.save(tmp_path / "new", 2, state_of(2, 1000))
+    st = empty_state(1000)
+    checkpoint.load(p, st, aliases={("model", "b"): "b.weight"})
+    assert same(st, state_of(2, 1000))
+
+
 def test_meta_json_cannot_name_files_outside_the_checkpoint(tmp_path):
     p = checkpoint.save(tmp_path / "run", 1, state_of(1, 1000))
     m = meta_of(p)

@@ -178,17 +178,22 @@ def test_fp8_dense_false_keeps_dense_linears_in_bf16():
     c = Config(model=TINY)
     c.recipe.fp8_dense = False
     m = Transformer(TINY, Recipe.from_config(c.recipe))
-    dense = [mod for n, mod in m.named_modules() if n.endswith(("wqkv", "wo")) or ".mlp.w" in n]
+    dense = [mod for n, mod in m.named_modules() if n.endswith(("wqkv", "wo"))]
     assert dense and all(isinstance(mod, Bf16Linear) for mod in dense)
     assert not any(isinstance(mod, Fp8Linear) for mod in m.modules())
-    assert all(b.mlp.recipe.fp8 for b in m.layers if b.is_moe)
+    assert not any(b.mlp.fp8 for b in m.layers if not b.is_moe) and any(not b.is_moe for b in m.layers)
+    assert all(b.mlp.recipe.fp8 and b.mlp.shared.fp8 for b in m.layers if b.is_moe)
     out = m(torch.randint(0, TINY.vocab_size, (2, 16)), torch.randint(0, TINY.vocab_size, (2, 16)))
     assert torch.isfinite(out.out)
     c.recipe.fp8_dense, c.recipe.bf16_linears = True, ["wqkv"]
     m = Transformer(TINY, Recipe.from_config(c.recipe))
-    kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if n.endswith(("wqkv", "wo", "mlp.w1"))}
+    kinds = {n: type(mod).__name__ for n, mod in m.named_modules() if n.endswith(("wqkv", "wo"))}
     assert kinds["layers.0.attn.wqkv"] == "Bf16Linear" and kinds["layers.0.attn.wo"] == "Fp8Linear"
-    assert kinds["layers.0.mlp.w1"] == "Fp8Linear" and kinds["layers.2.attn.wqkv"] == "Bf16Linear"
+    assert m.layers[0].mlp.fp8 and kinds["layers.2.attn.wqkv"] == "Bf16Linear"
+    c.recipe.bf16_linears = ["dense_mlp"]
+    m = Transformer(TINY, Recipe.from_config(c.recipe))
+    assert not m.layers[0].mlp.fp8 and m.layers[0].attn.wqkv.__class__.__name__ == "Fp8Linear"
+    assert all(b.mlp.shared.fp8 for b in m.layers if b.is_moe)  # the shared experts follow the experts
     c.recipe.bf16_linears = ["wq"]
     with pytest.raises(ValueError, match="recipe.bf16_linears entry='wq': expected one of 'wqkv', 'wo', 'dense_mlp'"):
         validate(c)
@@ -222,22 +227,31 @@ def test_rms_norm_rounds_once_to_bf16():
     assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
 
 
-def test_dense_swiglu_matches_the_composite():
-    """The dense MLP's fused SwiGLU (forward bit for bit, backward within BF16 rounding) against
-    autograd through the fp32 composite it replaced."""
-    from moefp8.kernels.quant import swiglu_ref
-    from moefp8.mlp import _SwiGLU
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_dense_mlp_is_the_shared_experts_mlp(recipe):
+    """The dense layers' MLP and the shared experts are one `MLP`: under FP8 the dense MLP keeps its
+    SwiGLU input h [T, 2I] in FP8 for backward (recomputing the SwiGLU) and its x col-wise in FP8;
+    under BF16 both in BF16. Its input gradient and output match the fp32 autograd of the same MLP."""
+    from moefp8.mlp import MLP
 
-    h = (torch.randn(3, 40, 512) * 2).bfloat16().requires_grad_()
-    h_ref = h.detach().clone().requires_grad_()
-    da = torch.randn(3, 40, 256).bfloat16()
-    a = _SwiGLU.apply(h)
-    a_ref = swiglu_ref(h_ref).to(torch.bfloat16)
-    assert a.dtype == torch.bfloat16 and torch.equal(a, a_ref)
-    a.backward(da)
-    a_ref.backward(da)
-    assert h.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(h.grad.float(), h_ref.grad.float(), rtol=1e-2, atol=1e-2)
+    m = build(recipe)
+    mlp = m.layers[0].mlp
+    assert type(mlp) is MLP and type(m.layers[1].mlp.shared) is MLP and mlp.fp8 == (recipe == "fp8")
+    T, Id = 2 * 40, TINY.dense_inter
+    x = torch.randn(2, 40, TINY.hidden).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = mlp(x)
+    want = torch.float8_e4m3fn if recipe == "fp8" else torch.bfloat16
+    assert any(t.shape == (T, 2 * Id) and t.dtype == want for t in saved), [(t.shape, t.dtype) for t in saved]
+    assert any(sorted(t.shape) == sorted((T, TINY.hidden)) and t.dtype == want for t in saved)  # x (FP8: col-wise, [H, T])
+    y.backward(torch.ones_like(y))
+    xr = x.detach().float().requires_grad_()
+    gate, up = (xr @ mlp.w1.detach().t()).chunk(2, dim=-1)
+    yr = (torch.nn.functional.silu(gate) * up) @ mlp.w2.detach().t()
+    yr.backward(torch.ones_like(yr))
+    floor = 20 if recipe == "fp8" else 40  # as test_moe.test_shared_experts_match_autograd_mlp
+    assert y.shape == x.shape and sqnr(y.float(), yr) > floor and sqnr(x.grad.float(), xr.grad) > floor
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])

@@ -50,10 +50,10 @@ def test_shared_experts_match_autograd_mlp(recipe, T, floor):
     BF16 recipe: bf16 roundings of x, h, a and the outputs, 2**-9 relative each: > 40 dB.
     FP8 recipe: E4M3 operands (~3.6% RMS each, compounding as in test_fp8_matches_bf16_recipe):
     > 20 dB. A wrong transpose, gate/up swap or missing gradient gives ~0 dB."""
-    from moefp8.mlp import SharedExperts
+    from moefp8.mlp import MLP
 
     torch.manual_seed(0)
-    m = SharedExperts(H, I, Recipe(recipe, "pow2"))
+    m = MLP(H, I, fp8=recipe == "fp8", scale_fmt="pow2")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
     dy = torch.randn(T, H, generator=g).bfloat16()
