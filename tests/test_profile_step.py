@@ -54,3 +54,25 @@ def test_profile_step_under_torchrun_with_ep(tmp_path):
     assert all(row["tokens_per_s_all"] == 2 * row["tokens_per_s"] for row in rows)
     assert all(row["plan_gib"] > 0 and row["peak_mem_gib"] is None for row in rows)  # (CPU: no CUDA peak)
     assert all(row["routing"]["load_max_over_mean"] >= 1 for row in rows)
+
+
+def test_live_at_peak_replays_the_allocator_trace():
+    """--memory's replay: the peak of the step's own live bytes and who allocated what was live
+    there (a block freed before the peak does not count; one freed after it does)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from profile_step import live_at_peak
+
+    def frames(fn):
+        return [{"filename": "/usr/lib/torch/x.py", "line": 1, "name": "empty"},
+                {"filename": f"/r/moefp8/{fn}.py", "line": 7, "name": fn}]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames("a")},
+             {"action": "free_requested", "addr": 1, "size": 100},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 2, "size": 60, "frames": frames("b")},
+             {"action": "alloc", "addr": 3, "size": 70, "frames": frames("b")},
+             {"action": "alloc", "addr": 4, "size": 5, "frames": []},
+             {"action": "free_completed", "addr": 3, "size": 70},
+             {"action": "alloc", "addr": 5, "size": 50, "frames": frames("c")}]
+    peak, sites = live_at_peak(trace)
+    assert peak == 135 and sites == {"moefp8/b.py:7 b": [130, 2], "(outside moefp8)": [5, 1]}

@@ -108,6 +108,54 @@ def host_profile(step, device: torch.device, top: int) -> dict:
             "files": [{"file": k, "self_ms": v * 1e3} for k, v in sorted(by_file.items(), key=lambda kv: -kv[1])[:top]]}
 
 
+def site(frames: list[dict]) -> str:
+    """The innermost frame of moefp8 (its kernels, dispatch, tools) in an allocation's stack."""
+    for f in frames:  # innermost first
+        fn = f["filename"]
+        if any(k in fn for k in ("/moefp8/", "/kernels/", "/dispatch/", "/tools/")):
+            return f"{'/'.join(Path(fn).parts[-2:])}:{f['line']} {f['name']}"
+    return "(outside moefp8)"
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, dict[str, list[int]]]:
+    """Replays an allocator trace (torch.cuda.memory._snapshot()["device_traces"][i]): -> (the peak
+    of the bytes it allocated and had not freed, {site: [bytes, blocks] live at that peak})."""
+    live, cur, peak, at_peak = {}, 0, 0, {}
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            cur += ev["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])["size"]
+    by_site: dict[str, list[int]] = {}
+    for ev in at_peak.values():
+        e = by_site.setdefault(site(ev.get("frames", [])), [0, 0])
+        e[0] += ev["size"]
+        e[1] += 1
+    return peak, by_site
+
+
+def memory_profile(step, device: torch.device, top: int) -> dict:
+    """One more step under the CUDA caching allocator's history (torch.cuda.memory): its peak of
+    allocated bytes, what was allocated before it (weights, optimizer state, persistent buffers),
+    and the blocks live at the peak that the step allocated, summed by the line of moefp8 (its
+    kernels, dispatch, tools) that allocated them."""
+    sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    step()
+    sync(device)
+    snap = torch.cuda.memory._snapshot(device)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, by_site = live_at_peak(snap["device_traces"][device.index or 0])
+    rows = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"before_step_gib": base / 2**30, "step_peak_gib": (base + peak) / 2**30,
+            "step_live_at_peak_gib": peak / 2**30,
+            "sites": [{"site": k, "gib": b / 2**30, "blocks": n} for k, (b, n) in rows]}
+
+
 def measure(overrides: list[str], recipe: str, args, par_box: list, profile_steps: int) -> dict:
     cfg = compose_config([*overrides, f"recipe={recipe}"])
     device = resolve_device(cfg.train.device)
@@ -140,6 +188,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     balance = {"load_max_over_mean": statistics.mean(r["load_max_over_mean"] for r in loads) if loads else 0.0,
                "experts_empty": sum(r["experts_empty"] for r in loads)}
     host_top = host_profile(step, device, args.top) if args.host_profile else None
+    memory = memory_profile(step, device, args.top) if args.memory and device.type == "cuda" else None
     dev = "cuda" if device.type == "cuda" else "cpu"
     rows, launches, events = [], 0, []
     if profile_steps:
@@ -177,7 +226,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "routing": balance, "top": rows[:args.top], "host_top": host_top, "device": str(device), "params": param_counts(cfg.model)}
+            "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -201,6 +250,12 @@ def report(r: dict) -> None:
         print(f"  {'self ms':>8} {'cum ms':>8} {'calls':>6}  function")
         for f in h["functions"]:
             print(f"  {f['self_ms']:8.2f} {f['cum_ms']:8.2f} {f['calls']:6d}  {f['function']}")
+    if r.get("memory"):
+        m = r["memory"]
+        print(f"  memory, one step: before it {m['before_step_gib']:.1f} GiB, peak {m['step_peak_gib']:.1f} GiB "
+              f"({m['step_live_at_peak_gib']:.1f} GiB allocated by the step and live there), by site:")
+        for e in m["sites"]:
+            print(f"  {e['gib']:8.2f} GiB {e['blocks']:6d} blocks  {e['site']}")
 
 
 def summarize(res: list[dict]) -> list[dict]:
@@ -239,6 +294,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--host-profile", action="store_true", help="one more step under cProfile: the host's "
                    "time by Python function and by source file (the host_top table)")
+    p.add_argument("--memory", action="store_true", help="one more step under the CUDA allocator's history: "
+                   "what is live at its peak, by the moefp8 line that allocated it")
     p.add_argument("--json", help="write the rows here")
     args, overrides = p.parse_known_args()
     variants = [""]
