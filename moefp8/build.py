@@ -58,4 +58,4 @@ def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: Ada
         return None
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     return GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
-                       cfg.train.grad_bucket_mb)
+                       cfg.train.grad_bucket_mb, overlap=not cfg.train.deterministic)

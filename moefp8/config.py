@@ -176,8 +176,9 @@ class TrainConfig:
     # the run writes a checkpoint and exits; the same command resumes it (a scheduler's time limit)
     time_limit_s: float = 0.0
     # deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, memory-efficient
-    # attention instead of flash attention, whose backward is not), for GPU runs that repeat (and resume) bit for
-    # bit; an op with no deterministic kernel warns, naming it
+    # attention instead of flash attention, whose backward is not; the data-parallel gradient buckets reduced
+    # after the backward, not during it), for GPU runs that repeat (and resume) bit for bit; an op with no
+    # deterministic kernel warns, naming it
     deterministic: bool = False
 
 

@@ -41,10 +41,15 @@ class _Bucket:
 class GradBuckets:
     """named_params: {name: parameter} (the optimizer's, in registration order); group_of(name):
     the process group that parameter's gradient is summed over (None: all ranks); world: the
-    divisor (all ranks' tokens make the mean loss)."""
+    divisor (all ranks' tokens make the mean loss); overlap: False starts every bucket in
+    `finish()`, after the backward (train.deterministic: 4 H100s, FP8, EP2, capacity-mode dispatch,
+    25 MB buckets started inside the backward made two runs of one commit part at step 2 or 3,
+    while one bucket started at the end, the exact-mode dispatch or BF16 repeated bit for bit;
+    bench/notes/renovation.md)."""
 
-    def __init__(self, named_params: dict[str, Tensor], group_of, world: int, bucket_mb: float = BUCKET_MB):
-        self.world, self.armed = world, False
+    def __init__(self, named_params: dict[str, Tensor], group_of, world: int, bucket_mb: float = BUCKET_MB,
+                 overlap: bool = True):
+        self.world, self.armed, self.overlap = world, False, overlap
         cap = int(bucket_mb * 2**20)
         self.buckets: list[_Bucket] = []
         run, size, key = [], 0, object()
@@ -74,7 +79,7 @@ class GradBuckets:
                 b.ready = 0
 
     def _arrived(self, i: int) -> None:
-        if not self.armed:
+        if not (self.armed and self.overlap):
             return
         self.buckets[i].ready += 1
         while self.next < len(self.buckets) and self.buckets[self.next].ready == len(self.buckets[self.next].params):

@@ -58,16 +58,16 @@ def _check(rank, world, dev):
         for n, p in named.items():
             p.grad = None
         want, _ = _grads_after(model, named, accum, rank, per_tensor, dev)
-        for mb in (0.01, 25):  # many small buckets; a few large ones
-            grads = GradBuckets(named, group_of, world, bucket_mb=mb)
+        for mb, overlap in ((0.01, True), (25, True), (0.01, False)):  # many small buckets; a few large ones
+            grads = GradBuckets(named, group_of, world, bucket_mb=mb, overlap=overlap)
             for step in range(2):  # and again after zero_grad: the views stay the gradients
                 grads.zero_grad()
                 got, started = _grads_after(model, named, accum, rank, grads, dev)
                 for n in want:
                     assert torch.equal(got[n], want[n]), (n, accum, mb, step)
                 assert torch.equal(got["unused"], torch.zeros(3, 5, device=dev))
-                if mb < 1:
-                    assert len(grads.buckets) > 5 and started > 0  # reductions began inside the backward
+                if mb < 1:  # reductions began inside the backward, or (overlap=False) all after it
+                    assert len(grads.buckets) > 5 and (started > 0 if overlap else started == 0)
             assert any(b.group is solo[rank] for b in grads.buckets) and any(b.group is None for b in grads.buckets)
             grads.remove()
             assert all(p.grad is None for p in named.values())

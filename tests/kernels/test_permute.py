@@ -27,7 +27,7 @@ def routing(T: int, K: int, E: int, kind: str = "random", seed: int = 0, device=
     return idx.long().to(device)
 
 
-CASES = [(37, 3, 5, "random"), (120, 8, 16, "skewed"), (130, 2, 4, "one_expert"), (0, 4, 3, "random"),
+CASES = [(37, 3, 5, "random"), (120, 4, 8, "skewed"), (130, 2, 4, "one_expert"), (0, 4, 3, "random"),
          (1, 1, 1, "random")]
 
 
