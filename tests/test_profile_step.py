@@ -76,3 +76,36 @@ def test_live_at_peak_replays_the_allocator_trace():
              {"action": "alloc", "addr": 5, "size": 50, "frames": frames("c")}]
     peak, sites = live_at_peak(trace)
     assert peak == 135 and sites == {"moefp8/b.py:7 b": [130, 2], "(outside moefp8)": [5, 1]}
+
+
+def test_measure_frees_its_model_before_the_next_one():
+    """Each (recipe, variant) builds its own model: the one measured before must be gone when the
+    next is built (a leaked model and its gradient buckets once made the second recipe's CUDA peak
+    look ~8 bytes per parameter over the memory plan)."""
+    import gc
+    import weakref
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import profile_step
+    from argparse import Namespace
+
+    built = []
+    real = profile_step.build
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        built.append(weakref.ref(out[0]))
+        return out
+
+    profile_step.build = spy
+    try:
+        args = Namespace(warmup=1, steps=1, top=3, host_profile=False, memory=False)
+        profile_step.measure(["model=tiny", "train.device=cpu", "train.micro_batch=1", "train.seq_len=16"], "fp8",
+                             args, [], profile_steps=0)
+    finally:
+        profile_step.build = real
+    gc.disable()  # what measure() freed it freed itself, not a collection run here
+    try:
+        assert len(built) == 1 and built[0]() is None
+    finally:
+        gc.enable()

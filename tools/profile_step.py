@@ -28,6 +28,7 @@ interleaved sweep, medians and ratios in the JSON's `summary`.
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -215,7 +216,10 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     tokens = cfg.train.micro_batch * cfg.train.seq_len  # per GPU
     peak = peak_flops(cfg, device)
     tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12  # per GPU
+    if grads is not None:
+        grads.remove()  # its hooks hold it, and it the parameters: a cycle
     del model, opt, grads, step
+    gc.collect()  # the next recipe's measure must not find this one's model still allocated
     if device.type == "cuda":
         torch.cuda.empty_cache()
     pl = plan(cfg)
