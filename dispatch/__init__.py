@@ -68,6 +68,12 @@ class Dispatcher(Protocol):
         `exchange_stream` (else all of it belongs on one stream)."""
         ...
 
+    def flush_checks(self) -> None:
+        """Raises the input errors of exchanges whose check was deferred (the all_to_all capacity
+        mode's headers, read without waiting where their exchange had not finished). The training
+        loop calls it once per step, after its host sync."""
+        ...
+
 
 DEEPEP_INSTALL = ("DeepEP is not on PyPI: build it by hand from https://github.com/deepseek-ai/DeepEP "
                   "(clone it, install NVSHMEM if you need internode RDMA, then `python setup.py install` in the "

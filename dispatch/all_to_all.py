@@ -16,8 +16,11 @@ Two modes, the same results (rows, order, combine sums bit for bit):
   receiver gets R * (cap + 1) rows, in the same (source rank, token) order as the exact mode with
   the unsent slots interleaved as rows whose local ids are all -1: the MoE layer's permute skips
   them. Input errors travel in the headers, which reach the host (a pinned copy and an event, no
-  stream sync) and are checked at the handle's first use: its combine or the dispatch reusing it
-  (or `handle.check()`), so every rank raises the same error, before that collective.
+  stream sync) and are checked at the handle's first use (its combine or the dispatch reusing it)
+  if the exchange has finished, else by `flush_checks()` (the training loop's, after its step's
+  host sync): every rank raises the same error. The first header of each kind (row bytes,
+  capacity, tokens) is always waited for at first use, so ranks whose exchanges would not line up
+  stop before the next collective; after that no combine waits on the host for an exchange.
 
   What it costs: bytes on the wire per rank and dispatch, at hidden 7168, top-8 of 256 experts,
   T = cap = 4096 tokens per rank, routing uniform, one packed row nb = 7296 bytes (FP8 pow2 with
@@ -121,13 +124,19 @@ class AllToAllHandle:
         """Nothing to check: the exact mode raised input errors in its dispatch."""
 
 
+MAX_PENDING_CHECKS = 512  # deferred header checks kept before the oldest is waited for
+
+
 class _Headers:
     """The R headers a capacity-mode dispatch received, on their way to the host (a pinned copy
     queued after the exchange and an event: reading them waits for the exchange, not for the work
-    queued after it), checked once. Mutable, so that the frozen handle can hold it."""
+    queued after it), checked once. Mutable, so that the frozen handle can hold it. kind: what
+    must match on every rank for the exchanges to line up (row bytes, capacity, tokens): the
+    dispatcher waits for the first check of each kind and defers the later ones."""
 
-    def __init__(self, hdr_RW: Tensor, raise_bad):
-        self.raise_bad, self.done, self.event = raise_bad, False, None
+    def __init__(self, hdr_RW: Tensor, raise_bad, kind: tuple = ()):
+        self.raise_bad, self.done, self.event, self.kind = raise_bad, False, None, kind
+        self.queued = False  # left for the dispatcher's flush_checks
         if hdr_RW.is_cuda:
             self.host = torch.empty(hdr_RW.shape, dtype=hdr_RW.dtype, pin_memory=True)
             self.host.copy_(hdr_RW, non_blocking=True)
@@ -136,13 +145,19 @@ class _Headers:
         else:
             self.host = hdr_RW.clone()
 
-    def check(self) -> None:
+    def check(self, wait: bool = True) -> bool:
+        """Raises the reported input error; -> whether checked (wait=False: not if the exchange
+        has not finished yet)."""
         if self.done:
-            return
+            return True
         if self.event is not None:
-            self.event.synchronize()
+            if wait:
+                self.event.synchronize()
+            elif not self.event.query():
+                return False
         self.raise_bad(self.host.tolist())
         self.done = True
+        return True
 
 
 @dataclass(frozen=True)
@@ -172,7 +187,8 @@ class CapacityHandle:
 
     def check(self) -> None:
         """Raises the input error that any rank's dispatch reported (the same on every rank);
-        waits for this dispatch's exchange. Called by the first combine or dispatch using the handle."""
+        waits for this dispatch's exchange. (The dispatcher's own combines and dispatches check
+        through `AllToAllDispatcher._check`, which defers what it can to `flush_checks`.)"""
         self.headers.check()
 
 
@@ -244,6 +260,37 @@ class AllToAllDispatcher:
         # the caller's stream.
         self.exchange_stream = None
         self.num_local_experts = num_experts // self.world
+        # capacity mode: header checks left for `flush_checks` (their exchange had not finished when
+        # first used), and the header kinds (row bytes, capacity, tokens) already seen to match
+        self._pending: list[_Headers] = []
+        self._kinds_checked: set[tuple] = set()
+
+    def _check(self, handle) -> None:
+        """At a handle's first use (its combine, a dispatch reusing it): the exact mode checked its
+        inputs already; the capacity mode's headers are checked now if their exchange has finished,
+        else left for `flush_checks` -- but the first of each kind (row bytes, capacity, tokens) is
+        waited for, so that a rank whose exchanges would not line up with the others' stops at its
+        first one, before the next collective. A later input error (a bad expert id, a scale that
+        is not a power of two) is raised by `flush_checks`, on every rank alike: the exchange moved
+        fixed blocks, so nothing hangs or reads out of bounds meanwhile."""
+        h = getattr(handle, "headers", None)
+        if h is None or h.done:
+            return
+        if h.kind not in self._kinds_checked:
+            h.check()
+            self._kinds_checked.add(h.kind)
+        elif not h.queued and not h.check(wait=False):
+            h.queued = True
+            self._pending.append(h)
+            while len(self._pending) > MAX_PENDING_CHECKS:  # nobody flushes (a benchmark loop): the oldest
+                self._pending.pop(0).check()
+
+    def flush_checks(self) -> None:
+        """Checks the headers `_check` deferred (waiting for their exchanges) and raises the first
+        input error. The training loop calls it after its step's host sync (by then nothing waits)."""
+        pending, self._pending = self._pending, []
+        for h in pending:
+            h.check()
 
     def mode_for(self, K: int, cuda: bool = True) -> str:
         """The mode a dispatch with top-k K (of CUDA tensors, or not) runs in: "exact" or "capacity".
@@ -390,7 +437,7 @@ class AllToAllDispatcher:
         if handle is not None:
             if T != handle.num_tokens:
                 raise ValueError(f"dispatch: x has {T} rows but the handle was made for {handle.num_tokens} tokens")
-            handle.check()
+            self._check(handle)
             if isinstance(handle, CapacityHandle):
                 R, cap = self.world, handle.cap
                 nb = row_bytes(H, None, payload)
@@ -462,7 +509,7 @@ class AllToAllDispatcher:
             xr, w, local = self._unpack(recv, H, K, payload)
             local = local.long()
             hdr = recv.view(R, cap + 1, nb)[:, cap, 8 * K:8 * K + 8 * HDR_WORDS].view(torch.int64)
-            headers = _Headers(hdr, lambda h: self._raise_bad_headers(nb, payload, H, K, h))
+            headers = _Headers(hdr, lambda h: self._raise_bad_headers(nb, payload, H, K, h), kind=(nb, cap, T))
         handle = CapacityHandle(pos_TR, cap, T, local, w, headers)
         return Dispatched(xr, local, w, handle)
 
@@ -475,7 +522,7 @@ class AllToAllDispatcher:
             raise ValueError(f"combine: expected a bfloat16 or float32 tensor [T_recv, C], got {what}")
         if y.shape[0] != handle.num_recv:
             raise ValueError(f"combine: y has {y.shape[0]} rows, the dispatch received {handle.num_recv}")
-        handle.check()
+        self._check(handle)
         with self._on_exchange_stream(y):
             if isinstance(handle, CapacityHandle):
                 splits = [handle.cap + 1] * self.world

@@ -148,6 +148,9 @@ class DeepEPDispatcher:
     def packs_on_caller_stream(self, topk: int) -> bool:
         return False
 
+    def flush_checks(self) -> None:
+        """Nothing deferred: DeepEP's dispatch checks its inputs itself."""
+
     def capture(self):
         """A DeepEP event on the current stream (for `previous_event`)."""
         return self.deep_ep.Buffer.capture()

@@ -119,6 +119,11 @@ class HierarchicalDispatcher:
     def packs_on_caller_stream(self, topk: int) -> bool:
         return False
 
+    def flush_checks(self) -> None:
+        """Its two stages run the exact mode: nothing deferred (delegated all the same)."""
+        self.a.flush_checks()
+        self.b.flush_checks()
+
     def combine_buffer(self, handle, C: int, device) -> None:
         return None
 

@@ -43,3 +43,6 @@ class LocalDispatcher:
 
     def packs_on_caller_stream(self, topk: int) -> bool:
         return False
+
+    def flush_checks(self) -> None:
+        """Nothing deferred."""

@@ -166,7 +166,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.recipe, self.loss_chunk = cfg, recipe, loss_chunk
         self.scale_stats = ScaleStats()
-        dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
+        self.dispatcher = dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm,
                                           recompute_attention="attention" in recompute)

@@ -137,6 +137,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         # read on the host, not five device syncs per MoE layer
         load_host = load_LE.to("cpu", non_blocking=True) if load_LE.is_cuda else load_LE
         loss_s, aux_s, signalled, time_up, gn = torch.cat([sums, gnorm.view(1)]).tolist()  # one host sync
+        model.dispatcher.flush_checks()  # the dispatches' input checks that did not wait (all done by now)
         loss, aux = loss_s / world / t.grad_accum, aux_s / world / t.grad_accum
         stopping = stop.requested or ("a signal to another rank" if signalled else None)
         stop_now = bool(signalled) or (bool(time_up) and step + 1 < t.steps)
@@ -184,6 +185,7 @@ def evaluate(model: Transformer, loader: Loader, device: torch.device, par: Para
     for x, y in loader.val_batches():
         total += model(x.to(device, non_blocking=True), y.to(device, non_blocking=True)).out
         n += 1
+    model.dispatcher.flush_checks()
     if par.world > 1:
         par.all_reduce_(total).div_(par.world)
     return (total / n).item()

@@ -64,6 +64,7 @@ def step_fn(cfg, model, opt, grads, device, rank: int = 0):
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen).to(device)
 
     def step() -> None:
+        model.dispatcher.flush_checks()  # the previous step's deferred input checks (the loop's, after its sync)
         if grads is not None:
             grads.arm(last=True)
         out = model(x[:, :-1], x[:, 1:])

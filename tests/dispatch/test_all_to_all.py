@@ -12,6 +12,7 @@ Each test spawns its processes once and runs several cases in them (a spawn cost
 
 import os
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -532,3 +533,71 @@ def test_bench_dispatch_smoke(tmp_path):
     assert exact["bytes_per_rank"] == cap["bytes_per_rank"]
     assert cap["wire_bytes_per_rank"] >= exact["wire_bytes_per_rank"]
     assert doc["wire_bytes_per_token"]["fp8"] <= 0.55 * doc["wire_bytes_per_token"]["bf16"]
+
+
+def test_capacity_checks_wait_only_for_the_first_of_each_kind():
+    """The capacity mode's header checks at a handle's first use: the first header of each kind
+    (row bytes, capacity, tokens) is waited for; later ones are read if their exchange has
+    finished, else left for flush_checks, which waits and raises the first input error."""
+    import moefp8.dispatch.all_to_all as A
+
+    class Event:  # a CUDA event's host side: finished or not
+        def __init__(self, finished):
+            self.finished, self.waited = finished, False
+
+        def query(self):
+            return self.finished
+
+        def synchronize(self):
+            self.waited = self.finished = True
+
+    seen = []
+
+    def headers(kind, finished, bad=False):
+        def raise_bad(h):
+            seen.append(kind)
+            if bad:
+                raise ValueError(f"dispatch: bad input ({kind})")
+        h = A._Headers(torch.zeros(2, 6, dtype=torch.int64), raise_bad, kind=kind)
+        h.event = Event(finished)
+        return SimpleNamespace(headers=h)
+
+    d = A.AllToAllDispatcher.__new__(A.AllToAllDispatcher)  # the checks need no process group
+    d._pending, d._kinds_checked = [], set()
+    first = headers((64, 8, 8), finished=False)
+    d._check(first)
+    assert first.headers.event.waited and first.headers.done and seen == [(64, 8, 8)]
+    late = headers((64, 8, 8), finished=False, bad=True)
+    d._check(late)  # not waited for, not raised yet
+    assert not late.headers.event.waited and not late.headers.done and d._pending == [late.headers]
+    ready = headers((64, 8, 8), finished=True)
+    d._check(ready)
+    assert ready.headers.done and not ready.headers.event.waited and len(d._pending) == 1
+    other = headers((32, 8, 8), finished=False)  # a new kind (e.g. the backward's rows): waited for
+    d._check(other)
+    assert other.headers.event.waited
+    d._check(late)  # a second use of the same handle changes nothing
+    assert len(d._pending) == 1
+    with pytest.raises(ValueError, match=r"bad input \(\(64, 8, 8\)\)"):
+        d.flush_checks()
+    assert late.headers.event.waited and d._pending == []
+    d.flush_checks()  # nothing left
+    for _ in range(A.MAX_PENDING_CHECKS + 3):  # nobody flushes: the oldest are waited for
+        d._check(headers((64, 8, 8), finished=False))
+    assert len(d._pending) == A.MAX_PENDING_CHECKS
+
+
+def test_every_backend_implements_the_dispatcher_protocol():
+    from typing import Protocol
+
+    from moefp8.dispatch import Dispatcher
+    from moefp8.dispatch.deepep import DeepEPDispatcher
+    from moefp8.dispatch.hierarchical import HierarchicalDispatcher
+    from moefp8.dispatch.local import LocalDispatcher
+
+    methods = [n for n, v in vars(Dispatcher).items() if callable(v) and not n.startswith("_")
+               and n not in vars(Protocol)]
+    assert {"dispatch", "combine", "combine_buffer", "packs_on_caller_stream", "flush_checks"} <= set(methods)
+    for cls in (AllToAllDispatcher, DeepEPDispatcher, HierarchicalDispatcher, LocalDispatcher):
+        missing = [n for n in methods if not callable(getattr(cls, n, None))]
+        assert not missing, (cls.__name__, missing)
