@@ -38,6 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
+from moefp8.kernels import deepgemm
 from moefp8.kernels import grouped_gemm_ws as ws
 from moefp8.kernels import num_sms, use_triton
 
@@ -324,6 +325,9 @@ VARIANTS = ("ws", "tma", "ptr")  # GemmPolicy.variant
 LOOP_IMPLS = ("triton", "cublas")  # GemmPolicy's *_impl* fields
 
 
+GEMM_LIBS = ("moefp8", "deepgemm")  # GemmPolicy.mgrouped_lib
+
+
 @dataclass(frozen=True)
 class GemmPolicy:
     """Which FP8 GEMM implementation runs on the GPU, as a value handed to the GEMMs (the MoE layer,
@@ -361,6 +365,9 @@ class GemmPolicy:
       kernels running at the same time (the two micro-batch overlap sets it from its
       `OverlapPolicy.gemm_sm_reserve` for the GEMMs it runs). 0: all SMs.
     kg_stages: depth of the warp-specialized k-grouped kernel's operand ring.
+    mgrouped_lib: the m-grouped GEMMs (experts' fprop and dgrad) on CUDA tensors: "moefp8" (the
+      kernels above) or "deepgemm" (DeepGEMM's, kernels/deepgemm.py; where it is built:
+      `recipe.gemm=deepgemm`). The k-grouped wgrad stays moefp8's.
     """
 
     variant: str = "ws"
@@ -371,11 +378,13 @@ class GemmPolicy:
     dense_wgrad_cublas: bool = True
     sm_reserve: int = 0
     kg_stages: int = ws.KG_STAGES
+    mgrouped_lib: str = "moefp8"
 
     def __post_init__(self):
         for name, value, allowed in (("variant", self.variant, VARIANTS), ("wgrad_impl", self.wgrad_impl, LOOP_IMPLS),
                                      ("mgrouped_impl_host", self.mgrouped_impl_host, LOOP_IMPLS),
-                                     ("wgrad_impl_host", self.wgrad_impl_host, LOOP_IMPLS)):
+                                     ("wgrad_impl_host", self.wgrad_impl_host, LOOP_IMPLS),
+                                     ("mgrouped_lib", self.mgrouped_lib, GEMM_LIBS)):
             if value not in allowed:
                 raise ValueError(f"GemmPolicy: {name}={value!r}, expected one of {allowed}")
         if not isinstance(self.sm_reserve, int) or self.sm_reserve < 0:
@@ -612,6 +621,11 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     if a.data.device != b.data.device:
         raise ValueError(f"fp8_grouped_gemm: a on {a.data.device}, b on {b.data.device}")
     off = prepare_offsets(group_offsets, E, M, a.data.device, validate)
+    if impl is None and a.data.is_cuda and policy.mgrouped_lib == "deepgemm":
+        dg = deepgemm.load()
+        if dg is None:
+            raise ValueError(f"GemmPolicy(mgrouped_lib='deepgemm'): `import deep_gemm` failed. {deepgemm.INSTALL}")
+        return deepgemm.m_grouped(a, transpose_weight(b) if transpose_b else b, deepgemm.m_indices(off, M), dg)
     Kb, Nout = (N, K) if transpose_b else (K, N)
     cublas_ok = a.data.is_cuda and (Kb // TILE) % 4 == 0 and Nout % TILE == 0
     if impl == "cublas" and not cublas_ok:

@@ -13,6 +13,7 @@ from moefp8.grad_sync import GradBuckets
 from moefp8.launch import dispatch_capacity, routing_config
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
+from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.overlap import OverlapPolicy
 from moefp8.parallel import Parallel, same_file
 from moefp8.recipe import Recipe
@@ -47,8 +48,8 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device) -> Tran
                                       node_groups=par.node_groups)
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
     return Transformer(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, t.seed,
-                       overlap=OverlapPolicy() if d.overlap else None, recompute=tuple(t.recompute),
-                       loss_chunk=t.loss_chunk).to(device)
+                       overlap=OverlapPolicy() if d.overlap else None, gemm=GemmPolicy(mgrouped_lib=cfg.recipe.gemm),
+                       recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
 
 
 def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: AdamW) -> GradBuckets | None:

@@ -17,6 +17,7 @@ from moefp8.fp8 import TILE
 
 RECIPES = ("fp8", "bf16")
 SCALE_FMTS = ("pow2", "fp32")
+GEMM_LIBS = ("moefp8", "deepgemm")  # recipe.gemm (kernels.grouped_gemm.GemmPolicy.mgrouped_lib)
 BACKENDS = ("local", "all_to_all", "deepep")
 DISPATCH_MODES = ("auto", "exact", "capacity")  # the all_to_all backend's modes (dispatch/all_to_all.py)
 DISPATCH_TRANSPORTS = ("collective", "copy_engine")  # how its bytes move (dispatch/all_to_all.py, copy_engine.py)
@@ -73,6 +74,9 @@ class RecipeConfig:
     # small model (mean of 3 runs) and in BF16 ~1% of the FP8 speed-up (bench/notes/convergence.md, session 11).
     # [] puts every dense linear in FP8.
     bf16_linears: list[str] = field(default_factory=lambda: ["wo"])
+    # FP8 recipe: the experts' m-grouped GEMMs (fprop, dgrad) by moefp8's kernels or, where DeepGEMM is
+    # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); the wgrad stays moefp8's
+    gemm: str = "moefp8"
 
 
 # Expert parallelism: how tokens travel to the ranks that hold their experts (dispatch/).
@@ -221,6 +225,7 @@ def validate(cfg: Config) -> None:
     m, r, d, o, data, t, lg = cfg.model, cfg.recipe, cfg.dispatch, cfg.optim, cfg.data, cfg.train, cfg.logger
     _one_of("recipe.recipe", r.recipe, RECIPES)
     _one_of("recipe.scale_fmt", r.scale_fmt, SCALE_FMTS)
+    _one_of("recipe.gemm", r.gemm, GEMM_LIBS)
     _one_of("dispatch.backend", d.backend, BACKENDS)
     _one_of("train.device", t.device, DEVICES)
     _one_of("train.nan_policy", t.nan_policy, NAN_POLICIES)

@@ -71,6 +71,15 @@ def check_launch(cfg: Config, env=os.environ) -> None:
             import deep_ep  # noqa: F401
         except ImportError as e:
             raise ValueError(f"dispatch=deepep: `import deep_ep` failed ({e}). {DEEPEP_INSTALL}") from None
+    if cfg.recipe.gemm == "deepgemm":
+        from moefp8.kernels import deepgemm
+
+        if device.type != "cuda" or cfg.recipe.recipe != "fp8":
+            raise ValueError(f"recipe.gemm=deepgemm: DeepGEMM's FP8 GEMMs run on CUDA GPUs in the fp8 recipe (this run: "
+                             f"{device.type}, recipe={cfg.recipe.recipe}); use recipe.gemm=moefp8")
+        if deepgemm.load() is None:
+            raise ValueError(f"recipe.gemm=deepgemm: `import deep_gemm` failed. {deepgemm.INSTALL}; or use "
+                             f"recipe.gemm=moefp8")
     if d.transport == "copy_engine" and device.type != "cuda":
         raise ValueError(f"dispatch.transport=copy_engine: copies between GPUs, but this run is on the {device.type} "
                          f"(train.device={cfg.train.device}); use dispatch.transport=collective")

@@ -7,7 +7,8 @@ kernels "ws", the GPU default on Hopper, and the Triton TMA kernels) and of
 cuBLAS dense blockwise `_scaled_mm` on the same total
 shape, a per-expert loop of blockwise `_scaled_mm`, BF16 `torch._grouped_mm` and row-wise FP8
 `torch._scaled_grouped_mm`; the FP8 peak (per-tensor `_scaled_mm` 8192^3) measured in the same
-run. FLOPs count the padded rows (the work every implementation does).
+run; DeepGEMM's m-grouped GEMM (fprop, and dgrad on the transposed weight copy) where `deep_gemm`
+imports (kernels/deepgemm.py), with whether ours equals it bit for bit (JSON `deep_gemm`). FLOPs count the padded rows (the work every implementation does).
 
 Timing: an H100 running FP8 GEMMs reaches its 700 W power limit within ~2.5 s, and its SM clock
 falls from 1980 MHz to ~1200-1500 MHz (bench/notes/gemm.md, session 32): a figure taken in the first
@@ -38,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moefp8.kernels import deepgemm  # noqa: E402
 from moefp8.kernels import grouped_gemm as gg  # noqa: E402
 from moefp8.fp8 import col_major  # noqa: E402
 from moefp8.kernels.gemm import _cublas_weight_scale, fp8_gemm, fp8_gemm_dgrad, transpose_weight  # noqa: E402
@@ -78,6 +80,8 @@ def peak_fp8(n: int = 8192, soak_s: float = 0.0) -> float:
 ROUNDS = 3
 HOLD = 0.0  # --hold: seconds each implementation runs alone (0: do_bench, interleaved)
 HELD = []  # with --hold: per (case, implementation) its time, SM clock and power over the timed half
+DEEPGEMM = "DeepGEMM m_grouped_fp8_gemm_nt_contiguous"  # a baseline where `deep_gemm` imports
+SAME_AS_DEEPGEMM = {}  # "case moefp8-variant": its output equals DeepGEMM's bit for bit
 
 
 def held(fn) -> tuple[float, dict]:
@@ -196,10 +200,15 @@ def expert_case(rows, name, K, N, counts, variants):
     except RuntimeError as exc:  # noqa: BLE001
         print(f"_scaled_grouped_mm failed: {exc}"[:300])
         del base["torch._scaled_grouped_mm rowwise fp8"]
+    dg, m_idx = deepgemm.load(), deepgemm.m_indices(off_t, M)
+    if dg is not None:  # the same FP8 bytes and scales (x has data in the padding rows: DeepGEMM computes them too)
+        base[DEEPGEMM] = lambda: deepgemm.m_grouped(a8, w8, m_idx, dg)
     ref = gg.fp8_grouped_gemm_ref(a8, w8, off).float() if M * N <= 2**28 else None
     ours, errs = {}, {}
     for v in variants:
         out = gg.fp8_grouped_gemm(a8, w8, off_t, validate=False, policy=policy(v))
+        if dg is not None:
+            SAME_AS_DEEPGEMM[f"m-grouped fprop {case} moefp8-{v}"] = torch.equal(out, base[DEEPGEMM]())
         errs[v] = rel_err(out, ref) if ref is not None else rel_err(out[:off[1]], (a8.dequantize()[:off[1]] @ w8.dequantize()[0].t()))
         ours[v] = lambda p=policy(v): gg.fp8_grouped_gemm(a8, w8, off_t, validate=False, policy=p)
     diag = {}
@@ -215,11 +224,21 @@ def expert_case(rows, name, K, N, counts, variants):
         errs[v] = rel_err(dx[:s1], dy8.dequantize()[:s1] @ w8.dequantize()[0])
         ours[v] = lambda p=policy(v): gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False, policy=p)
     dyb, wb = dy, w
-    t = timed({"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16), **ours},
-              f"m-grouped dgrad {case}")
+    dgrad_base = {"bf16": lambda: torch._grouped_mm(dyb, wb, offs=ends, out_dtype=torch.bfloat16)}
+    if dg is not None:  # DeepGEMM's NT kernel on the transposed weight copy (made outside the timing)
+        w8t = transpose_weight(w8)
+        dgrad_base[DEEPGEMM] = lambda: deepgemm.m_grouped(dy8, w8t, m_idx, dg)
+        for v in variants:
+            SAME_AS_DEEPGEMM[f"m-grouped dgrad {case} moefp8-{v}"] = torch.equal(
+                gg.fp8_grouped_gemm(dy8, w8, off_t, transpose_b=True, validate=False, policy=policy(v)),
+                dgrad_base[DEEPGEMM]())
+    t = timed({**dgrad_base, **ours}, f"m-grouped dgrad {case}")
     for v in variants:
         rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t[v]),
                         "torch._grouped_mm bf16", tflops(flop, t["bf16"]), errs[v]))
+        if dg is not None:
+            rows.append(row(f"m-grouped dgrad {case}", f"moefp8-{v} incl. Wᵀ copy", tflops(flop, t[v]),
+                            f"{DEEPGEMM} (Wᵀ copy not timed)", tflops(flop, t[DEEPGEMM]), errs[v]))
     # wgrad: ours k-grouped vs BF16 _grouped_mm (2d x 2d, both operands token-major, as ours)
     dyc, xc = quant_colwise(dy), quant_colwise(x)
     dyt, xt = dy.t().contiguous(), x.t().contiguous()
@@ -401,7 +420,12 @@ def main():
     path = save_results("bench_gemm", rows, {"what": "fp8 per-tensor _scaled_mm 8192^3", "value": round(peak, 1),
                                              "unit": "TFLOP/s"}, path=args.out,
                         timing={"soak_s": args.soak, "rounds": args.rounds, "hold_s": args.hold,
-                                "gpu_over_soak": soaked}, **({"held": HELD} if HELD else {}))
+                                "gpu_over_soak": soaked}, **({"held": HELD} if HELD else {}),
+                        deep_gemm=({"version": getattr(deepgemm.load(), "__version__", "?"),
+                                    "bit_identical": SAME_AS_DEEPGEMM} if deepgemm.load() else "not installed"))
+    if SAME_AS_DEEPGEMM:
+        print(f"bit-identical to DeepGEMM: {sum(SAME_AS_DEEPGEMM.values())} of {len(SAME_AS_DEEPGEMM)} "
+              f"{[k for k, v in SAME_AS_DEEPGEMM.items() if not v] or ''}")
     print(f"wrote {path}")
 
 

@@ -1,0 +1,120 @@
+"""kernels/deepgemm.py: moefp8's group offsets as DeepGEMM's per-row expert indices, and the
+m-grouped GEMM handed to DeepGEMM with moefp8's operands. On CPU a stand-in module with DeepGEMM's
+call signature checks the wiring; on a GPU with `deep_gemm` built, the outputs must equal moefp8's
+m-grouped GEMM bit for bit (the issue's premise: same numerics)."""
+
+import types
+
+import pytest
+import torch
+
+from moefp8.kernels import deepgemm
+from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref
+from moefp8.kernels.quant import quant_rowwise, quant_weight
+
+
+def test_m_indices():
+    off = [0, 128, 128, 384, 512]  # expert 1 empty
+    got = deepgemm.m_indices(off, 640)
+    want = [0] * 128 + [2] * 256 + [3] * 128 + [-1] * 128
+    assert got.dtype == torch.int32 and got.tolist() == want
+    assert deepgemm.m_indices(torch.tensor([0, 0, 0]), 0).numel() == 0
+    assert deepgemm.m_indices(torch.tensor([0, 0, 0], dtype=torch.int32), 3).tolist() == [-1] * 3  # all empty
+
+
+def _operands(counts, K=256, N=384, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    off = [0]
+    for c in counts:
+        off.append(off[-1] + -(-c // 128) * 128)
+    M = off[-1]
+    x = torch.randn(M, K, generator=g, device=device) * 3
+    for e, c in enumerate(counts):  # the permute's padding rows: zeros
+        x[off[e] + c:off[e + 1]] = 0
+    w = torch.randn(len(counts), N, K, generator=g, device=device) / K**0.5
+    return quant_rowwise(x.bfloat16()), quant_weight(w), off
+
+
+def fake_deep_gemm():
+    """DeepGEMM's m_grouped_fp8_gemm_nt_contiguous signature over dequantized fp32 math."""
+    def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
+        (ad, asf), (bd, bsf) = a, b
+        assert ad.dtype == bd.dtype == torch.float8_e4m3fn and asf.dtype == bsf.dtype == torch.float32
+        assert d.dtype == torch.bfloat16 and m_indices.dtype == torch.int32 and m_indices.is_contiguous()
+        A = ad.float() * asf.repeat_interleave(128, dim=1)[:, :ad.shape[1]]
+        B = bd.float() * bsf.repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)[:, :bd.shape[1], :bd.shape[2]]
+        d.zero_()
+        for e in range(bd.shape[0]):
+            rows = (m_indices == e).nonzero().flatten()
+            if rows.numel():
+                s, t = rows[0].item(), rows[-1].item() + 1
+                assert rows.numel() == t - s  # contiguous segments
+                d[s:t] = (A[s:t] @ B[e].t()).bfloat16()
+    return types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous)
+
+
+@pytest.mark.parametrize("counts", [[130, 0, 7, 256], [1], [0, 0, 5]])
+def test_m_grouped_wiring_matches_the_reference(counts):
+    a8, w8, off = _operands(counts)
+    got = deepgemm.m_grouped(a8, w8, deepgemm.m_indices(off, a8.data.shape[0]), fake_deep_gemm())
+    assert torch.equal(got, fp8_grouped_gemm_ref(a8, w8, off))
+    with pytest.raises(ValueError, match="need equal K and int32"):
+        deepgemm.m_grouped(a8, w8, deepgemm.m_indices(off, a8.data.shape[0]).long(), fake_deep_gemm())
+
+
+@pytest.mark.gpu
+def test_gpu_deep_gemm_equals_moefp8_bit_for_bit():
+    dg = deepgemm.load()
+    if dg is None or not torch.cuda.is_available():
+        pytest.skip("deep_gemm not installed")
+    for counts, N, K in (([1000, 0, 37, 4096], 4096, 7168), ([2048] * 8, 7168, 2048)):
+        a8, w8, off = _operands(counts, K, N, device="cuda")
+        off_t = torch.tensor(off, dtype=torch.int32, device="cuda")
+        want = fp8_grouped_gemm(a8, w8, off_t)
+        got = deepgemm.m_grouped(a8, w8, deepgemm.m_indices(off_t, a8.data.shape[0]), dg)
+        assert torch.equal(got, want), (counts, (got.float() - want.float()).abs().max().item())
+
+
+def test_recipe_gemm_is_checked_before_anything_runs():
+    """recipe.gemm: a value of GEMM_LIBS (the config's and the GemmPolicy's lists agree); deepgemm
+    needs a CUDA GPU, the fp8 recipe and `deep_gemm` importable, else one line naming the fix."""
+    from moefp8.config import GEMM_LIBS, Config, validate
+    from moefp8.kernels.grouped_gemm import GEMM_LIBS as POLICY_LIBS
+    from moefp8.kernels.grouped_gemm import GemmPolicy
+    from moefp8.launch import check_launch
+
+    assert GEMM_LIBS == POLICY_LIBS and GemmPolicy().mgrouped_lib == "moefp8"
+    c = Config()
+    c.recipe.gemm = "cutlass"
+    with pytest.raises(ValueError, match=r"recipe.gemm='cutlass': expected one of 'moefp8', 'deepgemm'"):
+        validate(c)
+    with pytest.raises(ValueError, match=r"mgrouped_lib='cutlass'"):
+        GemmPolicy(mgrouped_lib="cutlass")
+    c.recipe.gemm, c.train.device = "deepgemm", "cpu"
+    validate(c)
+    with pytest.raises(ValueError, match=r"recipe.gemm=deepgemm: DeepGEMM's FP8 GEMMs run on CUDA GPUs .*"
+                                         r"use recipe.gemm=moefp8"):
+        check_launch(c)
+
+
+@pytest.mark.gpu
+def test_gpu_model_with_deep_gemm_equals_moefp8_bit_for_bit():
+    """The issue's training check in small: the same model and batch, the m-grouped GEMMs by
+    DeepGEMM or by moefp8: loss and every gradient equal."""
+    if deepgemm.load() is None or not torch.cuda.is_available():
+        pytest.skip("deep_gemm not installed")
+    from moefp8.config import ModelConfig
+    from moefp8.kernels.grouped_gemm import GemmPolicy
+    from moefp8.model import Transformer
+    from moefp8.recipe import Recipe
+
+    torch.backends.cuda.enable_flash_sdp(False)  # deterministic attention backward (train.deterministic)
+    x = torch.randint(0, 257, (2, 129), generator=torch.Generator().manual_seed(0)).cuda()
+    got = []
+    for lib in ("moefp8", "deepgemm"):
+        m = Transformer(ModelConfig(), Recipe("fp8"), seed=0, gemm=GemmPolicy(mgrouped_lib=lib)).cuda()
+        out = m(x[:, :-1], x[:, 1:])
+        (out.out + out.aux_loss).backward()
+        got.append([out.out.detach()] + [p.grad for p in m.parameters()])
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
