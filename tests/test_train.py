@@ -212,11 +212,16 @@ def test_presets_compose_and_validate(overrides):
 
 def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
     """4 gloo processes, DP 2 x EP 2 (all_to_all dispatch), micro-batch 1 each vs one process with
-    micro-batch 4 on the same tokens: the same losses up to the FP8 gradient that EP sends over the
-    wire (measured: |diff| <= 1e-3 over 4 steps). Then one process resumes the EP run's step-2
-    checkpoint (experts are saved per global index): steps 3-4 continue it."""
+    micro-batch 4 on the same tokens: the same losses and gradient norms up to the FP8 gradient that
+    EP sends over the wire (measured at lr 1e-3: |loss diff| <= 4.8e-4, grad norms <= 5.6e-4
+    relative). Then one process resumes the EP run's step-2 checkpoint (experts are saved per global
+    index): steps 3-4 continue it."""
     ep, one, res = tmp_path / "ep", tmp_path / "one", tmp_path / "resumed"
-    common = {"train.steps": 4, "train.ckpt_every": 2}
+    # lr 1e-3: at the tiny preset's 3e-3 the first steps are chaotic (Adam moves every weight by ~lr
+    # whatever the gradient's size, and top-k routes flip): with the dense layer on the FP8 MLP the
+    # step-4 grad norms parted by 14% (3.50 vs 3.08) though every step's loss agreed to 1.4e-3; at 1e-3
+    # losses <= 4.8e-4 and grad norms <= 5.6e-4 relative apart (2026-11-27)
+    common = {"train.steps": 4, "train.ckpt_every": 2, "optim.lr": 1e-3}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                         "-m", "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2",
                         *base(data_dir, ep, **common, **{"train.micro_batch": 1})],
@@ -231,7 +236,7 @@ def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
     m_ep, m_one, m_res = metrics(ep), metrics(one), metrics(res)
     assert [x["step"] for x in m_ep] == [1, 2, 3, 4] and [x["step"] for x in m_res] == [3, 4]
     for x, y in zip(m_ep, m_one):
-        assert abs(x["loss"] - y["loss"]) < 2e-3 and abs(x["grad_norm"] - y["grad_norm"]) < 2e-2 * y["grad_norm"]
+        assert abs(x["loss"] - y["loss"]) < 2e-3 and abs(x["grad_norm"] - y["grad_norm"]) < 5e-3 * y["grad_norm"]
     for x, y in zip(m_ep[2:], m_res):
         assert abs(x["loss"] - y["loss"]) < 2e-3
 
