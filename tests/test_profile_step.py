@@ -23,11 +23,12 @@ def test_profile_step_smoke(tmp_path):
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
     assert all(0 < row["host_ms"] <= row["step_ms"] * 1.5 and row["gpu_ops_per_step"] == 0 for row in doc["rows"])
-    for row in doc["rows"]:  # the host's time by function and file: the model's own forward among them
-        h = row["host_top"]
+    ours = ("moefp8/", "kernels/", "dispatch/")
+    for row in doc["rows"]:  # the host's time by function and file: the project's own code among them
+        h = row["host_top"]  # (which of its functions makes the top 5 varies from run to run)
         assert h["host_ms"] > 0 and len(h["functions"]) == 5 and 0 < len(h["files"]) <= 5
-        assert any(f["function"].endswith(" forward") for f in h["functions"]) or any(
-            f["file"].startswith("moefp8/") for f in h["files"]), h
+        assert any(f["function"].startswith(ours) for f in h["functions"]) or any(
+            f["file"].startswith(ours) for f in h["files"]), h
 
 
 def test_profile_step_under_torchrun_with_ep(tmp_path):
