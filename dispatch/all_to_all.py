@@ -273,9 +273,9 @@ class AllToAllDispatcher:
         first one, before the next collective. A later input error (a bad expert id, a scale that
         is not a power of two) is raised by `flush_checks`, on every rank alike: the exchange moved
         fixed blocks, so nothing hangs or reads out of bounds meanwhile."""
-        h = getattr(handle, "headers", None)
-        if h is None or h.done:
+        if not isinstance(handle, CapacityHandle) or handle.headers.done:
             return
+        h = handle.headers
         if h.kind not in self._kinds_checked:
             h.check()
             self._kinds_checked.add(h.kind)

@@ -469,8 +469,8 @@ def load(path: str | Path, state: dict, optional: tuple[str, ...] = (), aliases:
     plain values replaced); returns its meta.json. `optional`: dotted keys of `state` (e.g.
     "data.val_windows") that checkpoints written before they existed lack; those are dropped from
     `state` when the checkpoint has none. `aliases`: {(section, ..., key): the key older
-    checkpoints stored it under}, loaded from there when the checkpoint has only the old key. A state of another shape: "checkpoint P does not fit this
-    model (was it written for another model config?): <DCP's words, naming the tensor>"; an
+    checkpoints stored it under}, loaded from there when the checkpoint has only the old key. A
+    state of another shape: "checkpoint P does not fit this model (was it written for another model config?): <DCP's words, naming the tensor>"; an
     unreadable .metadata or data file (no checksums to catch it first): "checkpoint P is damaged:
     ...". Under torch.distributed every rank calls it and meets the same error."""
     p = Path(path)
@@ -480,17 +480,18 @@ def load(path: str | Path, state: dict, optional: tuple[str, ...] = (), aliases:
         have = dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata
     except Exception as e:  # unpickling errors of every kind: not a question of the model config
         raise _damaged(p, f".metadata is unreadable ({type(e).__name__}: {first_line(e)})") from None
-    for key in optional:
-        if key not in have:
-            *parents, leaf = key.split(".")
-            d = state
-            for k in parents:
-                d = d[k]
-            d.pop(leaf, None)
-    for (*parents, leaf), old in (aliases or {}).items():
+    def holder(parents) -> dict:  # the dict of `state` at that path
         d = state
         for k in parents:
             d = d[k]
+        return d
+
+    for key in optional:
+        if key not in have:
+            *parents, leaf = key.split(".")
+            holder(parents).pop(leaf, None)
+    for (*parents, leaf), old in (aliases or {}).items():
+        d = holder(parents)
         if ".".join([*parents, leaf]) not in have and ".".join([*parents, old]) in have and leaf in d:
             d[old] = d.pop(leaf)  # the same tensor: loaded in place under its old name
     with warnings.catch_warnings():

@@ -12,7 +12,6 @@ Each test spawns its processes once and runs several cases in them (a spawn cost
 
 import os
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -560,7 +559,8 @@ def test_capacity_checks_wait_only_for_the_first_of_each_kind():
                 raise ValueError(f"dispatch: bad input ({kind})")
         h = A._Headers(torch.zeros(2, 6, dtype=torch.int64), raise_bad, kind=kind)
         h.event = Event(finished)
-        return SimpleNamespace(headers=h)
+        z = torch.zeros(0, 1)
+        return A.CapacityHandle(z, 8, 0, z, z, h)
 
     d = A.AllToAllDispatcher.__new__(A.AllToAllDispatcher)  # the checks need no process group
     d._pending, d._kinds_checked = [], set()
