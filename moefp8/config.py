@@ -18,6 +18,7 @@ from moefp8.fp8 import TILE
 RECIPES = ("fp8", "bf16")
 SCALE_FMTS = ("pow2", "fp32")
 GEMM_LIBS = ("moefp8", "deepgemm")  # recipe.gemm (kernels.grouped_gemm.GemmPolicy.mgrouped_lib)
+MOE_IMPLS = ("moefp8", "megablocks")  # recipe.moe_impl (moefp8.recipe.Recipe.moe_impl)
 BACKENDS = ("local", "all_to_all", "deepep")
 DISPATCH_MODES = ("auto", "exact", "capacity")  # the all_to_all backend's modes (dispatch/all_to_all.py)
 DISPATCH_TRANSPORTS = ("collective", "copy_engine")  # how its bytes move (dispatch/all_to_all.py, copy_engine.py)
@@ -77,6 +78,9 @@ class RecipeConfig:
     # FP8 recipe: the experts' m-grouped GEMMs (fprop, dgrad) by moefp8's kernels or, where DeepGEMM is
     # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); the wgrad stays moefp8's
     gemm: str = "moefp8"
+    # the routed experts: moefp8's pipeline, or megablocks' dropless MoE (dMoE; moefp8.megablocks_experts)
+    # on moefp8's router and weights: the BF16 baseline a user would pick instead (recipe=bf16, EP=1)
+    moe_impl: str = "moefp8"
 
 
 # Expert parallelism: how tokens travel to the ranks that hold their experts (dispatch/).
@@ -226,6 +230,12 @@ def validate(cfg: Config) -> None:
     _one_of("recipe.recipe", r.recipe, RECIPES)
     _one_of("recipe.scale_fmt", r.scale_fmt, SCALE_FMTS)
     _one_of("recipe.gemm", r.gemm, GEMM_LIBS)
+    _one_of("recipe.moe_impl", r.moe_impl, MOE_IMPLS)
+    if r.moe_impl == "megablocks" and (r.recipe != "bf16" or d.ep_size != 1 or d.backend != "local" or d.overlap):
+        raise ValueError(f"recipe.moe_impl=megablocks: megablocks' dMoE stands in for the BF16 recipe's experts on one "
+                         f"process; set recipe=bf16 dispatch=local dispatch.ep_size=1 dispatch.overlap=false (got "
+                         f"recipe={r.recipe}, dispatch={d.backend}, dispatch.ep_size={d.ep_size}, "
+                         f"dispatch.overlap={d.overlap}) or recipe.moe_impl=moefp8")
     _one_of("dispatch.backend", d.backend, BACKENDS)
     _one_of("train.device", t.device, DEVICES)
     _one_of("train.nan_policy", t.nan_policy, NAN_POLICIES)

@@ -52,9 +52,10 @@ def check_gpus(device: torch.device, local_rank: int, visible: int, nproc: int) 
                          f"node (torchrun --nproc_per_node {visible})")
 
 def check_launch(cfg: Config, env=os.environ) -> None:
-    """What the config needs from this machine and launch: the device, one GPU per process, DeepEP
-    installed if asked for, the process count, a dispatch capacity that holds a micro-batch, GPUs
-    for the copy-engine transport, a wandb key for logger.mode=online (ValueError naming the value)."""
+    """What the config needs from this machine and launch: the device, one GPU per process, DeepEP,
+    DeepGEMM and megablocks installed if asked for, the process count, a dispatch capacity that holds
+    a micro-batch, GPUs for the copy-engine transport, a wandb key for logger.mode=online
+    (ValueError naming the value)."""
     device = resolve_device(cfg.train.device)
     if device.type == "cuda":
         check_gpus(device, int(env.get("LOCAL_RANK", "0")), torch.cuda.device_count(),
@@ -80,6 +81,15 @@ def check_launch(cfg: Config, env=os.environ) -> None:
         if deepgemm.load() is None:
             raise ValueError(f"recipe.gemm=deepgemm: `import deep_gemm` failed. {deepgemm.INSTALL}; or use "
                              f"recipe.gemm=moefp8")
+    if cfg.recipe.moe_impl == "megablocks":
+        from moefp8 import megablocks_experts
+
+        if device.type != "cuda":
+            raise ValueError(f"recipe.moe_impl=megablocks: megablocks' kernels run on CUDA GPUs (this run: "
+                             f"{device.type}); use recipe.moe_impl=moefp8")
+        if megablocks_experts.load() is None:
+            raise ValueError(f"recipe.moe_impl=megablocks: `import megablocks` failed. {megablocks_experts.INSTALL}; "
+                             f"or use recipe.moe_impl=moefp8")
     if d.transport == "copy_engine" and device.type != "cuda":
         raise ValueError(f"dispatch.transport=copy_engine: copies between GPUs, but this run is on the {device.type} "
                          f"(train.device={cfg.train.device}); use dispatch.transport=collective")

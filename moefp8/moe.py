@@ -20,6 +20,7 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache
 from moefp8.fp8 import TILE, ScaleStats
 from moefp8.kernels.grouped_gemm import GemmPolicy
+from moefp8.megablocks_experts import MegablocksExperts
 from moefp8.mlp import MLP
 from moefp8.moe_stages import RoutedExperts
 from moefp8.overlap import OverlappedMoE, OverlapPolicy
@@ -36,7 +37,8 @@ class MoEOutput(NamedTuple):
 class MoELayer(nn.Module):
     """Routed experts (E experts of intermediate size I, top-k) + n_shared shared experts.
 
-    recipe: the `Recipe` (FP8 or BF16 experts, the scale format).
+    recipe: the `Recipe` (FP8 or BF16 experts, the scale format; its moe_impl "megablocks": the
+    routed experts by megablocks' dMoE, moefp8.megablocks_experts: BF16, EP=1, no overlap).
     dispatcher: a `moefp8.dispatch.Dispatcher` (default: the EP=1 `local` backend); its
     num_local_experts experts are this rank's slice of the expert weights.
     overlap: None, the plain schedule; an `OverlapPolicy`: split the tokens in two micro-batches
@@ -73,6 +75,12 @@ class MoELayer(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
         self.shared = MLP(hidden, n_shared * inter, recipe.fp8, recipe.scale_fmt, self.stats, gemm) if n_shared else None
         self.cache = WeightCache()
+        self.megablocks = None
+        if recipe.moe_impl == "megablocks":
+            if E_local != n_experts or overlap is not None:
+                raise ValueError("MoELayer: recipe moe_impl='megablocks' runs on one process (EP=1) without the "
+                                 "overlap; use moe_impl='moefp8' for expert parallelism or dispatch.overlap")
+            self.megablocks = MegablocksExperts(hidden, inter, n_experts, topk)
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
@@ -85,7 +93,10 @@ class MoELayer(nn.Module):
             out = OverlappedMoE.apply(x2, r.topk_w_TK, self.w1, self.w2, sh.w1 if sh else None,
                                       sh.w2 if sh else None, r.topk_idx_TK, self)
             return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)
-        out = RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
+        if self.megablocks is not None:
+            out = self.megablocks(x2, r.topk_w_TK, r.topk_idx_TK, self.w1, self.w2)
+        else:
+            out = RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
         if self.shared is not None:
             with record_function("shared"):
                 out = out + self.shared(x2)

@@ -8,7 +8,7 @@ builds from its config (moefp8.config.RecipeConfig).
 
 from dataclasses import dataclass
 
-from moefp8.config import DENSE_LINEARS, RECIPES, RecipeConfig, bf16_linears
+from moefp8.config import DENSE_LINEARS, MOE_IMPLS, RECIPES, RecipeConfig, bf16_linears
 from moefp8.fp8 import check_scale_fmt
 
 
@@ -17,11 +17,13 @@ class Recipe:
     """name: "fp8" (the DeepSeek-V3 recipe) or "bf16" (the like-for-like baseline: the same
     pipeline with BF16 rows, GEMMs and caches). scale_fmt: the FP8 scales, "pow2" or "fp32"
     (moefp8.fp8); the dispatcher must send the same. bf16_linears: under "fp8", the dense linears
-    ("wqkv", "wo", "dense_mlp") that compute in BF16 anyway (training's default: wo)."""
+    ("wqkv", "wo", "dense_mlp") that compute in BF16 anyway (training's default: wo). moe_impl:
+    who computes the routed experts, "moefp8" or "megablocks" (its dMoE; BF16 only)."""
 
     name: str = "fp8"
     scale_fmt: str = "pow2"
     bf16_linears: frozenset[str] = frozenset()
+    moe_impl: str = "moefp8"
 
     def __post_init__(self):
         if self.name not in RECIPES:
@@ -31,6 +33,10 @@ class Recipe:
         unknown = sorted(self.bf16_linears - set(DENSE_LINEARS))
         if unknown:
             raise ValueError(f"recipe bf16_linears entry {unknown[0]!r}: expected one of {DENSE_LINEARS}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"recipe moe_impl={self.moe_impl!r}: expected one of {MOE_IMPLS}")
+        if self.moe_impl == "megablocks" and self.fp8:
+            raise ValueError("recipe moe_impl='megablocks': megablocks' dMoE is BF16; use it with the bf16 recipe")
 
     @property
     def fp8(self) -> bool:
@@ -44,4 +50,4 @@ class Recipe:
     @classmethod
     def from_config(cls, r: RecipeConfig) -> "Recipe":
         """The recipe of a (validated) training config's `recipe` section."""
-        return cls(r.recipe, r.scale_fmt, bf16_linears(r))
+        return cls(r.recipe, r.scale_fmt, bf16_linears(r), r.moe_impl)

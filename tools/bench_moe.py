@@ -7,7 +7,9 @@ routed (token, slot) and per shared expert token; the router's matmul too), peak
 bytes autograd saves for backward (parameters excluded), a per-stage breakdown (torch profiler,
 the layer's record_function ranges), and the FP8 output's SQNR against the BF16 recipe's.
 Speed-of-light beside the figures: dense BF16 and FP8 per-tensor matmul rates measured in the
-same run. megablocks' dMoE is timed too when `megablocks` imports.
+same run. Where `megablocks` imports (EP=1), its dropless MoE (dMoE: BF16, grouped GEMMs) is timed
+too, on moefp8's router and the same weights (moefp8/megablocks_experts.py), with its SQNR
+against moefp8's BF16 recipe: the BF16 MoE a user would pick instead.
 
     python tools/bench_moe.py                 # saves bench/results/moe-<device>.json
     python tools/bench_moe.py --cases 8x4096  # E x T
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moefp8.megablocks_experts import load as load_megablocks  # noqa: E402
 from moefp8.moe import MoELayer  # noqa: E402
 from moefp8.recipe import Recipe  # noqa: E402
 from moefp8.testing import bench, print_table, results_path, save_results, saved_bytes, sqnr  # noqa: E402
@@ -30,8 +33,8 @@ from moefp8.testing import bench, print_table, results_path, save_results, saved
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dispatch import init_torchrun, timed  # noqa: E402
 
-STAGES = ["router", "quant", "dispatch", "permute", "fc1", "swiglu", "fc2", "combine", "shared",
-          "bwd_combine", "bwd_permute", "bwd_fc2", "bwd_swiglu", "bwd_fc1", "bwd_unpermute"]
+STAGES = ["router", "megablocks_weights", "megablocks_dmoe", "quant", "dispatch", "permute", "fc1", "swiglu", "fc2",
+          "combine", "shared", "bwd_combine", "bwd_permute", "bwd_fc2", "bwd_swiglu", "bwd_fc1", "bwd_unpermute"]
 
 
 def matmul_peaks() -> dict:
@@ -95,7 +98,10 @@ def main() -> None:
     if rank == 0:
         print(f"speed-of-light on this device: BF16 dense {peaks['bf16_dense_tflops']} TFLOP/s, "
               f"FP8 dense {peaks['fp8_dense_tflops']} TFLOP/s" + (f"; EP{ep}, all_to_all (capacity)" if ep > 1 else ""))
-    rows = []
+    rows, megablocks = [], load_megablocks() if cuda and ep == 1 else None
+    impls = {"fp8": Recipe("fp8"), "bf16": Recipe("bf16")}
+    if megablocks is not None:
+        impls["megablocks"] = Recipe("bf16", moe_impl="megablocks")
     for case in args.cases.split(","):
         E, T = (int(v) for v in case.split("x"))
         # per rank: its T tokens' routed slots on average (the slots of all ranks spread over the ranks)
@@ -104,10 +110,10 @@ def main() -> None:
         x = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
         dout = torch.randn(T, H, device=dev, generator=g).bfloat16()
         res = {}
-        for recipe in ("fp8", "bf16"):
-            torch.manual_seed(0)  # the same router on every rank; each rank keeps its expert slice
+        for name, recipe in impls.items():
+            torch.manual_seed(0)  # the same weights for every impl; the same router on every rank (its expert slice)
             disp = build_dispatcher("all_to_all", E * ep, None, capacity=T) if ep > 1 else None
-            layer = MoELayer(H, I, E * ep, K, n_shared=1, recipe=Recipe(recipe), dispatcher=disp).to(dev)
+            layer = MoELayer(H, I, E * ep, K, n_shared=1, recipe=recipe, dispatcher=disp).to(dev)
 
             def step():
                 layer.cache._store.clear()  # weights change every step: convert them again
@@ -117,7 +123,7 @@ def main() -> None:
 
             nbytes, out = saved_bytes(lambda: layer(x).out)
             out.backward(dout)
-            res[recipe] = out.detach()
+            res[name] = out.detach()
             layer.zero_grad(set_to_none=True)
             peak = None
             if cuda:
@@ -134,30 +140,27 @@ def main() -> None:
                 ms = bench(step, warmup_ms=100, rep_ms=500)
             stages = stage_times(step) if cuda else {}
             rows.append({"case": f"moe fwd+bwd E{E * ep} ({E}/rank) T{T}/rank H{H} I{I} top{K} EP{ep}" if ep > 1
-                         else f"moe fwd+bwd E{E} T{T} H{H} I{I} top{K}", "impl": f"moefp8 {recipe}",
+                         else f"moe fwd+bwd E{E} T{T} H{H} I{I} top{K}",
+                         "impl": "megablocks dMoE (bf16)" if name == "megablocks" else f"moefp8 {name}",
                          "value": round(flops / ms / 1e9, 1), "unit": "TFLOP/s", "ms": round(ms, 3),
                          "peak_mem_gb": peak, "saved_act_gb": round(nbytes / 1e9, 3), "stages_ms": stages})
             del layer, out
             if cuda:
                 torch.cuda.empty_cache()
-        fp8_row, bf16_row = rows[-2], rows[-1]
-        for r in (fp8_row, bf16_row):
+        case_rows = dict(zip(impls, rows[-len(impls):]))
+        bf16_row = case_rows["bf16"]
+        for name, r in case_rows.items():
             r.update(baseline="moefp8 bf16 recipe (same run)", baseline_value=bf16_row["value"],
                      ratio=round(bf16_row["ms"] / r["ms"], 3))
-        fp8_row["saved_act_vs_bf16"] = round(fp8_row["saved_act_gb"] / bf16_row["saved_act_gb"], 3)
-        fp8_row["sqnr_vs_bf16_db"] = round(sqnr(res["fp8"].float(), res["bf16"].float()), 1)
-        try:
-            import megablocks  # noqa: F401
-
-            rows.append({"case": fp8_row["case"], "impl": "megablocks dMoE", "value": None,
-                         "note": "megablocks imports; its dMoE timing is not wired yet"})
-        except ImportError:
-            pass
+            if name != "bf16":
+                r["saved_act_vs_bf16"] = round(r["saved_act_gb"] / bf16_row["saved_act_gb"], 3)
+                r["sqnr_vs_bf16_db"] = round(sqnr(res[name].float(), res["bf16"].float()), 1)
     if rank == 0:
         path = Path(args.out) if args.out else results_path("moe", ep=ep if ep > 1 else None)
         save_results("bench_moe", rows, {"what": "dense matmul 8192^3 on this device", "value": peaks["fp8_dense_tflops"],
                                          "unit": "TFLOP/s (FP8 per-tensor)", **peaks}, path=path, ranks=ep,
-                     megablocks="installed" if any(r["impl"] == "megablocks dMoE" for r in rows) else "not installed")
+                     megablocks=getattr(megablocks, "__version__", "installed") if megablocks is not None else
+                     "not timed (not installed, or EP > 1)")
         for r in rows:
             print(r["case"], r["impl"], "stages (ms):", r.get("stages_ms"))
         print_table(rows, ["case", "impl", "ms", "value", "ratio", "peak_mem_gb", "saved_act_gb", "saved_act_vs_bf16",

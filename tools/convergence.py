@@ -18,7 +18,10 @@ data order), the run-to-run spread. --runs adds more of these (bf16_again, fp8_a
 and further same-seed reruns fp8_again2, bf16_again2, ...) and --train picks which of the runs this
 call trains (the others are read from an earlier call): every FP8 run is then compared with every BF16 run, and each rerun with its own recipe's first run.
 With two or more same-seed BF16 runs the FP8 run is also compared with their mean curve (a row of its
-own; the pass/fail row stays fp8 against the first BF16 run).
+own; the pass/fail row stays fp8 against the first BF16 run). --runs bf16_megablocks adds BF16 with
+megablocks' dMoE as the routed experts (one GPU per run; recipe.moe_impl=megablocks), compared with
+the fp8 and bf16 runs, its tokens/s beside theirs:
+    python tools/convergence.py --runs bf16_megablocks experiment=small_gpu train.steps=200
 
 Each pair's largest difference comes with its step and the gradient-norm spikes (a step's norm over
 2.5x the median of the 50 before it) either run had in the 30 steps up to it: a spike moves one run's
@@ -73,7 +76,9 @@ from moefp8.testing import REPO, print_table, results_path, save_results  # noqa
 
 RECIPES = ("bf16", "fp8")
 NOISE = {"rerun": "bf16_again", "seed": "bf16_seed+1"}  # --noise-floor kind -> the third run's name
-EXTRA = ("bf16_again", "fp8_again", "bf16_seed+1")  # --runs: a recipe again (same seed), or the next seed
+MEGABLOCKS = "bf16_megablocks"  # BF16 with megablocks' dMoE as the routed experts (recipe.moe_impl=megablocks)
+EXTRA = ("bf16_again", "fp8_again", "bf16_seed+1", MEGABLOCKS)  # --runs: a recipe again (same seed), the next seed,
+# or megablocks' BF16 MoE on the same seed, data and weights (compared with fp8 and bf16; not in the BF16 means)
 RERUN = re.compile(r"(bf16|fp8)_again\d*")  # more reruns of the same seed: fp8_again2, bf16_again3, ...
 
 
@@ -215,11 +220,13 @@ def steps_per_epoch(overrides: list[str], nproc: int) -> int | None:
 def run_overrides(name: str, overrides: list[str], fp8_overrides: list[str] = ()) -> list[str]:
     """The overrides of run `name`: "bf16", "fp8", a recipe again with the same seed and data
     ("bf16_again", "fp8_again") or BF16 with the seed after the configured one ("bf16_seed+1":
-    another init and data order). The FP8 runs get `fp8_overrides` last (an ablation of the
-    recipe, e.g. recipe.fp8_dense=false)."""
+    another init and data order), or "bf16_megablocks" (BF16 with megablocks' dMoE experts). The FP8
+    runs get `fp8_overrides` last (an ablation of the recipe, e.g. recipe.fp8_dense=false)."""
     if name == NOISE["seed"]:
         seed = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.seed=")), 0)
         return [*overrides, "recipe=bf16", f"train.seed={seed + 1}"]
+    if name == MEGABLOCKS:
+        return [*overrides, "recipe=bf16", "recipe.moe_impl=megablocks"]
     recipe = recipe_of(name)
     return [*overrides, f"recipe={recipe}", *(fp8_overrides if recipe == "fp8" else ())]
 
@@ -294,7 +301,7 @@ def recipe_means(curves: dict) -> dict:
     last = {}
     for name, c in curves.items():
         steps = [s for s in c["val"] if s > c["steps"][-1] / 2]
-        if steps and name != NOISE["seed"]:
+        if steps and name not in (NOISE["seed"], MEGABLOCKS):
             last[name] = sum(c["val"][s] for s in steps) / len(steps)
     group = {r: [v for n, v in last.items() if recipe_of(n) == r] for r in RECIPES}
     if not all(group.values()):
@@ -470,7 +477,7 @@ def main() -> None:
                      "baseline_value": 100 * args.threshold, "ratio": round(args.threshold / v, 3) if v else None,
                      "pass": v < args.threshold, "mean_rel_diff_last_half_pct": main_pair["val_mean_pct"],
                      "points": main_pair["val_points"], "final": main_pair["val_final"]})
-    bf16_runs = [n for n in names if recipe_of(n) == "bf16" and n != NOISE["seed"]]
+    bf16_runs = [n for n in names if recipe_of(n) == "bf16" and n not in (NOISE["seed"], MEGABLOCKS)]
     fp8_runs = [n for n in names if recipe_of(n) == "fp8"]
     vs_means = {}  # the BF16 reference as the mean of its same-seed reruns (the JSON's first row: the first BF16 run)
     if len(bf16_runs) > 1:
@@ -493,6 +500,10 @@ def main() -> None:
     rows.append({"case": case, "impl": "fp8 tokens/s", "value": round(tps["fp8"], 1), "unit": "tokens/s",
                  "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
                  "ratio": round(tps["fp8"] / tps["bf16"], 3)})
+    if MEGABLOCKS in tps:
+        rows.append({"case": case, "impl": f"{MEGABLOCKS} tokens/s", "value": round(tps[MEGABLOCKS], 1),
+                     "unit": "tokens/s", "baseline": "bf16 tokens/s (same config)", "baseline_value": round(tps["bf16"], 1),
+                     "ratio": round(tps[MEGABLOCKS] / tps["bf16"], 3)})
     starts = {name: curves[name]["starts"] if name in from_earlier else read_starts(run_dir)
               for name, run_dir in run_dirs.items()}
     shared, rel = rel_diff(curves["fp8"], curves["bf16"])
