@@ -114,7 +114,7 @@ def test_convergence_tool_cpu(tmp_path):
     cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--noise-floor", "--noise-kind", "seed",
            "--runs", "fp8_again", "model=tiny", "train.steps=6", "optim.warmup_steps=2", "data.max_bytes=2000000",
            "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled", f"data.path={tmp_path / 'data'}",
-           "train.eval_every=2", "data.val_windows=16"]
+           "train.eval_every=2", "data.val_windows=4", "train.micro_batch=2"]
     r = subprocess.run([*cmd, "--train", "bf16,fp8,bf16_seed+1"], cwd=REPO, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode != 0 and "no metrics in" in r.stderr and "fp8_again" in r.stderr  # not trained yet
@@ -214,11 +214,12 @@ def test_convergence_tool_data_parallel_resumes(tmp_path):
     the loss curve goes on as it was."""
     cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--nproc", "2", "model=tiny",
            "train.steps=4", "optim.warmup_steps=1", "data.max_bytes=1000000", "train.ckpt_every=2",
-           "logger.mode=disabled", f"data.path={tmp_path / 'data'}", "train.grad_accum=2"]
+           "logger.mode=disabled", f"data.path={tmp_path / 'data'}", "train.grad_accum=2",
+           "train.micro_batch=2"]
     r = subprocess.run([*cmd, "train.time_limit_s=1e-9"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "runs not finished: bf16 at step 1 of 4, fp8 at step 1 of 4" in r.stderr, r.stderr
     assert not (tmp_path / "convergence.json").exists()  # no statistics over part of a run
-    assert "--nproc_per_node=2" in r.stdout and "cpu x 2 (EP 1); 8192 tokens/step" in r.stdout
+    assert "--nproc_per_node=2" in r.stdout and "cpu x 2 (EP 1); 2048 tokens/step" in r.stdout
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.count("resumed from") == 2
@@ -233,5 +234,5 @@ def test_convergence_tool_data_parallel_resumes(tmp_path):
     assert again["steps"] == [1, 2, 3, 4] and again["fp8"]["loss"] == first["fp8"]["loss"]
     starts = json.loads((tmp_path / "convergence.json").read_text())["run_starts"]  # fp8 started thrice, 2 ranks
     assert [(s["step"], s["world"]) for s in starts["fp8"]] == [(0, 2), (1, 2), (2, 2)] and len(starts["bf16"]) == 2
-    row = json.loads((tmp_path / "convergence.json").read_text())["rows"][0]  # 8 x 2 x 2 windows per step
+    row = json.loads((tmp_path / "convergence.json").read_text())["rows"][0]  # 2 x 2 x 2 windows per step
     assert row["data_steps_per_epoch"] > 4 and "first_epoch_max_pct" not in row

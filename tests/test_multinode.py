@@ -7,6 +7,7 @@ line (docs/multinode.md)."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -129,7 +130,11 @@ def test_a_node_that_dies_ends_the_other_within_the_timeout(data_dir, tmp_path, 
     ours = [line for line in err.splitlines() if line.startswith("error: rank")]
     # gloo: the failed collective raises; NCCL: the step watchdog stops the rank; both lines say this
     assert ours and all("a peer rank died or hangs" in line for line in ours), err[-3000:]
-    assert "moefp8/" not in err.split("Root Cause")[0]  # no traceback from our code
+    # no Python traceback through our code (torchrun's "Root Cause" report after it aside). NCCL's
+    # watchdog prints where the collective that timed out was launched ("#3 _arrived from
+    # .../moefp8/grad_sync.py:86": the gradient buckets' all-reduce, from the backward): that is
+    # PyTorch's report of the hang, not a traceback, and passes.
+    assert not re.search(r'File "[^"]*/(moefp8|dispatch|kernels)/', err.split("Root Cause")[0]), err[-3000:]
 
 
 def _not_shared(rank, world, dev, root):
