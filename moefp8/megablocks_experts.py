@@ -11,7 +11,8 @@ autograd carries megablocks' weight gradients back to the masters. megablocks is
 (EP=1), the plain schedule; its grouped GEMM reads the expert sizes on the host (one sync per layer).
 
 megablocks (0.10.0, PyPI source only) needs `grouped_gemm` (0.3.0) and `stanford-stk` (0.7.1),
-built against the installed torch; nothing imports it unless asked (`load`).
+built against the installed torch (bench/notes/megablocks.md: what it takes with CUDA 13); nothing
+imports it unless asked (`load`).
 """
 
 import torch
@@ -21,7 +22,8 @@ from torch.profiler import record_function
 
 INSTALL = ("megablocks is built from source against the installed torch: `pip install --no-deps "
            "--no-build-isolation stanford-stk==0.7.1 grouped_gemm==0.3.0 megablocks==0.10.0` on a CUDA machine "
-           "(megablocks pins an older torch: --no-deps keeps yours; docs/training.md)")
+           "(megablocks pins an older torch: --no-deps keeps yours; with CUDA 13 megablocks' csrc/cumsum.h needs "
+           "a one-line fix first: bench/notes/megablocks.md)")
 
 
 def load():
