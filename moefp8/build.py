@@ -1,6 +1,7 @@
 """What a training process builds from its config, in the order the run needs it: the data
-(`open_data`), the model on its expert-parallel dispatcher (`build_model`) and the data-parallel
-gradient buckets (`grad_buckets`). The training loop (`moefp8.train`) and the whole-step profiler
+(`open_data`), the model on its expert-parallel dispatcher (`build_model`), the data-parallel
+gradient buckets (`grad_buckets`) and, for dispatch.overlap=auto, the schedule chooser
+(`overlap_auto`). The training loop (`moefp8.train`) and the whole-step profiler
 (`tools/profile_step.py`) build through these, so that what is profiled is what trains.
 """
 
@@ -15,6 +16,7 @@ from moefp8.model import Transformer
 from moefp8.optim import AdamW
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.overlap import OverlapPolicy
+from moefp8.overlap_auto import OverlapAuto
 from moefp8.parallel import Parallel, same_file
 from moefp8.recipe import Recipe
 
@@ -48,7 +50,7 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device) -> Tran
                                       node_groups=par.node_groups)
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
     return Transformer(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, t.seed,
-                       overlap=OverlapPolicy() if d.overlap else None, gemm=GemmPolicy(mgrouped_lib=cfg.recipe.gemm),
+                       overlap=OverlapPolicy() if d.overlap is True else None, gemm=GemmPolicy(mgrouped_lib=cfg.recipe.gemm),
                        recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
 
 
@@ -60,3 +62,15 @@ def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: Ada
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     return GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
                        cfg.train.grad_bucket_mb, overlap=not cfg.train.deterministic)
+
+
+def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=print) -> OverlapAuto | None:
+    """dispatch.overlap=auto: the chooser that times both schedules over the first steps
+    (moefp8.overlap_auto); None for false / true. At EP=1 there is nothing to overlap: the plain
+    schedule, said once."""
+    if cfg.dispatch.overlap != "auto":
+        return None
+    if par is None or par.ep_size == 1:
+        say("dispatch.overlap=auto: off (EP=1: no exchanges to overlap)")
+        return None
+    return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say)

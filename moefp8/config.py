@@ -10,6 +10,7 @@ ValueError naming the offending key and value.
 import math
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from moefp8.data import source_dir
 from moefp8.tokenizer import TokenizerError, parse_spec
@@ -88,7 +89,9 @@ class RecipeConfig:
 class DispatchConfig:
     backend: str = "local"  # local (EP=1, no communication) | all_to_all (torch.distributed) | deepep (DeepEP)
     ep_size: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
-    overlap: bool = False  # two micro-batches per block (MoE layers), communication overlapped (moefp8.overlap)
+    # two micro-batches per block (MoE layers), communication overlapped (moefp8.overlap): false | true |
+    # auto (the first steps time both schedules and keep the faster; moefp8.overlap_auto)
+    overlap: Any = False
     # all_to_all: "exact" (count exchange + host sync), "capacity" (fixed blocks, no sync) or "auto"
     # (capacity on GPUs when ep_size <= model.topk)
     mode: str = "auto"
@@ -237,6 +240,11 @@ def validate(cfg: Config) -> None:
                          f"recipe={r.recipe}, dispatch={d.backend}, dispatch.ep_size={d.ep_size}, "
                          f"dispatch.overlap={d.overlap}) or recipe.moe_impl=moefp8")
     _one_of("dispatch.backend", d.backend, BACKENDS)
+    if not isinstance(d.overlap, bool) and d.overlap != "auto":
+        raise ValueError(f"dispatch.overlap={d.overlap!r}: expected false, true or auto")
+    if d.overlap == "auto" and t.deterministic:
+        raise ValueError("dispatch.overlap=auto: picks the schedule by timing, which train.deterministic=true cannot "
+                         "repeat; set dispatch.overlap=false or true")
     _one_of("train.device", t.device, DEVICES)
     _one_of("train.nan_policy", t.nan_policy, NAN_POLICIES)
     _one_of("logger.mode", lg.mode, WANDB_MODES)

@@ -98,7 +98,7 @@ def check_launch(cfg: Config, env=os.environ) -> None:
         t = cfg.train
         raise ValueError(f"dispatch.capacity={d.capacity}: smaller than the {need} tokens a rank passes to one dispatch "
                          f"(train.micro_batch x train.seq_len = {t.micro_batch} x {t.seq_len}"
-                         f"{', halved by dispatch.overlap' if d.overlap else ''}); set dispatch.capacity >= {need}, "
+                         f"{', halved by dispatch.overlap' if d.overlap is True else ''}); set dispatch.capacity >= {need}, "
                          f"or 0 to size it from the batch")
     if cfg.logger.mode == "online" and not wandb_key(env):
         raise ValueError("logger.mode=online: no wandb API key found (WANDB_API_KEY, or `wandb login`); log in, or "
@@ -138,11 +138,12 @@ def peak_flops(cfg: Config, device: torch.device) -> float | None:
 def dispatch_capacity(cfg: Config) -> int:
     """The most tokens a rank passes to one dispatch (the all_to_all capacity mode's blocks):
     dispatch.capacity, else micro_batch x seq_len; under the overlap its larger micro-batch: half
-    the sequences (rounded up; moefp8.overlap.OverlappedBlock), or half of a lone sequence."""
+    the sequences (rounded up; moefp8.overlap.OverlappedBlock), or half of a lone sequence
+    (dispatch.overlap=auto runs both schedules: the whole micro-batch)."""
     if cfg.dispatch.capacity:
         return cfg.dispatch.capacity
     B, S = cfg.train.micro_batch, cfg.train.seq_len
-    if not cfg.dispatch.overlap:
+    if cfg.dispatch.overlap is not True:
         return B * S
     return -(-B // 2) * S if B > 1 else -(-S // 2)
 

@@ -239,6 +239,14 @@ class Transformer(nn.Module):
     def routers(self) -> list:
         return [b.mlp.router for b in self.layers if b.is_moe]
 
+    def set_overlap(self, overlap: OverlapPolicy | None) -> None:
+        """The MoE layers' schedule from the next forward on: two micro-batches with `overlap`'s
+        policy, or (None) the plain one (dispatch.overlap=auto switches between them; the
+        dispatcher's capacity must hold the whole micro-batch)."""
+        for b in self.layers:
+            if b.is_moe:
+                b.mlp.overlap = overlap
+
 
 def param_counts(cfg: ModelConfig) -> dict:
     """Parameters of the whole model (all experts, all ranks) from the config alone:

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from moefp8 import checkpoint, cli
-from moefp8.build import build_model, grad_buckets, open_data
+from moefp8.build import build_model, grad_buckets, open_data, overlap_auto
 from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
@@ -104,6 +104,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     sharded_params = [p for n, p in opt.params.items() if n in sharded]
     grads = grad_buckets(cfg, par, model, opt)  # the mean gradient over the ranks, reduced during the last backward
     zero_grad = grads.zero_grad if grads else opt.zero_grad
+    auto = overlap_auto(cfg, par, model, console.print)  # dispatch.overlap=auto: times both schedules first
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     for step in range(start, t.steps):
@@ -111,6 +112,8 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         lr = lr_at(step, o, t.steps)
         sums = torch.zeros(4, device=device)  # [loss, aux loss, signalled, past the time limit]
         load_LE = nonfinite_S = None
+        if auto:
+            auto.begin_step()
         model.scale_stats.on = (model.recipe.fp8 and t.fp8_stats_every > 0
                                 and ((step + 1) % t.fp8_stats_every == 0 or step == start))
         for i in range(t.grad_accum):
@@ -158,6 +161,8 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             router.update_bias(load_E)
         dt = time.perf_counter() - t0
         watchdog.beat(dt)
+        if auto:
+            auto.end_step(dt)
         val = {}
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             watchdog.allow(t.dist_timeout_s)  # not a step: its own collectives, its own time

@@ -34,12 +34,13 @@ def test_profile_step_smoke(tmp_path):
 def test_profile_step_under_torchrun_with_ep(tmp_path):
     """Two gloo ranks, EP2 over all_to_all, gradients through moefp8.grad_sync: figures per GPU and
     for both, one report (rank 0); the overlap off and on, two rounds interleaved, medians and the
-    ratios in the summary, the kernel table from the first round only."""
+    ratios in the summary, the kernel table from the first round only; dispatch.overlap=auto runs
+    its trial steps and reports its choice."""
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "tools/profile_step.py", "model=tiny", "train.device=cpu", "train.micro_batch=2",
                         "train.seq_len=32", "dispatch=all_to_all", "dispatch.ep_size=2", "--warmup", "1", "--steps", "1",
-                        "--vary", "dispatch.overlap=false,true", "--rounds", "2",
+                        "--vary", "dispatch.overlap=false,true,auto", "--rounds", "2",
                         "--profile-steps", "1", "--top", "3", "--json", str(out)], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -47,7 +48,13 @@ def test_profile_step_under_torchrun_with_ep(tmp_path):
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert [(row["round"], row["variant"], row["recipe"]) for row in rows] == [
-        (i, f"dispatch.overlap={v}", recipe) for i in (0, 1) for v in ("false", "true") for recipe in ("bf16", "fp8")]
+        (i, f"dispatch.overlap={v}", recipe) for i in (0, 1) for v in ("false", "true", "auto") for recipe in ("bf16", "fp8")]
+    for row in rows:  # the chooser's decision beside the figures it timed afterwards
+        auto = row["overlap_auto"]
+        assert (auto is None) == (row["variant"] != "dispatch.overlap=auto"), row["variant"]
+        assert auto is None or (auto["choice"] in ("on", "off") and set(auto["median_ms"]) == {"on", "off"})
+    said = [line for line in r.stdout.splitlines() if line.startswith("dispatch.overlap=auto: ")]
+    assert len(said) == 4  # once per auto measure, rank 0 alone
     assert all(bool(row["top"]) == (row["round"] == 0) for row in rows)
     on = {row["recipe"]: row for row in doc["summary"] if row["variant"] == "dispatch.overlap=true"}
     assert on["bf16"]["rounds"] == 2 and "over_bf16" in on["fp8"] and on["fp8"]["over_dispatch.overlap=false"] > 0

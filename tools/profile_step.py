@@ -23,7 +23,9 @@ with --json. Routing: random tokens through a fresh router route less evenly tha
 run (the per-expert GEMM shapes and the cuBLAS-loop choices follow); the last step's expert
 load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
 step under cProfile, the host's time by function and by file. --vary KEY=V1,V2 --rounds N: an
-interleaved sweep, medians and ratios in the JSON's `summary`.
+interleaved sweep, medians and ratios in the JSON's `summary`. dispatch.overlap=auto runs its trial
+steps first, as training does (moefp8.overlap_auto), then times the schedule it kept (the JSON's
+`overlap_auto`: the choice and both medians): `--vary dispatch.overlap=false,true,auto`.
 """
 
 import argparse
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.build import build_model, grad_buckets  # noqa: E402
+from moefp8.build import build_model, grad_buckets, overlap_auto  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
@@ -171,6 +173,14 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     torch.manual_seed(cfg.train.seed)
     model, opt, grads = build(cfg, device, par)
     step = step_fn(cfg, model, opt, grads, device, par.rank if par else 0)
+    rank0 = par is None or par.rank == 0
+    auto = overlap_auto(cfg, par, model, print if rank0 else lambda s: None)
+    while auto is not None and auto.choice is None:  # dispatch.overlap=auto: its trial steps, as in training
+        t0 = time.perf_counter()
+        auto.begin_step()
+        step()
+        sync(device)
+        auto.end_step(time.perf_counter() - t0)
     for _ in range(args.warmup):
         step()
     sync(device)
@@ -219,7 +229,9 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12  # per GPU
     if grads is not None:
         grads.remove()  # its hooks hold it, and it the parameters: a cycle
-    del model, opt, grads, step
+    auto_row = None if auto is None else {"choice": auto.choice,
+                                          "median_ms": {k: v * 1e3 for k, v in auto.medians.items()}}
+    del model, opt, grads, step, auto
     gc.collect()  # the next recipe's measure must not find this one's model still allocated
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -231,7 +243,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "overlap_auto": auto_row, "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
