@@ -646,6 +646,51 @@ def fp8_grouped_gemm(a: Fp8Tensor, b: Fp8Tensor, group_offsets, *, transpose_b: 
     return launch_mgrouped(a, b, off, out, policy)
 
 
+def choose_mgrouped_lib(n_experts: int, rows_per_expert: int, shapes_NK: list[tuple[int, int]], device: torch.device,
+                        dg=None, timer=None) -> tuple[str, dict]:
+    """`recipe.gemm=auto`: the m-grouped library for the experts' GEMMs on this device. "deepgemm"
+    where it imports, gives moefp8's outputs bit for bit on fresh random operands of every shape
+    (each (N, K) of `shapes_NK`: the fprop with weights [E, N, K] and the dgrad through their
+    transpose; `n_experts` segments of `rows_per_expert` rows, a multiple of 128; activations with
+    outliers) and takes less time over all of them; else "moefp8". -> (lib, why: a dict with
+    each library's total ms, whether the outputs were identical, or the reason none was timed).
+    dg: the deep_gemm module (default `deepgemm.load()`); timer(fn) -> ms (default: triton's
+    do_bench median)."""
+    from moefp8.kernels.quant import quant_rowwise, quant_weight
+
+    if device.type != "cuda" and dg is None:
+        return "moefp8", {"why": f"not a CUDA device ({device.type})"}
+    dg = dg if dg is not None else deepgemm.load()
+    if dg is None:
+        return "moefp8", {"why": "deep_gemm does not import"}
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(fn):
+            return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = -(-rows_per_expert // TILE) * TILE
+    off = [e * rows for e in range(n_experts + 1)]
+    off_dev = torch.tensor(off, dtype=torch.int32).to(device)
+    M = off[-1]
+    m_idx = deepgemm.m_indices(off_dev, M)
+    ms, identical = {"moefp8": 0.0, "deepgemm": 0.0}, True
+    for N, K in shapes_NK:
+        w8 = quant_weight(torch.randn(n_experts, N, K, generator=g, device=device) * K**-0.5)
+        w8_t = transpose_weight(w8)
+        for b, Kc in ((w8, K), (w8_t, N)):  # fprop: a [M, K]; dgrad: a [M, N] times the transpose
+            x = torch.randn(M, Kc, generator=g, device=device)
+            x[::97] *= 100  # outliers: tiles of very different scales
+            a = quant_rowwise(x.bfloat16())
+            ours = fp8_grouped_gemm(a, b, off_dev, validate=False, host_offsets=off)
+            theirs = deepgemm.m_grouped(a, b, m_idx, dg)
+            identical &= torch.equal(ours, theirs)
+            ms["moefp8"] += timer(lambda: fp8_grouped_gemm(a, b, off_dev, validate=False, host_offsets=off))
+            ms["deepgemm"] += timer(lambda: deepgemm.m_grouped(a, b, m_idx, dg))
+    why = {"ms": {k: round(v, 4) for k, v in ms.items()}, "identical": identical}
+    return ("deepgemm" if identical and ms["deepgemm"] < ms["moefp8"] else "moefp8"), why
+
+
 def fp8_grouped_gemm_wgrad(dy: Fp8Tensor, x: Fp8Tensor, group_offsets, out: Tensor | None = None, *,
                            validate: bool = True, impl: str | None = None, host_offsets: list | None = None,
                            policy: GemmPolicy = GemmPolicy()) -> Tensor:

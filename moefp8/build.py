@@ -14,7 +14,7 @@ from moefp8.grad_sync import GradBuckets
 from moefp8.launch import dispatch_capacity, routing_config
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
-from moefp8.kernels.grouped_gemm import GemmPolicy
+from moefp8.kernels.grouped_gemm import GemmPolicy, choose_mgrouped_lib
 from moefp8.overlap import OverlapPolicy
 from moefp8.overlap_auto import OverlapAuto
 from moefp8.parallel import Parallel, same_file
@@ -37,9 +37,32 @@ def open_data(cfg: Config, par: Parallel, say=print) -> Loader:
         raise DataError(f"data.path={d.path}: {e}") from None
 
 
-def build_model(cfg: Config, par: Parallel | None, device: torch.device) -> Transformer:
+def gemm_policy(cfg: Config, device: torch.device, ep_size: int = 1, say=print) -> GemmPolicy:
+    """The GEMMs' policy: recipe.gemm's library, or for `auto` the one `choose_mgrouped_lib` finds
+    on this device for the model's experts (fc1 [2I, H] and fc2 [H, I], each local expert with its
+    balanced share of the routed rows); the choice said in one line."""
+    lib = cfg.recipe.gemm
+    if lib == "auto":
+        m, t = cfg.model, cfg.train
+        if cfg.recipe.recipe != "fp8":
+            lib, why = "moefp8", {"why": f"recipe={cfg.recipe.recipe}: no FP8 GEMMs"}
+        else:
+            rows = t.micro_batch * t.seq_len * ep_size * m.topk // m.n_experts
+            lib, why = choose_mgrouped_lib(m.n_experts // ep_size, max(rows, 1), [(2 * m.moe_inter, m.hidden),
+                                                                                (m.hidden, m.moe_inter)], device)
+        if "why" in why:
+            say(f"recipe.gemm=auto: {lib} ({why['why']})")
+        else:
+            ms = why["ms"]
+            say(f"recipe.gemm=auto: {lib} (the experts' m-grouped GEMMs, fprop + dgrad: moefp8 {ms['moefp8']:.2f} ms, "
+                f"DeepGEMM {ms['deepgemm']:.2f} ms, outputs {'bit-identical' if why['identical'] else 'DIFFERENT'})")
+    return GemmPolicy(mgrouped_lib=lib)
+
+
+def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=print) -> Transformer:
     """The model on `device`, its MoE layers on the config's dispatcher (par None: one process,
-    the `local` backend at EP=1, whatever the config's dispatch says)."""
+    the `local` backend at EP=1, whatever the config's dispatch says). say: where recipe.gemm=auto
+    tells its choice."""
     m, d, t = cfg.model, cfg.dispatch, cfg.train
     if par is None or par.world == 1:
         dispatcher, ep_rank, model_cfg = build_dispatcher("local", m.n_experts, scale_fmt=cfg.recipe.scale_fmt), 0, m
@@ -50,7 +73,8 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device) -> Tran
                                       node_groups=par.node_groups)
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
     return Transformer(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, t.seed,
-                       overlap=OverlapPolicy() if d.overlap is True else None, gemm=GemmPolicy(mgrouped_lib=cfg.recipe.gemm),
+                       overlap=OverlapPolicy() if d.overlap is True else None,
+                       gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
                        recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
 
 

@@ -18,7 +18,7 @@ from moefp8.fp8 import TILE
 
 RECIPES = ("fp8", "bf16")
 SCALE_FMTS = ("pow2", "fp32")
-GEMM_LIBS = ("moefp8", "deepgemm")  # recipe.gemm (kernels.grouped_gemm.GemmPolicy.mgrouped_lib)
+GEMM_LIBS = ("moefp8", "deepgemm", "auto")  # recipe.gemm: GemmPolicy.mgrouped_lib, or auto (build.gemm_policy)
 MOE_IMPLS = ("moefp8", "megablocks")  # recipe.moe_impl (moefp8.recipe.Recipe.moe_impl)
 BACKENDS = ("local", "all_to_all", "deepep")
 DISPATCH_MODES = ("auto", "exact", "capacity")  # the all_to_all backend's modes (dispatch/all_to_all.py)
@@ -77,7 +77,8 @@ class RecipeConfig:
     # [] puts every dense linear in FP8.
     bf16_linears: list[str] = field(default_factory=lambda: ["wo"])
     # FP8 recipe: the experts' m-grouped GEMMs (fprop, dgrad) by moefp8's kernels or, where DeepGEMM is
-    # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); the wgrad stays moefp8's
+    # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); auto: DeepGEMM where it imports, is
+    # bit-identical and faster on the model's expert shapes (timed at start), else moefp8. The wgrad stays moefp8's
     gemm: str = "moefp8"
     # the routed experts: moefp8's pipeline, or megablocks' dropless MoE (dMoE; moefp8.megablocks_experts)
     # on moefp8's router and weights: the BF16 baseline a user would pick instead (recipe=bf16, EP=1)

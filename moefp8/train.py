@@ -74,7 +74,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
             console.print(describe_memory(pl, props.total_memory))
         torch.manual_seed(t.seed)
         loader = open_data(cfg, par, console.print)
-        model = build_model(cfg, par, device)
+        model = build_model(cfg, par, device, console.print)
         opt = AdamW(model.named_parameters(), cfg.optim)
         ckpt = find_resume(t.resume, run_dir, console.print)
         start = restore(ckpt, model, opt, loader, device) if ckpt is not None else 0

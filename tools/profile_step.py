@@ -55,7 +55,7 @@ from moefp8.router import load_stats  # noqa: E402
 def build(cfg, device: torch.device, par: Parallel | None):
     """The model, its optimizer and (under torchrun) its gradient buckets, as the training loop
     builds them (moefp8.build); one process: EP=1, `local` dispatch."""
-    model = build_model(cfg, par, device)
+    model = build_model(cfg, par, device, print if par is None or par.rank == 0 else lambda s: None)
     opt = AdamW(model.named_parameters(), cfg.optim)
     return model, opt, grad_buckets(cfg, par, model, opt)
 

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels import deepgemm
 from moefp8.kernels.grouped_gemm import fp8_grouped_gemm, fp8_grouped_gemm_ref
 from moefp8.kernels.quant import quant_rowwise, quant_weight
@@ -76,17 +77,17 @@ def test_gpu_deep_gemm_equals_moefp8_bit_for_bit():
 
 
 def test_recipe_gemm_is_checked_before_anything_runs():
-    """recipe.gemm: a value of GEMM_LIBS (the config's and the GemmPolicy's lists agree); deepgemm
+    """recipe.gemm: a value of GEMM_LIBS (the config's are the GemmPolicy's and auto); deepgemm
     needs a CUDA GPU, the fp8 recipe and `deep_gemm` importable, else one line naming the fix."""
     from moefp8.config import GEMM_LIBS, Config, validate
     from moefp8.kernels.grouped_gemm import GEMM_LIBS as POLICY_LIBS
     from moefp8.kernels.grouped_gemm import GemmPolicy
     from moefp8.launch import check_launch
 
-    assert GEMM_LIBS == POLICY_LIBS and GemmPolicy().mgrouped_lib == "moefp8"
+    assert GEMM_LIBS == (*POLICY_LIBS, "auto") and GemmPolicy().mgrouped_lib == "moefp8"
     c = Config()
     c.recipe.gemm = "cutlass"
-    with pytest.raises(ValueError, match=r"recipe.gemm='cutlass': expected one of 'moefp8', 'deepgemm'"):
+    with pytest.raises(ValueError, match=r"recipe.gemm='cutlass': expected one of 'moefp8', 'deepgemm', 'auto'"):
         validate(c)
     with pytest.raises(ValueError, match=r"mgrouped_lib='cutlass'"):
         GemmPolicy(mgrouped_lib="cutlass")
@@ -96,6 +97,48 @@ def test_recipe_gemm_is_checked_before_anything_runs():
                                          r"use recipe.gemm=moefp8"):
         check_launch(c)
 
+
+
+def _stand_in(identical: bool):
+    """deep_gemm's m-grouped call computing moefp8's reference (bit-identical), or off by one ulp."""
+    from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_ref
+
+    def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
+        (ad, asf), (bd, bsf) = a, b
+        ends = [int((m_indices == e).nonzero().max()) + 1 for e in range(bd.shape[0])]
+        ref = fp8_grouped_gemm_ref(Fp8Tensor(ad, asf, "1x128"), Fp8Tensor(bd, bsf, "128x128"), [0, *ends])
+        d.copy_(ref)
+        if not identical:
+            d.view(torch.int16)[0, 0] += 1  # one BF16 ulp on one element
+    return types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous)
+
+
+@pytest.mark.parametrize("identical, deepgemm_ms, want", [(True, 1.0, "deepgemm"), (True, 3.0, "moefp8"),
+                                                          (False, 1.0, "moefp8")])
+def test_auto_picks_deepgemm_only_when_bit_identical_and_faster(identical, deepgemm_ms, want):
+    """choose_mgrouped_lib (recipe.gemm=auto) on CPU with a stand-in: fprop and dgrad of each shape
+    compared bit for bit and timed (the timer tells moefp8's calls from DeepGEMM's)."""
+    from moefp8.kernels.grouped_gemm import choose_mgrouped_lib
+
+    def timer(fn):
+        return deepgemm_ms if "m_grouped" in fn.__code__.co_names else 2.0
+    lib, why = choose_mgrouped_lib(3, 130, [(256, 128), (128, 256)], torch.device("cpu"), dg=_stand_in(identical),
+                                   timer=timer)
+    assert lib == want and why["identical"] == identical
+    assert why["ms"] == {"moefp8": 8.0, "deepgemm": 4 * deepgemm_ms}  # 2 shapes x (fprop, dgrad)
+
+
+def test_auto_without_deep_gemm_or_a_gpu_is_moefp8_and_says_why():
+    from moefp8.build import gemm_policy
+    from moefp8.config import Config
+
+    c, said = Config(), []
+    c.recipe.gemm = "auto"
+    assert gemm_policy(c, torch.device("cpu"), say=said.append).mgrouped_lib == "moefp8"
+    c.recipe.recipe = "bf16"
+    assert gemm_policy(c, torch.device("cpu"), say=said.append).mgrouped_lib == "moefp8"
+    assert said == ["recipe.gemm=auto: moefp8 (not a CUDA device (cpu))",
+                    "recipe.gemm=auto: moefp8 (recipe=bf16: no FP8 GEMMs)"]
 
 @pytest.mark.gpu
 def test_gpu_model_with_deep_gemm_equals_moefp8_bit_for_bit():
