@@ -5,6 +5,8 @@ gradient buckets (`grad_buckets`) and, for dispatch.overlap=auto, the schedule c
 (`tools/profile_step.py`) build through these, so that what is profiled is what trains.
 """
 
+from dataclasses import replace
+
 import torch
 
 from moefp8.config import Config
@@ -97,4 +99,12 @@ def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=prin
     if par is None or par.ep_size == 1:
         say("dispatch.overlap=auto: off (EP=1: no exchanges to overlap)")
         return None
-    return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say)
+    caps = None  # all_to_all with the capacity sized from the batch: the overlap's halves need half of it
+    if cfg.dispatch.backend == "all_to_all" and not cfg.dispatch.capacity:
+        caps = {s: dispatch_capacity(replace(cfg, dispatch=replace(cfg.dispatch, overlap=s == "on")))
+                for s in OverlapAuto.SCHEDULES}
+
+    def switch(schedule: str) -> None:
+        if caps is not None:
+            model.dispatcher.capacity = caps[schedule]
+    return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say, on_switch=switch)

@@ -32,16 +32,19 @@ class OverlapAuto:
     """model: a `moefp8.model.Transformer` built with the capacity for the whole micro-batch (see
     `set_overlap`); policy: the overlapped schedule's `OverlapPolicy`; all_reduce: sums a tensor
     over all ranks in place (identity on one process); world: the number of ranks; say: prints the
-    decision."""
+    decision; on_switch(schedule): called with "off" / "on" whenever the schedule is set (the
+    dispatcher's capacity follows it: the overlap's micro-batches are halves, and the capacity mode
+    moves whole capacity blocks)."""
 
     SCHEDULES = ("off", "on")
 
     def __init__(self, model, policy: OverlapPolicy, warmup: int = 1, rounds: int = 3, all_reduce=None,
-                 world: int = 1, say=print):
+                 world: int = 1, say=print, on_switch=None):
         if warmup < 0 or rounds < 1:
             raise ValueError(f"OverlapAuto: warmup={warmup} must be >= 0 and rounds={rounds} >= 1")
         self.model, self.policy, self.warmup, self.rounds = model, policy, warmup, rounds
         self.all_reduce, self.world, self.say = all_reduce or (lambda x: x), world, say
+        self.on_switch = on_switch or (lambda schedule: None)
         self.times = {s: [] for s in self.SCHEDULES}
         self.step, self.choice, self.medians = 0, None, None  # once decided: "off" / "on", {schedule: s}
 
@@ -52,8 +55,13 @@ class OverlapAuto:
     def _schedule(self) -> str:
         return self.choice or self.SCHEDULES[self.step % 2]
 
+    def _apply(self, schedule: str) -> None:
+        self.model.set_overlap(self.policy if schedule == "on" else None)
+        self.on_switch(schedule)
+
     def begin_step(self) -> None:
-        self.model.set_overlap(self.policy if self._schedule() == "on" else None)
+        if self.choice is None:
+            self._apply(self._schedule())
 
     def end_step(self, seconds: float) -> None:
         if self.choice is not None:
@@ -69,7 +77,7 @@ class OverlapAuto:
         t = self.all_reduce(t) / self.world  # the mean over the ranks: the same figures everywhere
         med = self.medians = {s: statistics.median(t[i].tolist()) for i, s in enumerate(self.SCHEDULES)}
         self.choice = "on" if med["on"] < med["off"] else "off"
-        self.model.set_overlap(self.policy if self.choice == "on" else None)
+        self._apply(self.choice)
         n = len(self.times["on"])
         self.say(f"dispatch.overlap=auto: {self.choice} from now on (step time, median of {n} steps each, mean "
                  f"over ranks: off {med['off'] * 1e3:.1f} ms, on {med['on'] * 1e3:.1f} ms; "

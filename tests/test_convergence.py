@@ -4,14 +4,31 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+import convergence  # noqa: E402
 from convergence import (RERUN, compare, ema, grad_spikes, mean_run, recipe_means,  # noqa: E402
                          run_overrides, spikes_before, where)
+
+
+def in_process(cmd: list[str], capsys, monkeypatch):
+    """tools/convergence.py's main() in this process, for the calls that only read runs
+    (--skip-train: no subprocess start-up); -> like subprocess.run's result."""
+    monkeypatch.setattr(sys, "argv", ["convergence.py", *cmd[2:]])
+    capsys.readouterr()
+    code, err = 0, ""
+    try:
+        convergence.main()
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            code, err = 1, str(e.code)
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err + err)
 
 
 def test_ema():
@@ -108,7 +125,7 @@ def test_mean_run():
 
 
 @pytest.mark.slow
-def test_convergence_tool_cpu(tmp_path):
+def test_convergence_tool_cpu(tmp_path, capsys, monkeypatch):
     """Four runs in two calls (as on a 2-GPU machine: --train picks this call's runs), with held-out
     losses; every FP8 run is compared with every BF16 run."""
     cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--noise-floor", "--noise-kind", "seed",
@@ -148,29 +165,28 @@ def test_convergence_tool_cpu(tmp_path):
     assert sorted(v8) == ["2", "4", "6"] and held["points"] == 2
     assert held["value"] == pytest.approx(100 * max(abs(v8[s] / v16[s] - 1) for s in ("4", "6")), abs=1e-4)
     # --skip-train only reads the runs; --suffix names the outputs (one JSON per ablation beside the main one)
-    r = subprocess.run([*cmd, "--skip-train", "--suffix", "reread"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = in_process([*cmd, "--skip-train", "--suffix", "reread"], capsys, monkeypatch)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     again = json.loads((tmp_path / "convergence-reread.json").read_text())
     assert again["plot"] == "convergence-reread.png" and (tmp_path / "convergence-reread.png").is_file()
     assert again["pairs"] == doc["pairs"]  # the same runs read twice give the same statistics
     # --upto: the runs compared over their first steps only (runs cut short); more than they have is refused
-    r = subprocess.run([*cmd, "--skip-train", "--suffix", "upto", "--upto", "4"], cwd=REPO, capture_output=True,
-                       text=True, timeout=600)
+    r = in_process([*cmd, "--skip-train", "--suffix", "upto", "--upto", "4"], capsys, monkeypatch)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cut = json.loads((tmp_path / "convergence-upto.json").read_text())
     assert cut["curves"]["steps"] == [1, 2, 3, 4] and cut["curves"]["fp8"]["loss"] == c["fp8"]["loss"][:4]
     assert sorted(cut["curves"]["fp8"]["val"]) == ["2", "4"] and "--upto 4" in cut["rows"][0]["case"]
     want = max(abs(c["fp8"]["ema"][i] / c["bf16"]["ema"][i] - 1) for i in (2, 3))  # last half: steps 3, 4
     assert cut["rows"][0]["value"] == pytest.approx(100 * want, abs=1e-4)
-    r = subprocess.run([*cmd, "--skip-train", "--upto", "7"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = in_process([*cmd, "--skip-train", "--upto", "7"], capsys, monkeypatch)
     assert r.returncode != 0 and "bf16 at step 6 of 7," in r.stderr and "--upto asks for more steps" in r.stderr, r.stderr
     # --earlier: runs whose folders are gone (their machine lost) read back from a result JSON give the same statistics
     shutil.move(tmp_path / "runs" / "bf16", tmp_path / "bf16_gone")
     shutil.move(tmp_path / "runs" / "fp8", tmp_path / "fp8_gone")
-    r = subprocess.run([*cmd, "--skip-train", "--suffix", "earlier"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = in_process([*cmd, "--skip-train", "--suffix", "earlier"], capsys, monkeypatch)
     assert r.returncode != 0 and "no metrics in" in r.stderr
-    r = subprocess.run([*cmd, "--skip-train", "--suffix", "earlier", "--earlier", str(tmp_path / "convergence.json")],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = in_process([*cmd, "--skip-train", "--suffix", "earlier", "--earlier", str(tmp_path / "convergence.json")],
+                   capsys, monkeypatch)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     back = json.loads((tmp_path / "convergence-earlier.json").read_text())
     assert back["earlier"]["runs"] == ["bf16", "fp8"] and "bf16, fp8 read from" in r.stdout
@@ -183,8 +199,7 @@ def test_convergence_tool_cpu(tmp_path):
         for key in ("steps", "grad_norm", "tokens_per_s_median"):
             old["curves"][name].pop(key)
     (tmp_path / "old.json").write_text(json.dumps(old))
-    r = subprocess.run([*cmd, "--skip-train", "--suffix", "old", "--earlier", str(tmp_path / "old.json")],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = in_process([*cmd, "--skip-train", "--suffix", "old", "--earlier", str(tmp_path / "old.json")], capsys, monkeypatch)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     back = json.loads((tmp_path / "convergence-old.json").read_text())
     assert back["pairs"] == doc["pairs"] and back["rows"][0]["grad_norm_spikes"] == doc["rows"][0]["grad_norm_spikes"]

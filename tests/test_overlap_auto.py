@@ -3,6 +3,7 @@ keeps the faster; every rank decides alike; the configuration around it."""
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def test_keeps_the_faster_schedule_and_ignores_the_warmup(on_faster):
     assert len(said) == 1 and said[0].startswith(f"dispatch.overlap=auto: {auto.choice} from now on")
     assert "median of 3 steps each" in said[0]
     drive(auto, model, seconds, 5)  # decided: no more switching, nothing more said
-    assert model.history[-5:] == [on_faster] * 5 and len(said) == 1
+    assert len(model.history) == 9 and (model.overlap is policy) == on_faster and len(said) == 1
 
 
 def test_every_rank_decides_on_the_mean_over_ranks():
@@ -88,6 +89,32 @@ def test_auto_configuration():
     c.dispatch.overlap = "auto"
     assert overlap_auto(c, None, _Model(), said.append) is None and said == [
         "dispatch.overlap=auto: off (EP=1: no exchanges to overlap)"]
+
+
+def test_the_capacity_follows_the_schedule():
+    """all_to_all with the capacity sized from the batch: the overlapped steps pass halves, and
+    the capacity mode moves whole capacity blocks, so the trials (and the choice) run each
+    schedule with its own capacity; a given dispatch.capacity stays."""
+    c = Config()
+    c.dispatch.backend, c.dispatch.ep_size, c.dispatch.overlap = "all_to_all", 2, "auto"
+    c.train.micro_batch, c.train.seq_len = 6, 128
+    par = types.SimpleNamespace(ep_size=2, world=2, all_reduce_=lambda t: t.mul_(2))
+    model = _Model()
+    model.dispatcher = types.SimpleNamespace(capacity=768)
+    auto = overlap_auto(c, par, model, lambda s: None)
+    caps = []
+    for i in range(auto.trial_steps + 2):
+        auto.begin_step()
+        caps.append(model.dispatcher.capacity)
+        auto.end_step(1.0 if model.overlap is None else 2.0)
+    assert caps == [768, 384] * 4 + [768, 768] and auto.choice == "off"
+    c.dispatch.capacity = 1000
+    model.dispatcher.capacity = 1000
+    auto = overlap_auto(c, par, model, lambda s: None)
+    for _ in range(3):
+        auto.begin_step()
+        assert model.dispatcher.capacity == 1000
+        auto.end_step(1.0)
 
 
 def test_auto_in_training_under_torchrun(data_dir, tmp_path):
