@@ -19,7 +19,9 @@ and the MoE layers' `OverlapPolicy` (None: no overlap). It owns the FP8 scale st
 Shapes: B batch, S sequence, H hidden, T = B*S tokens, L layers, E experts, V vocabulary.
 """
 
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -187,10 +189,7 @@ class Transformer(nn.Module):
         by its global index) draws from its own generator seeded from (seed, name): the weights do
         not depend on construction order or on how the experts are sharded."""
         std, experts = self.cfg.init_std, set(self.routed_expert_names())
-
-        def gen(key: str) -> torch.Generator:
-            return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-
+        jobs = []  # (destination, generator key, std): independent draws, filled by a pool of threads
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 continue
@@ -198,10 +197,19 @@ class Transformer(nn.Module):
             if name.endswith(("wo.weight", "w2.weight", "w2")):
                 s *= (2 * self.cfg.n_layers) ** -0.5
             if name in experts:  # one generator per global expert
-                for e in range(p.shape[0]):
-                    p[e].copy_(torch.randn(p.shape[1:], generator=gen(f"{name}/{self.expert_offset + e}")) * s)
+                jobs += [(p[e], f"{name}/{self.expert_offset + e}", s) for e in range(p.shape[0])]
             else:
-                p.copy_(torch.randn(p.shape, generator=gen(name)) * s)
+                jobs.append((p, name, s))
+
+        @torch.no_grad()  # (grad mode is per thread)
+        def draw(job) -> None:  # a CPU generator draws on one thread; torch lets go of the GIL meanwhile
+            dst, key, s = job
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            dst.copy_(torch.randn(dst.shape, generator=g).mul_(s))
+
+        # the 16B-class preset's 5B parameters per GPU drew for minutes on one thread
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            list(pool.map(draw, jobs))
 
     def forward(self, idx_BS: Tensor, targets_BS: Tensor | None = None) -> ModelOutput:
         B, S = idx_BS.shape

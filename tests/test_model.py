@@ -113,6 +113,29 @@ def test_init_independent_of_expert_sharding():
     assert not any(torch.equal(other[k], v) for k, v in full.items() if v.dim() >= 2)
 
 
+def test_init_is_each_tensors_own_draw():
+    """reset_parameters draws on a pool of threads: every matrix (every expert) is still exactly
+    randn(shape, generator seeded from (seed, its name)) times its std, whichever thread drew it."""
+    import zlib
+
+    m = build("bf16", seed=3)
+    p = dict(m.named_parameters())
+
+    def draw(shape, key):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(3 * 1_000_003 + zlib.crc32(key.encode())))
+    s_out = TINY.init_std
+    s_out *= (2 * TINY.n_layers) ** -0.5
+    for e in range(TINY.n_experts):
+        assert torch.equal(p["layers.2.mlp.w1"][e], draw((2 * TINY.moe_inter, TINY.hidden), f"layers.2.mlp.w1/{e}")
+                           * TINY.init_std), e
+        assert torch.equal(p["layers.1.mlp.w2"][e], draw((TINY.hidden, TINY.moe_inter), f"layers.1.mlp.w2/{e}") * s_out)
+    w = p["layers.0.attn.wqkv.weight"]
+    assert torch.equal(w, draw(w.shape, "layers.0.attn.wqkv.weight") * TINY.init_std)
+    assert torch.equal(p["layers.1.mlp.router.weight"],
+                       draw((TINY.n_experts, TINY.hidden), "layers.1.mlp.router.weight") * TINY.hidden ** -0.5)
+    assert all(t.requires_grad for t in p.values())
+
+
 def test_bf16_any_size():
     cfg = replace(TINY, hidden=96, n_heads=3, head_dim=32, dense_inter=80, moe_inter=48, n_experts=6, topk=3)
     m = build("bf16", cfg)
