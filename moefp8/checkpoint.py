@@ -470,9 +470,10 @@ def load(path: str | Path, state: dict, optional: tuple[str, ...] = (), aliases:
     "data.val_windows") that checkpoints written before they existed lack; those are dropped from
     `state` when the checkpoint has none. `aliases`: {(section, ..., key): the key older
     checkpoints stored it under}, loaded from there when the checkpoint has only the old key. A
-    state of another shape: "checkpoint P does not fit this model (was it written for another model config?): <DCP's words, naming the tensor>"; an
-    unreadable .metadata or data file (no checksums to catch it first): "checkpoint P is damaged:
-    ...". Under torch.distributed every rank calls it and meets the same error."""
+    state of another shape: "checkpoint P does not fit this model (was it written for another
+    model config?): <DCP's words, naming the tensor>"; an unreadable .metadata or data file (no
+    checksums to catch it first): "checkpoint P is damaged: ...". Under torch.distributed every
+    rank calls it and meets the same error."""
     p = Path(path)
     verify(p)
     meta = check_complete(p)

@@ -98,8 +98,8 @@ def check_launch(cfg: Config, env=os.environ) -> None:
         t = cfg.train
         raise ValueError(f"dispatch.capacity={d.capacity}: smaller than the {need} tokens a rank passes to one dispatch "
                          f"(train.micro_batch x train.seq_len = {t.micro_batch} x {t.seq_len}"
-                         f"{', halved by dispatch.overlap' if d.overlap is True else ''}); set dispatch.capacity >= {need}, "
-                         f"or 0 to size it from the batch")
+                         f"{', halved by dispatch.overlap' if d.overlap is True else ''}); set dispatch.capacity >= "
+                         f"{need}, or 0 to size it from the batch")
     if cfg.logger.mode == "online" and not wandb_key(env):
         raise ValueError("logger.mode=online: no wandb API key found (WANDB_API_KEY, or `wandb login`); log in, or "
                          "use logger.mode=offline and upload later with `wandb sync <run dir>/wandb/offline-run-*`")

@@ -97,10 +97,10 @@ def describe_run(cfg: Config, par: Parallel, device: torch.device, loader: Loade
                  say) -> None:
     """The run's opening lines: the model, recipe and parallel layout, and what an epoch of the data is."""
     t, n = cfg.train, param_counts(cfg.model)
-    gemm = " (m-grouped GEMMs: DeepGEMM)" if cfg.recipe.gemm == "deepgemm" else ""
-    gemm += " (routed experts: megablocks dMoE)" if cfg.recipe.moe_impl == "megablocks" else ""
+    impls = (" (m-grouped GEMMs: DeepGEMM)" if cfg.recipe.gemm == "deepgemm" else "") + (
+        " (routed experts: megablocks dMoE)" if cfg.recipe.moe_impl == "megablocks" else "")
     say(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; recipe "
-        f"{cfg.recipe.recipe}{gemm}; {device} x {par.world} (EP {par.ep_size}); {tokens_per_step} tokens/step; "
+        f"{cfg.recipe.recipe}{impls}; {device} x {par.world} (EP {par.ep_size}); {tokens_per_step} tokens/step; "
         f"run dir {Path(t.out_dir)}")
     if par.node_groups is not None:
         say(f"dispatch: hierarchical, {par.ep_size // par.ranks_per_node} nodes x {par.ranks_per_node} ranks per EP "

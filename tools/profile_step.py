@@ -52,10 +52,11 @@ from moefp8.parallel import Parallel  # noqa: E402
 from moefp8.router import load_stats  # noqa: E402
 
 
-def build(cfg, device: torch.device, par: Parallel | None):
+def build(cfg, device: torch.device, par: Parallel | None, say=print):
     """The model, its optimizer and (under torchrun) its gradient buckets, as the training loop
-    builds them (moefp8.build); one process: EP=1, `local` dispatch."""
-    model = build_model(cfg, par, device, print if par is None or par.rank == 0 else lambda s: None)
+    builds them (moefp8.build); one process: EP=1, `local` dispatch. say: what the build tells
+    (recipe.gemm=auto's choice)."""
+    model = build_model(cfg, par, device, say)
     opt = AdamW(model.named_parameters(), cfg.optim)
     return model, opt, grad_buckets(cfg, par, model, opt)
 
@@ -171,10 +172,10 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
         par_box.append(Parallel(cfg, device))
     par = par_box[0] if par_box else None
     torch.manual_seed(cfg.train.seed)
-    model, opt, grads = build(cfg, device, par)
+    say = print if par is None or par.rank == 0 else lambda s: None  # rank 0 tells what the build decided
+    model, opt, grads = build(cfg, device, par, say)
     step = step_fn(cfg, model, opt, grads, device, par.rank if par else 0)
-    rank0 = par is None or par.rank == 0
-    auto = overlap_auto(cfg, par, model, print if rank0 else lambda s: None)
+    auto = overlap_auto(cfg, par, model, say)
     while auto is not None and auto.choice is None:  # dispatch.overlap=auto: its trial steps, as in training
         t0 = time.perf_counter()
         auto.begin_step()
