@@ -74,10 +74,10 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                                       slots=d.slots, ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
                                       node_groups=par.node_groups)
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
-    return Transformer(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, t.seed,
-                       overlap=OverlapPolicy() if d.overlap is True else None,
-                       gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
-                       recompute=tuple(t.recompute), loss_chunk=t.loss_chunk).to(device)
+    return Transformer.build(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, device=device, seed=t.seed,
+                             overlap=OverlapPolicy() if d.overlap is True else None,
+                             gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
+                             recompute=tuple(t.recompute), loss_chunk=t.loss_chunk)
 
 
 def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: AdamW) -> GradBuckets | None:

@@ -176,7 +176,20 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.expert_offset = ep_rank * dispatcher.num_local_experts
-        self.reset_parameters(seed)
+        if not self.head.weight.is_meta:  # on the meta device (`Transformer.build`): drawn once allocated
+            self.reset_parameters(seed)
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, *args, device: torch.device, seed: int = 0, **kw) -> "Transformer":
+        """`Transformer(cfg, *args, seed=seed, **kw).to(device)`, the same values, made in place:
+        constructed on the meta device (nothing allocated, nothing drawn), allocated on `device`,
+        then drawn once by reset_parameters. The constructor's own draws (the experts' and MLPs'
+        randn, which reset_parameters overwrites) cost the 16B-class preset most of its build."""
+        with torch.device("meta"):
+            model = cls(cfg, *args, seed=seed, **kw)
+        model.to_empty(device=device)
+        model.reset_parameters(seed)
+        return model
 
     def routed_expert_names(self) -> list[str]:
         """Parameters sharded over the EP group: [E_l, ...] slices of the routed experts."""
@@ -185,13 +198,17 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """Normal(0, init_std) for every matrix and expert, the output projections (wo, w2) scaled
-        by 1/sqrt(2 L) (GPT-2); routers Normal(0, 1/sqrt(H)); norms at 1. Each tensor (each expert:
+        by 1/sqrt(2 L) (GPT-2); routers Normal(0, 1/sqrt(H)); norms at 1; the routers' biases (the
+        only buffers) at 0. Each tensor (each expert:
         by its global index) draws from its own generator seeded from (seed, name): the weights do
         not depend on construction order or on how the experts are sharded."""
         std, experts = self.cfg.init_std, set(self.routed_expert_names())
         jobs = []  # (destination, generator key, std): independent draws, filled by a pool of threads
+        for b in self.buffers():
+            b.zero_()
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1:  # the RMSNorms' weights
+                p.fill_(1.0)
                 continue
             s = self.cfg.hidden ** -0.5 if ".router." in name else std
             if name.endswith(("wo.weight", "w2.weight", "w2")):

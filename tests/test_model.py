@@ -113,6 +113,25 @@ def test_init_independent_of_expert_sharding():
     assert not any(torch.equal(other[k], v) for k, v in full.items() if v.dim() >= 2)
 
 
+def test_build_on_the_meta_device_is_the_same_model():
+    """Transformer.build (what training builds: constructed on the meta device, allocated, drawn
+    once) holds exactly the values of Transformer(...) -- norms at 1 and routers' biases at 0
+    included -- and computes the same loss and gradients."""
+    want = build("fp8", seed=5)
+    got = Transformer.build(TINY, Recipe("fp8"), device=torch.device("cpu"), seed=5)
+    sd_w, sd_g = want.state_dict(), got.state_dict()
+    assert sd_w.keys() == sd_g.keys()
+    for k, v in sd_w.items():
+        assert torch.equal(sd_g[k], v), k
+    assert any(k.endswith("router.bias") for k in sd_g) and any(k.endswith("norm.weight") for k in sd_g)
+    t = tokens()
+    for m in (want, got):
+        out = m(t[:, :-1], t[:, 1:])
+        (out.out + out.aux_loss).backward()
+    for (n, a), b in zip(want.named_parameters(), got.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
 def test_init_is_each_tensors_own_draw():
     """reset_parameters draws on a pool of threads: every matrix (every expert) is still exactly
     randn(shape, generator seeded from (seed, its name)) times its std, whichever thread drew it."""
