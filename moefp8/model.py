@@ -166,7 +166,7 @@ class Transformer(nn.Module):
         tokens, the [T, V] logits never whole (moefp8.loss; train.loss_chunk; 0: off). `scale_stats`: the model's FP8 tile-scale recorder (off until the
         caller turns it on)."""
         super().__init__()
-        self.cfg, self.recipe, self.loss_chunk = cfg, recipe, loss_chunk
+        self.cfg, self.recipe, self.gemm, self.loss_chunk = cfg, recipe, gemm, loss_chunk
         self.scale_stats = ScaleStats()
         self.dispatcher = dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)

@@ -23,6 +23,7 @@ def test_profile_step_smoke(tmp_path):
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
     assert all(0 < row["host_ms"] <= row["step_ms"] * 1.5 and row["gpu_ops_per_step"] == 0 for row in doc["rows"])
+    assert all(row["gemm_lib"] == "moefp8" for row in doc["rows"])  # the m-grouped GEMMs' library, as built
     ours = ("moefp8/", "kernels/", "dispatch/")
     for row in doc["rows"]:  # the host's time by function and file: the project's own code among them
         h = row["host_top"]  # (which of its functions makes the top 5 varies from run to run)

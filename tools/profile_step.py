@@ -230,6 +230,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12  # per GPU
     if grads is not None:
         grads.remove()  # its hooks hold it, and it the parameters: a cycle
+    gemm_lib = model.gemm.mgrouped_lib  # recipe.gemm=auto: the library it chose
     auto_row = None if auto is None else {"choice": auto.choice,
                                           "median_ms": {k: v * 1e3 for k, v in auto.medians.items()}}
     del model, opt, grads, step, auto
@@ -244,7 +245,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "overlap_auto": auto_row, "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
