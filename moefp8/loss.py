@@ -10,8 +10,9 @@ vocabulary.
 
 `linear_cross_entropy` computes the same per `chunk` tokens and takes each chunk's gradients in
 the forward (the loss is the last op: its gradient is known up to the incoming scale): the
-logits of a chunk in fp32, their log-sum-exp, then `g = (softmax - onehot) / T` cast to BF16 (the
-reference's gradient dtype at the BF16 GEMMs), `dx = g · W_bf16` and `dW += gᵀ · x` (a BF16 GEMM
+BF16 logits of a chunk, their log-sum-exp in fp32, then `g = (softmax - onehot) / T` cast to BF16
+(the reference's gradient dtype at the BF16 GEMMs), in place over the logits by one Triton
+kernel on CUDA (`moefp8.kernels.xent`; its twin the reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (a BF16 GEMM
 per chunk, summed in fp32: the reference's one BF16-output GEMM rounds once; here each chunk's
 part rounds, then adds in fp32). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward,
 which scales them by the incoming gradient. Peak: chunk x V x 10 bytes plus dW. Same GEMM FLOPs
@@ -21,6 +22,8 @@ as the reference, no recompute.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moefp8.kernels.xent import xent_grad_
 
 BF16 = torch.bfloat16
 
@@ -41,15 +44,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device)
         for s in range(0, T, chunk):
             xc, tc = x_TH[s: s + chunk], targets_T[s: s + chunk]
-            logits = F.linear(xc, wb).float()  # [c, V]: the reference's rows, bit for bit
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g[torch.arange(len(tc), device=g.device), tc] -= 1
-            gb = g.div_(T).to(BF16)
-            del logits, g
-            dx[s: s + chunk] = gb @ wb
+            gb = F.linear(xc, wb)  # [c, V] BF16: the reference's logits, bit for bit, once in fp32
+            loss += xent_grad_(gb, tc, T).sum()  # gb now (softmax - onehot) / T, BF16 (moefp8.kernels.xent)
+            torch.mm(gb, wb, out=dx[s: s + chunk])
             dw += (gb.t() @ xc).float()
+            del gb
         ctx.save_for_backward(dx, dw)
         ctx.w_dtype = w_VH.dtype
         return loss / T

@@ -148,7 +148,11 @@ class Block(nn.Module):
 
 
 def _nonfinite(x: Tensor) -> Tensor:
-    return ~torch.isfinite(x.detach()).all()
+    """A bool device tensor: does x hold a NaN or an infinity? One pass over x (its largest magnitude,
+    which a NaN propagates to) where `~isfinite(x).all()` made five (abs, two compares, and, all)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    return ~torch.isfinite(torch.linalg.vector_norm(x.detach(), float("inf")))
 
 
 class Transformer(nn.Module):

@@ -86,6 +86,23 @@ def test_skip_policy_names_the_layer_and_continues(data_dir, tmp_path, monkeypat
     assert steps == [1, 3, 4] and m["step"] == 4 and torch.isfinite(torch.tensor(m["loss"]))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nonfinite_sees_every_nan_and_infinity(device):
+    """The per-stage check (model._nonfinite, one max-magnitude reduction): a single NaN, +inf or
+    -inf anywhere in a BF16 or fp32 tensor, and nothing else (huge finite values, zeros, empty)."""
+    from moefp8.model import _nonfinite
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(3, 1000, 130, device=device).to(dtype)
+        assert not _nonfinite(x) and not _nonfinite(x * 0) and not _nonfinite(x[:0])
+        assert not _nonfinite(torch.full((5,), torch.finfo(dtype).max, dtype=dtype, device=device))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for where in ((0, 0, 0), (1, 517, 64), (2, 999, 129)):
+                y = x.clone()
+                y[where] = bad
+                assert _nonfinite(y).item(), (dtype, bad, where)
+
+
 def test_nonfinite_flags_are_one_device_tensor_per_forward():
     """The check costs one isfinite reduction per stage into one bool tensor (no host sync in
     forward); the training loop reads it only after a non-finite loss or grad norm."""
