@@ -15,8 +15,8 @@ BF16 logits of a chunk, their log-sum-exp in fp32, then `g = (softmax - onehot) 
 kernel on CUDA (`moefp8.kernels.xent`; its twin the reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (a BF16 GEMM
 per chunk, summed in fp32: the reference's one BF16-output GEMM rounds once; here each chunk's
 part rounds, then adds in fp32). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward,
-which scales them by the incoming gradient. Peak: chunk x V x 10 bytes plus dW. Same GEMM FLOPs
-as the reference, no recompute.
+which scales them by the incoming gradient. Peak: chunk x V x 2 bytes on CUDA (the kernel works in
+place; ~10 through the reference twin) plus dW. Same GEMM FLOPs as the reference, no recompute.
 """
 
 import torch
