@@ -203,9 +203,9 @@ class Transformer(nn.Module):
     def reset_parameters(self, seed: int = 0) -> None:
         """Normal(0, init_std) for every matrix and expert, the output projections (wo, w2) scaled
         by 1/sqrt(2 L) (GPT-2); routers Normal(0, 1/sqrt(H)); norms at 1; the routers' biases (the
-        only buffers) at 0. Each tensor (each expert:
-        by its global index) draws from its own generator seeded from (seed, name): the weights do
-        not depend on construction order or on how the experts are sharded."""
+        only buffers) at 0. Each tensor (each expert: by its global index) draws from its own
+        generator seeded from (seed, name): the weights do not depend on construction order or on
+        how the experts are sharded."""
         std, experts = self.cfg.init_std, set(self.routed_expert_names())
         jobs = []  # (destination, generator key, std): independent draws, filled by a pool of threads
         for b in self.buffers():
