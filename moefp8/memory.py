@@ -2,13 +2,18 @@
 
     python -m moefp8.memory experiment=v2_lite_ep4 [--gib 80] [--gpus 4]   # the plan, one table
 
-`plan(cfg, world)` counts bytes per GPU in six parts:
+`plan(cfg, world)` counts bytes per GPU in six parts (world: the processes of the run):
 
     weights      the low-precision copies the GEMMs read (moefp8.experts.WeightCache): FP8 data
                  and its transpose for dgrad (2 bytes per parameter) or one BF16 cast (2 bytes)
     masters      the FP32 parameters (4 bytes), which AdamW updates
     moments      Adam's two moments (2 x 2 bytes in BF16, 2 x 4 in FP32: optim.moment_dtype)
-    grads        FP32 gradients (4 bytes)
+    grads        FP32 gradients (4 bytes); on one process (world 1) only what the backward has made
+                 beyond the activations it freed by then, max(0, grads - activations - logits): there
+                 the gradients are made layer by layer as the backward frees the activations and are
+                 freed after the step, so the peak is the larger of the two (measured: the 3B preset
+                 peaks at the end of the backward with every gradient and no activation at micro-batch
+                 8, bench/notes/scale.md); several processes keep them in the gradient buckets
     activations  what the backward keeps of one micro-batch (train.micro_batch x train.seq_len
                  tokens), per layer from docs/design.md §2's "saved for backward" lists
     logits       the LM head's peak: BF16 logits, their FP32 copy and the saved log-softmax, then
@@ -85,8 +90,9 @@ def param_split(cfg: Config) -> tuple[int, int]:
     return n["total"] - routed, routed // cfg.dispatch.ep_size
 
 
-def plan(cfg: Config) -> dict[str, float]:
-    """Bytes per GPU: weights, masters, moments, grads, activations, logits, and their total."""
+def plan(cfg: Config, world: int = 1) -> dict[str, float]:
+    """Bytes per GPU: weights, masters, moments, grads, activations, logits, and their total, for a run
+    of `world` processes (at least dispatch.ep_size)."""
     m, t = cfg.model, cfg.train
     replicated, experts = param_split(cfg)
     p = replicated + experts
@@ -101,6 +107,8 @@ def plan(cfg: Config) -> dict[str, float]:
            "activations": float(acts),
            # train.loss_chunk: one chunk's logits at a time, plus the head's fp32 gradient kept to the backward
            "logits": (10.0 * min(T, t.loss_chunk) * m.vocab_size + 4.0 * embed) if t.loss_chunk else 10.0 * T * m.vocab_size}
+    if max(world, cfg.dispatch.ep_size) == 1:  # made as the activations free (module docstring)
+        out["grads"] = max(0.0, out["grads"] - out["activations"] - out["logits"])
     out["total"] = sum(out.values())
     return out
 
@@ -112,16 +120,16 @@ def describe(pl: dict[str, float], capacity: float | None = None) -> str:
     return f"memory per GPU (plan): {parts} = {pl['total'] / GIB:.1f} GiB{tail}"
 
 
-def fits(cfg: Config, capacity: float, device_name: str = "this GPU") -> dict[str, float]:
-    """The plan; UserError (one line: the need, the parts, what to change) when its total exceeds
-    HEADROOM of `capacity` bytes."""
-    pl = plan(cfg)
+def fits(cfg: Config, capacity: float, device_name: str = "this GPU", world: int = 1) -> dict[str, float]:
+    """The plan for `world` processes; UserError (one line: the need, the parts, what to change) when
+    its total exceeds HEADROOM of `capacity` bytes."""
+    pl = plan(cfg, world)
     if pl["total"] <= HEADROOM * capacity:
         return pl
     t, d = cfg.train, cfg.dispatch
     static = pl["total"] - pl["activations"] - pl["logits"]
     fit = next((b for b in range(t.micro_batch - 1, 0, -1)
-                if plan(replace(cfg, train=replace(t, micro_batch=b)))["total"] <= HEADROOM * capacity), 0)
+                if plan(replace(cfg, train=replace(t, micro_batch=b)), world)["total"] <= HEADROOM * capacity), 0)
     hints = []
     if fit:
         hints.append(f"lower train.micro_batch={t.micro_batch} to {fit} or less (activations and logits: "
@@ -139,11 +147,13 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m moefp8.memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0, help="GPU memory to check the plan against, GiB (0: none)")
+    ap.add_argument("--gpus", type=int, default=0, help="processes of the run (0: dispatch.ep_size)")
     ap.add_argument("overrides", nargs="*", help="the training run's Hydra overrides")
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.overrides)
-        pl = fits(cfg, a.gib * GIB) if a.gib else plan(cfg)
+        world = a.gpus or cfg.dispatch.ep_size
+        pl = fits(cfg, a.gib * GIB, world=world) if a.gib else plan(cfg, world)
     except ValueError as e:  # ConfigError, UserError
         report(f"{'error' if isinstance(e, UserError) else 'config error'}: {e}")
     replicated, experts = param_split(cfg)

@@ -70,7 +70,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     with same_on_every_rank(par.rank):
         if device.type == "cuda":  # before the data and the model: a preset that cannot fit stops here
             props = torch.cuda.get_device_properties(device)
-            pl = fits(cfg, props.total_memory, props.name) if t.check_memory else plan(cfg)
+            pl = fits(cfg, props.total_memory, props.name, par.world) if t.check_memory else plan(cfg, par.world)
             console.print(describe_memory(pl, props.total_memory))
         torch.manual_seed(t.seed)
         loader = open_data(cfg, par, console.print)

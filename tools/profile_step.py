@@ -237,7 +237,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     gc.collect()  # the next recipe's measure must not find this one's model still allocated
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    pl = plan(cfg)
+    pl = plan(cfg, world)
     return {"recipe": recipe, "step_ms": step_s * 1e3, "host_ms": statistics.median(host) * 1e3,
             "gpu_ops_per_step": launches / profile_steps if profile_steps else None, "tokens_per_s": tokens / step_s, "tflops": tflops,
             "world": world, "ep_size": cfg.dispatch.ep_size if world > 1 else 1,
