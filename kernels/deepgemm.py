@@ -14,6 +14,14 @@ rows of no expert).
 
     m_idx = m_indices(off, M)                 # once per layout
     out = m_grouped(a8, w8, m_idx, dg)        # dg = load()
+
+The k-grouped wgrad (dW[e] = dY_eᵀ · X_e, FP32, "128x1" operands with a scale per 128 tokens) has
+the same numerics in both, but DeepGEMM wants each expert's [N, k_e] block of a "128x1" operand
+stored whole (`k_grouped_operand`: one copy, made outside any timing) where moefp8's kernel reads
+the expert's columns of the one [N, M] array in place:
+
+    dy_k, x_k = k_grouped_operand(dy_col, ks), k_grouped_operand(x_col, ks)   # ks: rows per expert
+    dw = k_grouped(dy_k, x_k, ks, dg)                                          # [E, N, K] fp32
 """
 
 import torch
@@ -63,4 +71,33 @@ def m_grouped(a: Fp8Tensor, b: Fp8Tensor, m_idx: Tensor, dg, out: Tensor | None 
         # its UE8M0 cast, so the cast is left as DeepGEMM configures it
         dg.m_grouped_fp8_gemm_nt_contiguous((a.data, a.scale.float()), (b.data, b.scale.float()), out,
                                             m_idx.contiguous())
+    return out
+
+
+def k_grouped_operand(t: Fp8Tensor, ks: list[int]) -> tuple[Tensor, Tensor]:
+    """A "128x1" operand (data [N, M], scales [N, M/128] stored column-major) as DeepGEMM's
+    k-grouped operand: (each expert's [N, k_e] block contiguous, flattened; the same scales, whose
+    layout is DeepGEMM's). ks: rows per expert, multiples of 128 summing to M."""
+    if t.layout != "128x1":
+        raise ValueError(f"deepgemm.k_grouped_operand: expects a '128x1' operand, got {t.layout!r}")
+    N, M = t.data.shape
+    if sum(ks) != M or any(k % 128 for k in ks):
+        raise ValueError(f"deepgemm.k_grouped_operand: ks={ks} must be multiples of 128 summing to the {M} tokens")
+    ends = [sum(ks[:i + 1]) for i in range(len(ks))]
+    data = torch.cat([t.data[:, e - k:e].reshape(-1) for k, e in zip(ks, ends)]) if M else t.data.reshape(-1)
+    return data, t.scale.float()
+
+
+def k_grouped(dy: tuple[Tensor, Tensor], x: tuple[Tensor, Tensor], ks: list[int], dg, out: Tensor | None = None,
+              ks_dev: Tensor | None = None) -> Tensor:
+    """FP32 [E, N, K]: out[e] (+)= dY_eᵀ · X_e by `dg.k_grouped_fp8_gemm_nt_contiguous` (accumulates into
+    out when given, else into zeros). dy, x: `k_grouped_operand` of the "128x1" dY [M, N] and X [M, K];
+    ks: rows per expert (host list; ks_dev: the same as an int32 tensor on the GPU, made here if None)."""
+    E, N, K = len(ks), dy[1].shape[0], x[1].shape[0]
+    if out is None:
+        out = torch.zeros(E, N, K, dtype=torch.float32, device=dy[0].device)
+    if ks_dev is None:
+        ks_dev = torch.tensor(ks, dtype=torch.int32, device=dy[0].device)
+    if sum(ks):
+        dg.k_grouped_fp8_gemm_nt_contiguous(dy, x, out, ks, ks_dev, out)
     return out

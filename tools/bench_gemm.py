@@ -7,8 +7,9 @@ kernels "ws", the GPU default on Hopper, and the Triton TMA kernels) and of
 cuBLAS dense blockwise `_scaled_mm` on the same total
 shape, a per-expert loop of blockwise `_scaled_mm`, BF16 `torch._grouped_mm` and row-wise FP8
 `torch._scaled_grouped_mm`; the FP8 peak (per-tensor `_scaled_mm` 8192^3) measured in the same
-run; DeepGEMM's m-grouped GEMM (fprop, and dgrad on the transposed weight copy) where `deep_gemm`
-imports (kernels/deepgemm.py), with whether ours equals it bit for bit (JSON `deep_gemm`). FLOPs count the padded rows (the work every implementation does).
+run; DeepGEMM's m-grouped GEMM (fprop, and dgrad on the transposed weight copy) and k-grouped wgrad
+(on its per-expert copy of the "128x1" operands) where `deep_gemm` imports (kernels/deepgemm.py), with
+whether ours equals it bit for bit and, for the wgrad, the relative difference (JSON `deep_gemm`). FLOPs count the padded rows (the work every implementation does).
 
 Timing: an H100 running FP8 GEMMs reaches its 700 W power limit within ~2.5 s, and its SM clock
 falls from 1980 MHz to ~1200-1500 MHz (bench/notes/gemm.md, session 32): a figure taken in the first
@@ -81,7 +82,9 @@ ROUNDS = 3
 HOLD = 0.0  # --hold: seconds each implementation runs alone (0: do_bench, interleaved)
 HELD = []  # with --hold: per (case, implementation) its time, SM clock and power over the timed half
 DEEPGEMM = "DeepGEMM m_grouped_fp8_gemm_nt_contiguous"  # a baseline where `deep_gemm` imports
+DEEPGEMM_K = "DeepGEMM k_grouped_fp8_gemm_nt_contiguous"  # the wgrad's baseline where `deep_gemm` imports
 SAME_AS_DEEPGEMM = {}  # "case moefp8-variant": its output equals DeepGEMM's bit for bit
+DEEPGEMM_K_ERR = {}  # "k-grouped case moefp8-variant": relative difference from DeepGEMM's dW
 
 
 def held(fn) -> tuple[float, dict]:
@@ -256,9 +259,18 @@ def expert_case(rows, name, K, N, counts, variants):
     except RuntimeError as exc:
         print(f"per-expert cuBLAS wgrad failed: {exc}"[:300])
         del base["per-expert loop of cuBLAS blockwise 1x128x1x128 fp32"]
+    if dg is not None:  # DeepGEMM's k-grouped kernel on its own layout of the same bytes (copied outside the timing)
+        dy_k, x_k, ks_dev = deepgemm.k_grouped_operand(dyc, seg), deepgemm.k_grouped_operand(xc, seg), torch.tensor(
+            seg, dtype=torch.int32, device="cuda")
+        dw_dg = torch.zeros(E, N, K, device="cuda")
+        base[DEEPGEMM_K] = lambda: deepgemm.k_grouped(dy_k, x_k, seg, dg, out=dw_dg, ks_dev=ks_dev)
     ours, diag = {}, {}
     for v in variants:
         dw = gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, policy=policy(v))
+        if dg is not None:
+            theirs = deepgemm.k_grouped(dy_k, x_k, seg, dg)
+            SAME_AS_DEEPGEMM[f"k-grouped wgrad {case} moefp8-{v}"] = torch.equal(dw, theirs)
+            DEEPGEMM_K_ERR[f"k-grouped wgrad {case} moefp8-{v}"] = float(f"{rel_err(dw, theirs):.3g}")
         e = 0
         errs[v] = rel_err(dw[e], dyc.dequantize()[off[e]:off[e + 1]].t() @ xc.dequantize()[off[e]:off[e + 1]])
         ours[v] = lambda p=policy(v): gg.fp8_grouped_gemm_wgrad(dyc, xc, off_t, validate=False, policy=p)
@@ -422,7 +434,8 @@ def main():
                         timing={"soak_s": args.soak, "rounds": args.rounds, "hold_s": args.hold,
                                 "gpu_over_soak": soaked}, **({"held": HELD} if HELD else {}),
                         deep_gemm=({"version": getattr(deepgemm.load(), "__version__", "?"),
-                                    "bit_identical": SAME_AS_DEEPGEMM} if deepgemm.load() else "not installed"))
+                                    "bit_identical": SAME_AS_DEEPGEMM, "wgrad_rel_diff": DEEPGEMM_K_ERR}
+                                   if deepgemm.load() else "not installed"))
     if SAME_AS_DEEPGEMM:
         print(f"bit-identical to DeepGEMM: {sum(SAME_AS_DEEPGEMM.values())} of {len(SAME_AS_DEEPGEMM)} "
               f"{[k for k, v in SAME_AS_DEEPGEMM.items() if not v] or ''}")

@@ -76,6 +76,73 @@ def test_gpu_deep_gemm_equals_moefp8_bit_for_bit():
         assert torch.equal(got, want), (counts, (got.float() - want.float()).abs().max().item())
 
 
+def fake_deep_gemm_k_grouped():
+    """DeepGEMM's k_grouped_fp8_gemm_nt_contiguous (SM90) over dequantized fp32 math: a and b flat, each
+    group's [m, k_g] (and [n, k_g]) block contiguous; scales [m, sum_k/128]; d = c + aᵀ·b per group."""
+    def k_grouped_fp8_gemm_nt_contiguous(a, b, d, ks_cpu, grouped_layout, c):
+        (ad, asf), (bd, bsf) = a, b
+        assert ad.dim() == bd.dim() == 1 and ad.dtype == bd.dtype == torch.float8_e4m3fn
+        assert grouped_layout.dtype == torch.int32 and grouped_layout.tolist() == list(ks_cpu)
+        m, n, pa, pb, kb = asf.shape[0], bsf.shape[0], 0, 0, 0
+        for g, k in enumerate(ks_cpu):
+            A = ad[pa:pa + m * k].view(m, k).float() * asf[:, kb:kb + k // 128].repeat_interleave(128, dim=1)
+            B = bd[pb:pb + n * k].view(n, k).float() * bsf[:, kb:kb + k // 128].repeat_interleave(128, dim=1)
+            d[g] = c[g] + A @ B.t()
+            pa, pb, kb = pa + m * k, pb + n * k, kb + k // 128
+    return types.SimpleNamespace(k_grouped_fp8_gemm_nt_contiguous=k_grouped_fp8_gemm_nt_contiguous)
+
+
+def _wgrad_operands(counts, N=256, K=384, device="cpu", seed=0):
+    from moefp8.kernels.quant import quant_colwise
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    ks = [-(-c // 128) * 128 for c in counts]
+    M = sum(ks)
+    dy = torch.randn(M, N, generator=g, device=device) * 3
+    x = torch.randn(M, K, generator=g, device=device)
+    dy[:7] *= 1000  # an outlier block
+    return quant_colwise(dy.bfloat16()), quant_colwise(x.bfloat16()), ks
+
+
+@pytest.mark.parametrize("counts", [[130, 0, 7, 256], [1], [300, 5]])
+def test_k_grouped_wiring_matches_the_reference(counts):
+    """k_grouped_operand lays out each expert's tokens as DeepGEMM reads them: the stand-in's dW
+    (dequantized math, accumulated into out) equals moefp8's wgrad reference within fp32 rounding."""
+    from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_wgrad_ref
+
+    dyc, xc, ks = _wgrad_operands(counts)
+    off = [0]
+    for k in ks:
+        off.append(off[-1] + k)
+    acc = torch.randn(len(ks), 256, 384)
+    want = fp8_grouped_gemm_wgrad_ref(dyc, xc, off, acc.clone())
+    got = deepgemm.k_grouped(deepgemm.k_grouped_operand(dyc, ks), deepgemm.k_grouped_operand(xc, ks), ks,
+                             fake_deep_gemm_k_grouped(), out=acc)
+    assert got is acc and not got.isnan().any()
+    assert (got - want).norm() / want.norm() < 1e-6  # same products, fp32 sums in another order
+    with pytest.raises(ValueError, match=r"must be multiples of 128 summing to the"):
+        deepgemm.k_grouped_operand(dyc, ks + [128])
+
+
+@pytest.mark.gpu
+def test_gpu_deep_gemm_k_grouped_matches_moefp8():
+    """DeepGEMM's k-grouped wgrad on moefp8's "128x1" operands against moefp8's kernel: relative
+    error at fp32 rounding (same products and promotion per 128 tokens; the order of the fp32 adds may
+    differ), no NaN; an empty expert leaves its dW as it was."""
+    from moefp8.kernels.grouped_gemm import fp8_grouped_gemm_wgrad
+
+    dg = deepgemm.load()
+    if dg is None or not torch.cuda.is_available():
+        pytest.skip("deep_gemm not installed")
+    for counts, N, K in (([1000, 37, 4096, 200], 4096, 7168), ([2048] * 8, 7168, 2048)):
+        dyc, xc, ks = _wgrad_operands(counts, N, K, device="cuda")
+        off = torch.tensor([0] + [sum(ks[:i + 1]) for i in range(len(ks))], dtype=torch.int32, device="cuda")
+        want = fp8_grouped_gemm_wgrad(dyc, xc, off)
+        got = deepgemm.k_grouped(deepgemm.k_grouped_operand(dyc, ks), deepgemm.k_grouped_operand(xc, ks), ks, dg)
+        assert not got.isnan().any()
+        assert ((got - want).norm() / want.norm()).item() < 1e-6, counts
+
+
 def test_recipe_gemm_is_checked_before_anything_runs():
     """recipe.gemm: a value of GEMM_LIBS (the config's are the GemmPolicy's and auto); deepgemm
     needs a CUDA GPU, the fp8 recipe and `deep_gemm` importable, else one line naming the fix."""
