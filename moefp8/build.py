@@ -1,7 +1,7 @@
 """What a training process builds from its config, in the order the run needs it: the data
 (`open_data`), the model on its expert-parallel dispatcher (`build_model`), the data-parallel
-gradient buckets (`grad_buckets`) and, for dispatch.overlap=auto, the schedule chooser
-(`overlap_auto`). The training loop (`moefp8.train`) and the whole-step profiler
+gradient buckets (`grad_buckets`), for dispatch.overlap=auto the schedule chooser (`overlap_auto`),
+and with train.cuda_graphs the captured attention (`cuda_graphs`, once the weights are restored). The training loop (`moefp8.train`) and the whole-step profiler
 (`tools/profile_step.py`) build through these, so that what is profiled is what trains.
 """
 
@@ -13,6 +13,7 @@ from moefp8.config import Config
 from moefp8.data import DataError, Loader, ensure, folder_data_id
 from moefp8.dispatch import build_dispatcher
 from moefp8.grad_sync import GradBuckets
+from moefp8.graphs import graph_attention
 from moefp8.launch import dispatch_capacity, routing_config
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
@@ -108,3 +109,17 @@ def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=prin
         if caps is not None:
             model.dispatcher.capacity = caps[schedule]
     return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say, on_switch=switch)
+
+
+def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print) -> int:
+    """train.cuda_graphs: every block's attention captured for the config's micro-batch (moefp8.graphs;
+    after a checkpoint's restore, before the first step); how many blocks replay, said in one line."""
+    if not cfg.train.cuda_graphs:
+        return 0
+    if device.type != "cuda":
+        say(f"train.cuda_graphs: off (not a CUDA device ({device}))")
+        return 0
+    n = graph_attention(model, cfg.train.micro_batch, cfg.train.seq_len)
+    say(f"train.cuda_graphs: the attention of {n} of {len(model.layers)} blocks replays CUDA graphs"
+        + (" (the others recompute it: train.recompute)" if n < len(model.layers) else ""))
+    return n

@@ -165,6 +165,9 @@ class TrainConfig:
     # selective activation recompute: [attention] keeps only each block's input for its attention
     # and runs norm, QKV, attention, output projection again in the backward (moefp8.memory counts it)
     recompute: list[str] = field(default_factory=list)
+    # CUDA graphs for each block's attention (moefp8.graphs): captured once, replayed every step, ~40
+    # fewer host launches per layer; blocks in `recompute` and evaluation run eagerly. GPU only
+    cuda_graphs: bool = False
     ckpt_every: int = 50  # a checkpoint every N steps and at the end; 0: only at the end
     # checkpoints kept in the run dir: the newest keep_last (0: all), plus any you pin by creating a
     # file named `keep` in its step_N/ folder; older ones are deleted after each save

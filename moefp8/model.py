@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from moefp8.config import ModelConfig
 from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.fp8 import ScaleStats
+from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.rope import rope, rope_tables
 from moefp8.linear import make_linear
@@ -100,6 +101,7 @@ class Block(nn.Module):
         super().__init__()
         stats = stats if stats is not None else ScaleStats()
         self.stats, self.recompute_attention = stats, recompute_attention
+        self.graphed_attend = None  # (the captured attend, its input shape): moefp8.graphs.graph_attention
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, recipe, stats, gemm)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -132,13 +134,17 @@ class Block(nn.Module):
             return out, mean_over_halves(aux_2, x.shape[0]), load
         if handoff is not None:
             handoff.wait()
-        if self.recompute_attention and torch.is_grad_enabled():
-            # keep x only; the backward runs attend again (its FP8 tiles are not recorded twice)
-            a, x, h = checkpoint(self.attend, x, cos, sin, use_reentrant=False,
-                                 context_fn=lambda: (nullcontext(), self.stats.paused()))
+        if replays(self, x):  # train.cuda_graphs: the captured attention (moefp8.graphs)
+            x, h, nf = self.graphed_attend[0](x, cos, sin)
+            flags.append(nf)
         else:
-            a, x, h = self.attend(x, cos, sin)
-        flags.append(_nonfinite(a))
+            if self.recompute_attention and torch.is_grad_enabled():
+                # keep x only; the backward runs attend again (its FP8 tiles are not recorded twice)
+                a, x, h = checkpoint(self.attend, x, cos, sin, use_reentrant=False,
+                                     context_fn=lambda: (nullcontext(), self.stats.paused()))
+            else:
+                a, x, h = self.attend(x, cos, sin)
+            flags.append(_nonfinite(a))
         if not self.is_moe:
             o, aux, load = self.mlp(h), None, None
         else:

@@ -25,10 +25,11 @@ import torch
 from rich.console import Console
 
 from moefp8 import checkpoint, cli
-from moefp8.build import build_model, grad_buckets, open_data, overlap_auto
+from moefp8.build import build_model, cuda_graphs, grad_buckets, open_data, overlap_auto
 from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
+from moefp8.graphs import prepare_grads
 from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, plan
@@ -84,6 +85,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
             console.print(f"{run_dir}: already at step {start} >= train.steps={t.steps}; nothing to do "
                           f"(raise train.steps, or pick a new train.out_dir)")
             return {"step": start}
+        cuda_graphs(cfg, model, device, console.print)  # train.cuda_graphs: on the restored weights
         # the checkpoint has loaded: from here on the run dir changes
         par.on_main(lambda: record_start(cfg, run_dir, start, device, par, console.print))
         wb = par.on_main(lambda: start_wandb(cfg, run_dir))
@@ -105,6 +107,9 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     grads = grad_buckets(cfg, par, model, opt)  # the mean gradient over the ranks, reduced during the last backward
     zero_grad = grads.zero_grad if grads else opt.zero_grad
     auto = overlap_auto(cfg, par, model, console.print)  # dispatch.overlap=auto: times both schedules first
+    # a replayed attention hands its graph's gradient buffers to a `.grad` that is None: with several
+    # micro-batches on one process the gradients must exist before the first backward (moefp8.graphs)
+    keep_grads = grads is None and t.grad_accum > 1 and any(b.graphed_attend for b in model.layers)
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     for step in range(start, t.steps):
@@ -116,6 +121,8 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             auto.begin_step()
         model.scale_stats.on = (model.recipe.fp8 and t.fp8_stats_every > 0
                                 and ((step + 1) % t.fp8_stats_every == 0 or step == start))
+        if keep_grads:
+            prepare_grads(model)
         for i in range(t.grad_accum):
             if grads:
                 grads.arm(last=i == t.grad_accum - 1)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.build import build_model, grad_buckets, overlap_auto  # noqa: E402
+from moefp8.build import build_model, cuda_graphs, grad_buckets, overlap_auto  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
@@ -57,6 +57,7 @@ def build(cfg, device: torch.device, par: Parallel | None, say=print):
     builds them (moefp8.build); one process: EP=1, `local` dispatch. say: what the build tells
     (recipe.gemm=auto's choice)."""
     model = build_model(cfg, par, device, say)
+    cuda_graphs(cfg, model, device, say)
     opt = AdamW(model.named_parameters(), cfg.optim)
     return model, opt, grad_buckets(cfg, par, model, opt)
 
