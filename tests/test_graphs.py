@@ -112,7 +112,8 @@ def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_pa
                             "train.micro_batch=4", "train.seq_len=128", "train.steps=4", "train.log_every=1",
                             "train.ckpt_every=0", "train.progress=false", "logger.mode=disabled",
                             "train.deterministic=true", "train.eval_every=2", "data.val_windows=8",
-                            f"data.path={data_dir}", f"train.out_dir={out}", f"train.cuda_graphs={graphs}"],
+                            f"data.path={data_dir}", "data.max_bytes=2000000", f"train.out_dir={out}",
+                            f"train.cuda_graphs={graphs}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs"
