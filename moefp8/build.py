@@ -108,7 +108,9 @@ def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=prin
     def switch(schedule: str) -> None:
         if caps is not None:
             model.dispatcher.capacity = caps[schedule]
-    return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say, on_switch=switch)
+    p = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say, on_switch=switch,
+                       device=p.device if p is not None else "cpu")  # NCCL reduces CUDA tensors only
 
 
 def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print) -> int:

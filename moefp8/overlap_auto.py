@@ -34,17 +34,18 @@ class OverlapAuto:
     over all ranks in place (identity on one process); world: the number of ranks; say: prints the
     decision; on_switch(schedule): called with "off" / "on" whenever the schedule is set (the
     dispatcher's capacity follows it: the overlap's micro-batches are halves, and the capacity mode
-    moves whole capacity blocks)."""
+    moves whole capacity blocks); device: where the times are all-reduced (the model's: an NCCL group
+    has no CPU backend)."""
 
     SCHEDULES = ("off", "on")
 
     def __init__(self, model, policy: OverlapPolicy, warmup: int = 1, rounds: int = 3, all_reduce=None,
-                 world: int = 1, say=print, on_switch=None):
+                 world: int = 1, say=print, on_switch=None, device: torch.device | str = "cpu"):
         if warmup < 0 or rounds < 1:
             raise ValueError(f"OverlapAuto: warmup={warmup} must be >= 0 and rounds={rounds} >= 1")
         self.model, self.policy, self.warmup, self.rounds = model, policy, warmup, rounds
         self.all_reduce, self.world, self.say = all_reduce or (lambda x: x), world, say
-        self.on_switch = on_switch or (lambda schedule: None)
+        self.on_switch, self.device = on_switch or (lambda schedule: None), torch.device(device)
         self.times = {s: [] for s in self.SCHEDULES}
         self.step, self.choice, self.medians = 0, None, None  # once decided: "off" / "on", {schedule: s}
 
@@ -73,8 +74,8 @@ class OverlapAuto:
             self._decide()
 
     def _decide(self) -> None:
-        t = torch.tensor([self.times[s] for s in self.SCHEDULES], dtype=torch.float64)  # [2, rounds], this rank's
-        t = self.all_reduce(t) / self.world  # the mean over the ranks: the same figures everywhere
+        t = torch.tensor([self.times[s] for s in self.SCHEDULES], dtype=torch.float64, device=self.device)  # [2, rounds]
+        t = (self.all_reduce(t) / self.world).cpu()  # the mean over the ranks: the same figures everywhere
         med = self.medians = {s: statistics.median(t[i].tolist()) for i, s in enumerate(self.SCHEDULES)}
         self.choice = "on" if med["on"] < med["off"] else "off"
         self._apply(self.choice)

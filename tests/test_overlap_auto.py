@@ -66,7 +66,7 @@ def test_every_rank_decides_on_the_mean_over_ranks():
         return t.add_(other)
     auto = OverlapAuto(model, OverlapPolicy(), warmup=0, rounds=3, all_reduce=all_reduce, world=2, say=lambda s: None)
     drive(auto, model, lambda on, i: 0.8 if on else 1.0, auto.trial_steps)
-    assert seen[0].shape == (2, 3) and auto.choice == "off"
+    assert seen[0].shape == (2, 3) and seen[0].device == auto.device and auto.choice == "off"
     assert auto.medians == pytest.approx({"off": 1.0, "on": 1.9})
 
 
@@ -102,6 +102,7 @@ def test_the_capacity_follows_the_schedule():
     model = _Model()
     model.dispatcher = types.SimpleNamespace(capacity=768)
     auto = overlap_auto(c, par, model, lambda s: None)
+    assert auto.device == torch.device("cpu")  # the model's device: under NCCL a CUDA one (a CPU tensor raised there)
     caps = []
     for i in range(auto.trial_steps + 2):
         auto.begin_step()
@@ -131,3 +132,24 @@ def test_auto_in_training_under_torchrun(data_dir, tmp_path):
     lines = [line for line in r.stdout.splitlines() if line.startswith("dispatch.overlap=auto: ")]
     assert len(lines) == 1 and " from now on (step time, median of 3 steps each" in lines[0], r.stdout[-2000:]
     assert "step     10/10" in r.stdout and "nan" not in r.stdout.split(lines[0])[1].lower()
+
+
+@pytest.mark.gpu
+def test_gpu_auto_decides_under_nccl(data_dir, tmp_path):
+    """Two GPUs, EP2 over NCCL, through the Hydra entry point: the trial steps' times are all-reduced
+    on the GPU (a CPU tensor raised "No backend type associated with device type cpu" there) and
+    every rank keeps the printed choice to the end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "moefp8.train", "model=tiny", "dispatch=all_to_all", "dispatch.ep_size=2",
+                        "dispatch.overlap=auto", "train.steps=10", "train.micro_batch=4", "train.seq_len=128",
+                        "train.ckpt_every=0", "train.progress=false", "logger.mode=disabled", f"data.path={data_dir}",
+                        "data.max_bytes=2000000", f"train.out_dir={tmp_path / 'run'}"],
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dispatch.overlap=auto: " in r.stdout and " from now on (step time" in r.stdout, r.stdout[-2000:]
