@@ -24,6 +24,8 @@ the expert's columns of the one [N, M] array in place:
     dw = k_grouped(dy_k, x_k, ks, dg)                                          # [E, N, K] fp32
 """
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
@@ -83,8 +85,7 @@ def k_grouped_operand(t: Fp8Tensor, ks: list[int]) -> tuple[Tensor, Tensor]:
     N, M = t.data.shape
     if sum(ks) != M or any(k % 128 for k in ks):
         raise ValueError(f"deepgemm.k_grouped_operand: ks={ks} must be multiples of 128 summing to the {M} tokens")
-    ends = [sum(ks[:i + 1]) for i in range(len(ks))]
-    data = torch.cat([t.data[:, e - k:e].reshape(-1) for k, e in zip(ks, ends)]) if M else t.data.reshape(-1)
+    data = torch.cat([t.data[:, e - k:e].reshape(-1) for k, e in zip(ks, accumulate(ks))]) if M else t.data.reshape(-1)
     return data, t.scale.float()
 
 

@@ -1,8 +1,9 @@
 """What a training process builds from its config, in the order the run needs it: the data
 (`open_data`), the model on its expert-parallel dispatcher (`build_model`), the data-parallel
 gradient buckets (`grad_buckets`), for dispatch.overlap=auto the schedule chooser (`overlap_auto`),
-and with train.cuda_graphs the captured attention (`cuda_graphs`, once the weights are restored). The training loop (`moefp8.train`) and the whole-step profiler
-(`tools/profile_step.py`) build through these, so that what is profiled is what trains.
+and with train.cuda_graphs the captured attention (`cuda_graphs`, once the weights are restored). The
+training loop (`moefp8.train`) and the whole-step profiler (`tools/profile_step.py`) build through
+these, so that what is profiled is what trains.
 """
 
 from dataclasses import replace
@@ -108,9 +109,8 @@ def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=prin
     def switch(schedule: str) -> None:
         if caps is not None:
             model.dispatcher.capacity = caps[schedule]
-    p = next(model.parameters(), None) if hasattr(model, "parameters") else None
     return OverlapAuto(model, OverlapPolicy(), all_reduce=par.all_reduce_, world=par.world, say=say, on_switch=switch,
-                       device=p.device if p is not None else "cpu")  # NCCL reduces CUDA tensors only
+                       device=par.device)
 
 
 def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print) -> int:

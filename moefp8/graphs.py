@@ -16,8 +16,8 @@ backward (`train.recompute=[attention]`).
 Gradients: a replayed backward writes the weights' gradients into the graph's own buffers, which
 autograd then hands to `.grad` as they are (no copy) where `.grad` is None. They stay valid until the
 next replay of the same block, i.e. for one micro-batch: with train.grad_accum > 1 on one process the
-second micro-batch would overwrite the first one's, so `graph_attention` makes `.grad` exist (zeros)
-before it is needed there; the data-parallel gradient buckets already make every `.grad` a view of
+second micro-batch would overwrite the first one's, so the training loop calls `prepare_grads` (zeros
+in `.grad`) before each such step; the data-parallel gradient buckets already make every `.grad` a view of
 their own buffers, which autograd adds into.
 """
 

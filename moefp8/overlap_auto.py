@@ -34,8 +34,8 @@ class OverlapAuto:
     over all ranks in place (identity on one process); world: the number of ranks; say: prints the
     decision; on_switch(schedule): called with "off" / "on" whenever the schedule is set (the
     dispatcher's capacity follows it: the overlap's micro-batches are halves, and the capacity mode
-    moves whole capacity blocks); device: where the times are all-reduced (the model's: an NCCL group
-    has no CPU backend)."""
+    moves whole capacity blocks); device: where the times are all-reduced (the process group's, `Parallel.device`:
+    an NCCL group has no CPU backend)."""
 
     SCHEDULES = ("off", "on")
 

@@ -64,6 +64,7 @@ class Parallel:
 
     def __init__(self, cfg: Config, device: torch.device):
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        self.device = device  # where the collectives' tensors live (NCCL: CUDA only)
         ep, d = cfg.dispatch.ep_size, cfg.dispatch
         check_parallel(cfg, self.world)
         self.ep_size, self.ep_rank = ep, self.rank % ep

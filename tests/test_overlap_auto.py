@@ -98,11 +98,11 @@ def test_the_capacity_follows_the_schedule():
     c = Config()
     c.dispatch.backend, c.dispatch.ep_size, c.dispatch.overlap = "all_to_all", 2, "auto"
     c.train.micro_batch, c.train.seq_len = 6, 128
-    par = types.SimpleNamespace(ep_size=2, world=2, all_reduce_=lambda t: t.mul_(2))
+    par = types.SimpleNamespace(ep_size=2, world=2, all_reduce_=lambda t: t.mul_(2), device=torch.device("cpu"))
     model = _Model()
     model.dispatcher = types.SimpleNamespace(capacity=768)
     auto = overlap_auto(c, par, model, lambda s: None)
-    assert auto.device == torch.device("cpu")  # the model's device: under NCCL a CUDA one (a CPU tensor raised there)
+    assert auto.device == par.device  # the collectives' device: under NCCL a CUDA one (a CPU tensor raised there)
     caps = []
     for i in range(auto.trial_steps + 2):
         auto.begin_step()
