@@ -92,58 +92,6 @@ def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr
 
 
 @triton.jit
-def _swiglu_pair_rows(h_ptr, hs_ptr, da_ptr, rows, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg, stride_dam,
-                      q_ptr, qs_ptr, stride_qm, stride_qsm, stride_qsg, POW2: tl.constexpr):
-    """`_swiglu_grad_rows` for both halves of one 128-column block at once: g, u and da read once,
-    the sigmoid computed once; stores both row-wise quantizations (the up half's I columns and
-    I/128 scale groups to the right) and returns (dg, du) in fp32."""
-    g = _dequant_rows(h_ptr, hs_ptr, rows, offs_k, m_left, stride_hm, stride_hsm)
-    u = _dequant_rows(h_ptr + I, hs_ptr + (I // 128) * stride_hsg, rows, offs_k, m_left, stride_hm, stride_hsm)
-    da = _load_rows(da_ptr, rows, offs_k, m_left, 128, stride_dam)
-    sig = _sigmoid(g)
-    dg = da * u * sig * (1.0 + g * (1.0 - sig))  # _swiglu_grad's two formulas, in its order
-    du = da * (g * sig)
-    _quant_rows_store(dg, rows, offs_k, m_left, q_ptr, qs_ptr, stride_qm, stride_qsm, POW2)
-    _quant_rows_store(du, rows, offs_k, m_left, q_ptr + I, qs_ptr + (I // 128) * stride_qsg, stride_qm, stride_qsm,
-                      POW2)
-    return dg, du
-
-
-@triton.jit
-def _swiglu_bwd_quant_pair_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                                  stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                                  stride_csm, POW2: tl.constexpr, PACK: tl.constexpr):
-    """`_swiglu_bwd_quant_kernel` with one program per 128-column block of h's gate AND up halves
-    (the launch config's PAIR): half the programs, each reading g, u and da once and computing
-    each sigmoid once where the two halves' programs each did; twice the fp32 tiles held for the
-    column-wise quantization."""
-    pid_k = tl.program_id(0)  # this program's 128 columns of the gate half (and the same of the up half)
-    pid_m = tl.program_id(1)
-    m0 = pid_m.to(tl.int64) * 128
-    r = 4 * tl.arange(0, 32)
-    offs_k = tl.arange(0, 128)
-    m_left = M - m0
-    h = h_ptr + m0 * stride_hm + pid_k * 128
-    hs = hs_ptr + m0 * stride_hsm + pid_k * stride_hsg
-    da = da_ptr + m0 * stride_dam + pid_k * 128
-    q = q_ptr + m0 * stride_qm + pid_k * 128
-    qs = qs_ptr + m0 * stride_qsm + pid_k * stride_qsg
-    g0, u0 = _swiglu_pair_rows(h, hs, da, r, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg, stride_dam, q, qs,
-                               stride_qm, stride_qsm, stride_qsg, POW2)
-    g1, u1 = _swiglu_pair_rows(h, hs, da, r + 1, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg, stride_dam, q,
-                               qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    g2, u2 = _swiglu_pair_rows(h, hs, da, r + 2, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg, stride_dam, q,
-                               qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    g3, u3 = _swiglu_pair_rows(h, hs, da, r + 3, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg, stride_dam, q,
-                               qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    for_gate = (pid_k * 128).to(tl.int64)  # dh's column of the tile's first gate column; the up's is I later
-    _quant_cols4_store(g0, g1, g2, g3, tl.arange(0, 32), offs_k, m_left, 128, c_ptr + for_gate * stride_ck + m0,
-                       cs_ptr + for_gate * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2, PACK)
-    _quant_cols4_store(u0, u1, u2, u3, tl.arange(0, 32), offs_k, m_left, 128, c_ptr + (for_gate + I) * stride_ck + m0,
-                       cs_ptr + (for_gate + I) * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2, PACK)
-
-
-@triton.jit
 def _swiglu_bf16_kernel(h_ptr, da_ptr, o_ptr, M, I, stride_hm, stride_dam, stride_om,
                         BACKWARD: tl.constexpr, GATE: tl.constexpr, BLOCK_M: tl.constexpr):
     pid_k = tl.program_id(0)
@@ -178,8 +126,7 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
                           colmajor_scale: bool = False, launch: dict | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
     """h8 "1x128" [M, 2I], da [M, I] -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M]); the
     "1x128" scales column-major with colmajor_scale (fc1's dgrad operand). launch: replaces
-    quant.LAUNCH["swiglu_backward_quant"] for this call (PAIR=True: one program per column block
-    of both halves, `_swiglu_bwd_quant_pair_kernel`; the same bytes either way)."""
+    quant.LAUNCH["swiglu_backward_quant"] for this call."""
     if not isinstance(h8, Fp8Tensor) or h8.layout != "1x128" or h8.data.dim() != 2:
         raise ValueError("swiglu_backward_quant: expected h8 as an Fp8Tensor [M, 2I] with layout '1x128'")
     M, I2 = h8.data.shape
@@ -196,13 +143,11 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
     cs = _scales(I2, triton.cdiv(M, TILE), dev, True)
     if M:
         da = da if da.stride(-1) == 1 else da.contiguous()
-        cfg = dict(launch or LAUNCH["swiglu_backward_quant"])
-        pair = cfg.pop("PAIR", False)  # one program for both halves of a column block
-        kernel = _swiglu_bwd_quant_pair_kernel if pair else _swiglu_bwd_quant_kernel
-        kernel[(I2 // TILE // (2 if pair else 1), triton.cdiv(M, TILE))](
+        _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
             h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
             h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
-            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False, **cfg)
+            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False,
+            **(launch or LAUNCH["swiglu_backward_quant"]))
     return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
 
 
