@@ -121,6 +121,12 @@ class Block(nn.Module):
         h = x + a
         return a, h, self.mlp_norm(h)
 
+    def attend_checked(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`attend` as the captured graph runs it (moefp8.graphs): -> (x + a, the MLP's input, whether
+        the attention output a holds a NaN/Inf)."""
+        a, h, m = self.attend(x, cos, sin)
+        return h, m, _nonfinite(a)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list, handoff: Handoff | None = None):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
         bool tensor per sub-layer: its output holds a NaN/Inf. handoff: passed along consecutive

@@ -23,7 +23,7 @@ with --json. Routing: random tokens through a fresh router route less evenly tha
 run (the per-expert GEMM shapes and the cuBLAS-loop choices follow); the last step's expert
 load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
 step under cProfile, the host's time by function and by file. --vary KEY=V1,V2 --rounds N: an
-interleaved sweep, medians and ratios in the JSON's `summary`. dispatch.overlap=auto runs its trial
+interleaved sweep (every other round in reverse order), medians and ratios in the JSON's `summary`. dispatch.overlap=auto runs its trial
 steps first, as training does (moefp8.overlap_auto), then times the schedule it kept (the JSON's
 `overlap_auto`: the choice and both medians): `--vary dispatch.overlap=false,true,auto`.
 """
@@ -326,7 +326,7 @@ def main() -> None:
         variants = [f"{key}={v}" for v in values.split(",")]
     par_box, res = [], []
     for round_ in range(args.rounds):
-        for variant in variants:
+        for variant in variants[:: 1 if round_ % 2 == 0 else -1]:  # every other round reversed: no variant always last
             for recipe in args.recipes.split(","):
                 r = measure([*overrides, *filter(None, [variant])], recipe, args, par_box,
                             args.profile_steps if round_ == 0 else 0)
