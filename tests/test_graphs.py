@@ -102,13 +102,20 @@ def test_gpu_eager_where_a_replay_does_not_apply():
 
 
 @pytest.mark.gpu
-def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_path):
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_path, gpus):
     """`train.cuda_graphs=true` through the Hydra entry point: said at start, and with deterministic
-    kernels the same losses and gradient norms as the eager run, step for step."""
+    kernels the same losses and gradient norms as the eager run, step for step; on 2 GPUs (EP2: the replicated weights'
+    gradients in the data-parallel buckets, whose `.grad` views the replayed backward adds into) too."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                                  "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2"] if gpus == 2
+                                 else ["-m", "moefp8.train"])
     runs = {}
     for graphs in ("false", "true"):
         out = tmp_path / graphs
-        r = subprocess.run([sys.executable, "-m", "moefp8.train", "model=tiny", "train.device=cuda",
+        r = subprocess.run([*launch, "model=tiny", "train.device=cuda",
                             "train.micro_batch=4", "train.seq_len=128", "train.steps=4", "train.log_every=1",
                             "train.ckpt_every=0", "train.progress=false", "logger.mode=disabled",
                             "train.deterministic=true", "train.eval_every=2", "data.val_windows=8",
