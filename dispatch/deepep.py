@@ -101,7 +101,8 @@ class DeepEPDispatcher:
 
     scale_fmt: the layer's FP8 scale format (DeepEP carries fp32 scales, so both formats travel
     exactly; kept for the layer's consistency check). Its calls run on the caller's stream
-    (`exchange_stream` stays None: the overlap calls it on its communication stream)."""
+    (`exchange_stream` stays None); the overlap calls `dispatch_async` / `combine_async` from its
+    communication stream and waits for their events where it reads the results (moefp8.overlap)."""
 
     communicates = True
     exchange_stream = None

@@ -85,13 +85,23 @@ def _wire_rows(layer, t_TH: Tensor, kind: str):
     return t_TH.to(torch.bfloat16)
 
 
-def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor):
+def _send(disp: Dispatcher, rows, evented: bool, *args, **kw):
+    """disp.dispatch(rows, ...), or with `evented` its event API (DeepEP's `dispatch_async`): started
+    after the current stream's work so far, finished on the dispatcher's own stream -> (Dispatched,
+    the event that finishes it)."""
+    if not evented:
+        return disp.dispatch(rows, *args, **kw)
+    return disp.dispatch_async(rows, *args, previous_event=disp.capture(), allocate_on_comm_stream=True, **kw)
+
+
+def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, evented: bool = False):
     """(comm) quantize (FP8 recipe) and dispatch -> Dispatched. The quantization is the one
-    compute kernel here: it must happen before the rows leave (docs/design.md §1)."""
+    compute kernel here: it must happen before the rows leave (docs/design.md §1). evented: through
+    the dispatcher's event API (`_send`) -> (Dispatched, event)."""
     with record_function("quant"):
         xin = _wire_rows(layer, x_TH, "act")
     with record_function("dispatch"):
-        return layer.dispatcher.dispatch(xin, topk_idx_TK, topk_w_TK)
+        return _send(layer.dispatcher, xin, evented, topk_idx_TK, topk_w_TK)
 
 
 def fwd_layout(layer, d) -> PermuteLayout:
@@ -120,11 +130,12 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
         return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer.dispatcher, d.handle, y)), saved
 
 
-def bwd_dispatch(layer, dout: Tensor, s: Saved):
+def bwd_dispatch(layer, dout: Tensor, s: Saved, evented: bool = False):
     """(comm) the gradient of the combine: dout along the forward's routes (FP8 on the wire in the
-    FP8 recipe, quantized 1x128 before it leaves)."""
+    FP8 recipe, quantized 1x128 before it leaves). evented: -> (rows, event), as `fwd_dispatch`."""
     with record_function("bwd_dispatch"):
-        return layer.dispatcher.dispatch(_wire_rows(layer, dout, "grad"), handle=s.handle).x
+        d = _send(layer.dispatcher, _wire_rows(layer, dout, "grad"), evented, handle=s.handle)
+        return (d[0].x, d[1]) if evented else d.x
 
 
 def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_dx: bool, gemm: GemmPolicy,
@@ -164,14 +175,29 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
     return dx_rows, dw, dw1, dw2
 
 
-def bwd_combine(layer, dx_rows, dw, s: Saved, dtype):
+def bwd_combine(layer, dx_rows, dw, s: Saved, dtype, evented: bool = False):
     """(comm) send dx back to the tokens' ranks; dw [T_recv, K] (0 on slots routed elsewhere) ->
     [T, K] on the token's rank: exact (one nonzero term per slot), the identity at EP=1.
-    needs_input_grad agrees across ranks, so the collectives stay matched."""
+    needs_input_grad agrees across ranks, so the collectives stay matched. evented: through the
+    dispatcher's event API (DeepEP's `combine_async`, after the current stream's work so far) ->
+    ((dx, dw), [the events that finish them])."""
     disp = layer.dispatcher
     with record_function("bwd_combine"):
-        dx = disp.combine(dx_rows, s.handle).to(dtype) if dx_rows is not None else None
-        return dx, disp.combine(dw, s.handle) if dw is not None else None
+        if not evented:
+            dx = disp.combine(dx_rows, s.handle).to(dtype) if dx_rows is not None else None
+            return dx, disp.combine(dw, s.handle) if dw is not None else None
+        dx = dw_T = None
+        events = []
+        if dx_rows is not None:
+            dx, ev = disp.combine_async(dx_rows, s.handle, previous_event=disp.capture(), allocate_on_comm_stream=True)
+            if dx.dtype != dtype:  # the cast reads dx: on the current stream, once it is there
+                ev.current_stream_wait()
+                dx = dx.to(dtype)
+            events.append(ev)
+        if dw is not None:  # fp32: DeepEP's BF16 combine of its bytes, reassembled on the current stream
+            dw_T, ev = disp.combine_async(dw, s.handle, previous_event=disp.capture())
+            events.append(ev)
+        return (dx, dw_T), events
 
 
 class RoutedExperts(torch.autograd.Function):

@@ -37,6 +37,10 @@ dispatch's quantize and pack kernels run on the compute stream right behind its 
 its exchange and unpacking on the communication stream (`_Streams.packs_on_compute`,
 `Dispatcher.packs_on_caller_stream`); with
 `dispatch.transport=copy_engine` that exchange's transfers take no SMs (dispatch/copy_engine.py).
+A dispatcher with an event API of its own (the deepep backend: DeepEP's `dispatch_async` /
+`combine_async`, `_Streams.evented`) is called from the communication stream as the others, after an
+event captured there, and finishes on its own stream: the stages that read its results wait for
+the event it hands back (the synchronous calls would make the communication stream wait for them).
 On the CPU (gloo) there are no streams: the same order runs serially.
 Either way the arithmetic is that of running the two micro-batches one after the other
 (`serialized`, the reference): outputs and gradients are bit-exact against it. Against the
@@ -197,9 +201,26 @@ class _Streams:
         return ev
 
     def wait(self, stream, *events) -> None:
+        """`stream` waits for each event (lists of them too): ours (`mark`; None on CPU) or a
+        dispatcher's (DeepEP's, `evented`), whose `current_stream_wait` makes the current stream wait."""
         for ev in events:
-            if stream is not None and ev is not None:
-                stream.wait_event(ev)
+            if isinstance(ev, (list, tuple)):
+                self.wait(stream, *ev)
+            elif isinstance(ev, torch.cuda.Event):
+                if stream is not None:
+                    stream.wait_event(ev)
+            elif ev is not None:
+                with self.on(stream):
+                    ev.current_stream_wait()
+
+    @staticmethod
+    def evented(layer) -> bool:
+        """Whether the layer's dispatcher has an event API of its own (the deepep backend's
+        `dispatch_async` / `combine_async` / `capture`): its dispatches and combines, enqueued on the
+        comm stream as the others', then finish on the dispatcher's own stream and hand back an
+        event that the stages reading their results wait for (instead of the comm stream waiting
+        for them: the synchronous call's end)."""
+        return hasattr(layer.dispatcher, "dispatch_async")
 
     def packs_on_compute(self, layer) -> bool:
         """Whether the layer's dispatches split: quantize and pack on the compute stream, exchange
@@ -276,7 +297,7 @@ class _MoEForward:
         self.ev_in, self.d, self.L, self.z, self.saves, self.out, self.s_out, self.s_saved = ([None] * 2
                                                                                               for _ in range(8))
         self.ev_s, self.ev_d, self.ev_z, self.ev_c = ([None] * 2 for _ in range(4))
-        self.split = st.packs_on_compute(layer)
+        self.split, self.evented = st.packs_on_compute(layer), st.evented(layer)
 
     def inputs_ready(self, i: int) -> None:
         self.ev_in[i] = self.st.mark(self.st.compute)
@@ -285,8 +306,11 @@ class _MoEForward:
     def send(self, i: int) -> None:  # no host sync in capacity mode; exact mode reads its counts
         st = self.st
         with st.sending(self.layer.dispatcher, self.split, f"{'AB'[i]} pack", self.ev_in[i]):
-            self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
-        self.ev_s[i] = st.mark(st.comm)
+            if self.evented:
+                self.d[i], self.ev_s[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i], evented=True)
+            else:
+                self.d[i] = fwd_dispatch(self.layer, self.xs[i], self.idx[i], self.w[i])
+                self.ev_s[i] = st.mark(st.comm)
         st.tick(f"{'AB'[i]} dispatched", comm=True)
         st.hand_to(st.layout, self.d[i].topk_idx)
 
@@ -312,9 +336,15 @@ class _MoEForward:
         st = self.st
         with st.on_comm():
             st.wait(st.comm, self.ev_z[i])
+            disp = self.layer.dispatcher
             with st.stage(f"{'AB'[i]} combine", comm=True):
-                self.out[i] = self.layer.dispatcher.combine(self.z[i], self.d[i].handle)
-            self.ev_c[i] = st.mark(st.comm)
+                if self.evented:
+                    self.out[i], self.ev_c[i] = disp.combine_async(self.z[i], self.d[i].handle,
+                                                                   previous_event=disp.capture(),
+                                                                   allocate_on_comm_stream=True)
+                else:
+                    self.out[i] = disp.combine(self.z[i], self.d[i].handle)
+                    self.ev_c[i] = st.mark(st.comm)
         st.hand_to(st.compute, self.out[i])
 
     def shared(self, i: int) -> None:  # no communication: fills the compute stream while the comm stream works
@@ -349,13 +379,16 @@ class _MoEBackward:
         self.sparams = params[2:12] if self.has_shared else None  # sw1, sw2, saved A (4), saved B (4)
         self.ev_in = st.mark(st.compute)
         self.dz, self.ev_dz, self.res, self.ev_res, self.comb, self.ev_comb, self.sh = ([None] * 2 for _ in range(7))
-        self.split = st.packs_on_compute(layer)
+        self.split, self.evented = st.packs_on_compute(layer), st.evented(layer)
 
     def send(self, i: int) -> None:
         st = self.st
         with st.sending(self.layer.dispatcher, self.split, f"{'AB'[i]} grad pack", self.ev_in):
-            self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
-        self.ev_dz[i] = st.mark(st.comm)
+            if self.evented:
+                self.dz[i], self.ev_dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i], evented=True)
+            else:
+                self.dz[i] = bwd_dispatch(self.layer, self.douts[i], self.saves[i])
+                self.ev_dz[i] = st.mark(st.comm)
         st.tick(f"{'AB'[i]} grad dispatched", comm=True)
         st.hand_to(st.compute, self.dz[i])
 
@@ -379,9 +412,13 @@ class _MoEBackward:
         with st.on_comm():
             st.wait(st.comm, self.ev_res[i])
             with st.stage(f"{'AB'[i]} grad combine", comm=True):
-                self.comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
-                                           self.douts[i].dtype)
-            self.ev_comb[i] = st.mark(st.comm)
+                if self.evented:
+                    self.comb[i], self.ev_comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1],
+                                                                self.saves[i], self.douts[i].dtype, evented=True)
+                else:
+                    self.comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
+                                               self.douts[i].dtype)
+                    self.ev_comb[i] = st.mark(st.comm)
         st.hand_to(st.compute, self.comb[i])
 
     def shared(self, i: int) -> None:
@@ -592,9 +629,9 @@ class OverlappedBlock(torch.autograd.Function):
         nf_o = output(0, f.routed(0))
         if handoff is not None and st.comm is not None:  # B's half behind B's combine on the comm stream
             ev_sh = st.mark(st.compute)  # shared B's output, h_B and A's flag made
-            st.hand_to(st.comm, y, pre[1][1], f.s_out[1], nf_o)
+            st.hand_to(st.comm, y, pre[1][1], f.s_out[1], nf_o, f.out[1])
             with st.on_comm():
-                st.wait(st.comm, ev_sh)
+                st.wait(st.comm, ev_sh, f.ev_c[1])  # B's combine: on this stream, or the dispatcher's (evented)
                 with st.stage("B output", comm=True):
                     nf_o = nf_o | output(1, f.out[1])
                 handoff.event = st.mark(st.comm)  # the next block waits for it
