@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -109,7 +111,7 @@ def test_measure_frees_its_model_before_the_next_one():
 
     profile_step.build = spy
     try:
-        args = Namespace(warmup=1, steps=1, top=3, host_profile=False, memory=False)
+        args = Namespace(warmup=1, steps=1, top=3, host_profile=False, memory=False, data=False)
         profile_step.measure(["model=tiny", "train.device=cpu", "train.micro_batch=1", "train.seq_len=16"], "fp8",
                              args, [], profile_steps=0)
     finally:
@@ -119,3 +121,34 @@ def test_measure_frees_its_model_before_the_next_one():
         assert len(built) == 1 and built[0]() is None
     finally:
         gc.enable()
+
+
+def test_data_gives_every_step_a_new_batch_the_same_for_both_recipes(data_dir):
+    """--data: the steps read the config's data as training does (a new batch each step), and the
+    two recipes' measures read the same batches; the row says which tokens it timed."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import profile_step
+    from argparse import Namespace
+
+    seen = {}
+    real = profile_step.open_data
+
+    def spy(cfg, par, say=print):
+        loader = real(cfg, par, say)
+        batches, nxt = seen.setdefault(cfg.recipe.recipe, []), loader.next
+        loader.next = lambda: batches.append(nxt()) or batches[-1]
+        return loader
+
+    profile_step.open_data = spy
+    try:
+        args = Namespace(warmup=1, steps=2, top=3, host_profile=False, memory=False, data=True)
+        over = ["model=tiny", "train.device=cpu", "train.micro_batch=1", "train.seq_len=16", f"data.path={data_dir}",
+                "data.prepare_from="]
+        rows = [profile_step.measure(over, r, args, [], profile_steps=0) for r in ("bf16", "fp8")]
+    finally:
+        profile_step.open_data = real
+    assert [r["tokens"] for r in rows] == ["data", "data"]
+    b, f = seen["bf16"], seen["fp8"]
+    assert len(b) == len(f) == 3  # warm-up + timed steps, one batch each
+    assert all(torch.equal(u[0], v[0]) for u, v in zip(b, f))  # the same tokens for both recipes
+    assert not torch.equal(b[0][0], b[1][0])  # and another batch every step

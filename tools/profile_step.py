@@ -1,7 +1,7 @@
 """Where a training step's time goes, FP8 vs BF16 recipe: builds the model of a Hydra config
-(random tokens: no data needed), times whole steps (forward + backward + gradient reduction +
-optimizer, the training loop's order) and prints, per recipe, the kernels that took the most
-device time per step, grouped by name. On one process: EP=1, `local` dispatch. Under torchrun:
+(random tokens, no data needed; --data: the config's data, real tokens), times whole steps
+(forward + backward + gradient reduction + optimizer, the training loop's order) and prints, per
+recipe, the kernels that took the most device time per step, grouped by name. On one process: EP=1, `local` dispatch. Under torchrun:
 the config's dispatch (its backend and dispatch.ep_size), the data-parallel gradient buckets of
 the training loop (moefp8.grad_sync), every rank its own tokens; figures per GPU and for all,
 the kernel table from rank 0.
@@ -19,9 +19,11 @@ memsets) per step; a step whose host time is near its step time waits for Python
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
 dense BF16 / FP8 peak (moefp8.launch.peak_flops). Memory: the CUDA peak of the timed steps
 beside moefp8.memory's plan for the config. Writes a JSON (rows per recipe, the top kernels)
-with --json. Routing: random tokens through a fresh router route less evenly than a trained
-run (the per-expert GEMM shapes and the cuBLAS-loop choices follow); the last step's expert
-load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
+with --json. Routing: random tokens (one batch, stepped on again and again) through a fresh router
+route less evenly than a trained run, and differently per recipe as the routers drift (the per-expert
+GEMM shapes, the EP ranks' loads and the cuBLAS-loop choices follow); --data gives both recipes the
+same real batches, as training does. The last step's expert load, max over mean per layer, is
+printed and saved beside (`routing`). --host-profile: one more
 step under cProfile, the host's time by function and by file. --vary KEY=V1,V2 --rounds N: an
 interleaved sweep (every other round in reverse order), medians and ratios in the JSON's `summary`. dispatch.overlap=auto runs its trial
 steps first, as training does (moefp8.overlap_auto), then times the schedule it kept (the JSON's
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.build import build_model, cuda_graphs, grad_buckets, overlap_auto  # noqa: E402
+from moefp8.build import build_model, cuda_graphs, grad_buckets, open_data, overlap_auto  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.optim import AdamW  # noqa: E402
@@ -62,16 +64,21 @@ def build(cfg, device: torch.device, par: Parallel | None, say=print):
     return model, opt, grad_buckets(cfg, par, model, opt)
 
 
-def step_fn(cfg, model, opt, grads, device, rank: int = 0):
+def step_fn(cfg, model, opt, grads, device, rank: int = 0, loader=None):
+    """One training step as a function. loader: the data's (`--data`: a new batch of real tokens
+    every step, read as the training loop reads them); None: one batch of random tokens, the same
+    every step."""
     t = cfg.train
     gen = torch.Generator(device="cpu").manual_seed(t.seed + rank)  # every rank its own tokens
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen).to(device)
+    fixed = (x[:, :-1], x[:, 1:])
 
     def step() -> None:
         model.dispatcher.flush_checks()  # the previous step's deferred input checks (the loop's, after its sync)
         if grads is not None:
             grads.arm(last=True)
-        out = model(x[:, :-1], x[:, 1:])
+        inp, tgt = fixed if loader is None else (t_.to(device, non_blocking=True) for t_ in loader.next())
+        out = model(inp, tgt)
         (out.out + out.aux_loss).backward()
         load_LE = step.load_LE = out.load_LE  # (the last step's, summed over ranks: how even the routing was)
         if grads is not None:
@@ -175,7 +182,8 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     torch.manual_seed(cfg.train.seed)
     say = print if par is None or par.rank == 0 else lambda s: None  # rank 0 tells what the build decided
     model, opt, grads = build(cfg, device, par, say)
-    step = step_fn(cfg, model, opt, grads, device, par.rank if par else 0)
+    loader = open_data(cfg, par or Parallel(cfg, device), say) if args.data else None
+    step = step_fn(cfg, model, opt, grads, device, par.rank if par else 0, loader)
     auto = overlap_auto(cfg, par, model, say)
     while auto is not None and auto.choice is None:  # dispatch.overlap=auto: its trial steps, as in training
         t0 = time.perf_counter()
@@ -246,7 +254,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -316,6 +324,9 @@ def main() -> None:
                    "time by Python function and by source file (the host_top table)")
     p.add_argument("--memory", action="store_true", help="one more step under the CUDA allocator's history: "
                    "what is live at its peak, by the moefp8 line that allocated it")
+    p.add_argument("--data", action="store_true", help="real tokens: a new batch every step from the config's "
+                   "data (data.path, prepared first where it has no index), as training reads it; both recipes "
+                   "read the same batches. Default: one batch of random tokens, the same every step")
     p.add_argument("--json", help="write the rows here")
     args, overrides = p.parse_known_args()
     variants = [""]
