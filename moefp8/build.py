@@ -19,7 +19,7 @@ from moefp8.launch import dispatch_capacity, routing_config
 from moefp8.model import Transformer
 from moefp8.optim import AdamW
 from moefp8.kernels.grouped_gemm import GemmPolicy, choose_mgrouped_lib
-from moefp8.overlap import OverlapPolicy
+from moefp8.overlap import OverlapPolicy, halves
 from moefp8.overlap_auto import OverlapAuto
 from moefp8.parallel import Parallel, same_file
 from moefp8.recipe import Recipe
@@ -115,13 +115,22 @@ def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=prin
 
 def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print) -> int:
     """train.cuda_graphs: every block's attention captured for the config's micro-batch (moefp8.graphs;
-    after a checkpoint's restore, before the first step); how many blocks replay, said in one line."""
+    after a checkpoint's restore, before the first step), and where the MoE layers may run the two
+    micro-batch overlap (dispatch.overlap true, or auto at EP > 1) the MoE blocks' for its halves;
+    how many blocks replay, said in one line."""
     if not cfg.train.cuda_graphs:
         return 0
     if device.type != "cuda":
         say(f"train.cuda_graphs: off (not a CUDA device ({device}))")
         return 0
-    n = graph_attention(model, cfg.train.micro_batch, cfg.train.seq_len)
+    B, ov = cfg.train.micro_batch, cfg.dispatch.overlap
+    # the two micro-batch overlap splits the MoE blocks' batch: always (true), or in the steps auto runs it (EP > 1)
+    split = B > 1 and (ov is True or (ov == "auto" and model.dispatcher.communicates))
+    parts = halves(B) if split else None
+    n = graph_attention(model, B, cfg.train.seq_len, halves=tuple(p.stop - p.start for p in parts) if split else None,
+                        overlap_only=ov is True)
     say(f"train.cuda_graphs: the attention of {n} of {len(model.layers)} blocks replays CUDA graphs"
-        + (" (the others recompute it: train.recompute)" if n < len(model.layers) else ""))
+        + (" (the others recompute it: train.recompute)" if n < len(model.layers) else "")
+        + (f"; the MoE blocks' for the overlap's halves of {parts[0].stop} and {B - parts[0].stop} sequences"
+           if split else ""))
     return n

@@ -9,9 +9,11 @@ reverse, as the step runs them), and the block replays the graphs instead of lau
 from Python per layer. The numerics are the eager path's: the same kernels replayed.
 
 A block runs its eager path where a replay would be wrong or is not wanted: other shapes (an
-evaluation batch, the overlap's half batches), no autograd (evaluation), FP8 statistics being
-recorded (a replay would not record them), and blocks that recompute their attention in the
-backward (`train.recompute=[attention]`).
+evaluation batch), no autograd (evaluation), FP8 statistics being recorded (a replay would not
+record them), and blocks that recompute their attention in the backward (`train.recompute=[attention]`).
+Where the MoE layers run the two micro-batch overlap (moefp8.overlap: each block's attention on the
+two halves of the micro-batch), the MoE blocks also capture one graph per half and the overlapped
+block replays them (`graph_attention(halves=...)`).
 
 Gradients: a replayed backward writes the weights' gradients into the graph's own buffers, which
 autograd then hands to `.grad` as they are (no copy) where `.grad` is None. They stay valid until the
@@ -41,29 +43,59 @@ class _Attend(nn.Module):
         return self._block[0].attend_checked(x, cos, sin)
 
 
-def graph_attention(model, batch: int, seq_len: int, warmup: int = 2) -> int:
+def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tuple[int, int] | None = None,
+                    overlap_only: bool = False) -> int:
     """Captures the attention of every block of `model` (a `moefp8.model.Transformer` on a CUDA device)
-    that does not recompute it, for micro-batches of [batch, seq_len] tokens; returns how many blocks
-    replay graphs. Call it after the weights have their final storage (build, checkpoint restore) and
-    before the first step; the FP8 statistics must be off."""
+    that does not recompute it, for micro-batches of [batch, seq_len] tokens (`Block.graphed_attend`);
+    returns how many blocks replay graphs. halves: the sequences of the two micro-batch overlap's
+    halves (moefp8.overlap.halves of batch): each MoE block's attention is captured for them too,
+    one graph per half (`Block.graphed_halves`, which `OverlappedBlock` replays: a graph's outputs
+    live in its own buffers, and A's must outlive B's replay). overlap_only: the MoE blocks always
+    run overlapped (dispatch.overlap=true), so they get the halves' graphs only. All in one
+    `make_graphed_callables` call (one memory pool): its order, the forwards as listed and the
+    backwards reversed, is the step's, whole or split (A then B forward, B then A backward). Call it
+    after the weights have their final storage (build, checkpoint restore) and before the first
+    step; the FP8 statistics must be off."""
     blocks = [b for b in model.layers if not b.recompute_attention]
     if not blocks:
         return 0
     dev = next(model.parameters()).device
     cos, sin = rope_tables(seq_len, model.cfg.head_dim, model.cfg.rope_theta, dev)
-    units = tuple(_Attend(b) for b in blocks)
-    sample = tuple((torch.randn(batch, seq_len, model.cfg.hidden, device=dev, dtype=torch.bfloat16,
-                                requires_grad=True), cos, sin) for _ in units)
-    graphed = torch.cuda.make_graphed_callables(units, sample, num_warmup_iters=warmup)
-    for b, g in zip(blocks, graphed):
-        b.graphed_attend = (g, (batch, seq_len, model.cfg.hidden))
+    units = capture_plan(blocks, batch, halves, overlap_only)
+    sample = tuple((torch.randn(n, seq_len, model.cfg.hidden, device=dev, dtype=torch.bfloat16,
+                                requires_grad=True), cos, sin) for _, _, n in units)
+    graphed = torch.cuda.make_graphed_callables(tuple(_Attend(b) for b, _, _ in units), sample,
+                                                num_warmup_iters=warmup)
+    for (b, which, n), g in zip(units, graphed):
+        entry = (g, (n, seq_len, model.cfg.hidden))
+        if which is None:
+            b.graphed_attend = entry
+        else:
+            b.graphed_halves = (entry, b.graphed_halves[1]) if which == 0 else (b.graphed_halves[0], entry)
     return len(blocks)
 
 
-def replays(block, x: Tensor) -> bool:
-    """Whether `block` runs its captured attention for input x (see the module docstring)."""
-    g = block.graphed_attend
-    return (g is not None and torch.is_grad_enabled() and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16
+def capture_plan(blocks, batch: int, halves: tuple[int, int] | None, overlap_only: bool) -> list[tuple]:
+    """What `graph_attention` captures, in the step's order: (block, None for the whole micro-batch or
+    the half 0 / 1, its sequences) per graph."""
+    split = halves is not None and min(halves) > 0
+    units = []
+    for b in blocks:
+        if not (split and overlap_only and b.is_moe):
+            units.append((b, None, batch))
+        if split and b.is_moe:
+            units += [(b, 0, halves[0]), (b, 1, halves[1])]
+    return units
+
+
+def replays(block, x: Tensor, half: int | None = None, grad: bool | None = None) -> bool:
+    """Whether `block` runs its captured attention for input x (see the module docstring): the whole
+    micro-batch's graph, or with `half` (0 / 1) the overlap's graph of that half. grad: whether the
+    step records autograd (default: torch.is_grad_enabled(); an autograd Function's forward, where
+    it is off, passes its own)."""
+    g = block.graphed_attend if half is None else block.graphed_halves[half]
+    grad = torch.is_grad_enabled() if grad is None else grad
+    return (g is not None and grad and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16 and x.requires_grad
             and not block.stats.on)
 
 
@@ -71,7 +103,7 @@ def prepare_grads(model) -> None:
     """Zero `.grad` for the graphed blocks' parameters that have none (see the module docstring: one
     process with gradient accumulation)."""
     for b in model.layers:
-        if b.graphed_attend is not None:
+        if b.graphed_attend is not None:  # (the halves' gradients come back through OverlappedBlock: summed, no buffer)
             for p in (*b.attn_norm.parameters(), *b.attn.parameters(), *b.mlp_norm.parameters()):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -102,6 +102,7 @@ class Block(nn.Module):
         stats = stats if stats is not None else ScaleStats()
         self.stats, self.recompute_attention = stats, recompute_attention
         self.graphed_attend = None  # (the captured attend, its input shape): moefp8.graphs.graph_attention
+        self.graphed_halves = (None, None)  # the same for the overlap's micro-batches A and B (MoE blocks)
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, recipe, stats, gemm)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)

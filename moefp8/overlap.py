@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 
 from moefp8.fp8 import record_stream
+from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.mlp import mlp_backward, mlp_forward
 from moefp8.moe_stages import (RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts,
@@ -584,14 +585,20 @@ class OverlappedBlock(torch.autograd.Function):
                         sh.w1 if sh else None, sh.w2 if sh else None, want_dw=False)
         pre, nf_a = [None] * 2, []
 
+        training = any(ctx.needs_input_grad)  # (this forward runs without grad mode; evaluation too)
+
         def attention(i):  # an autograd graph of its own, run backward in OverlappedBlock._backward
             with st.stage(f"{'AB'[i]} attn"):
                 with torch.enable_grad():
                     xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
-                    a, h, m = block.attend(xi, cos, sin)
+                    if replays(block, xi, half=i, grad=training):  # train.cuda_graphs: this half's graph
+                        h, m, nf = block.graphed_halves[i][0](xi, cos, sin)
+                    else:
+                        a, h, m = block.attend(xi, cos, sin)
+                        nf = ~torch.isfinite(a.detach()).all()
                     m = m.view(-1, H)
                     r = layer.router(m, S)
-                nf_a.append(~torch.isfinite(a.detach()).all())
+                nf_a.append(nf)
             pre[i] = (xi, h, m, r)
             f.xs[i], f.idx[i], f.w[i] = m.detach(), r.topk_idx_TK, r.topk_w_TK.detach()
             f.want_dw = r.topk_w_TK.requires_grad

@@ -34,6 +34,32 @@ def test_switch_is_off_on_cpu():
     assert cuda_graphs(c, m, torch.device("cpu"), said.append) == 0 and said == []
 
 
+def test_capture_plan_and_the_halves_replay_check():
+    """Which graphs are captured, in the step's order (the overlap: A then B per MoE block), and when a
+    block replays its whole or half graph (shape, autograd, an input that requires grad, statistics)."""
+    from moefp8.graphs import capture_plan
+
+    m = Transformer(CFG, Recipe("bf16"))
+    d, e1, e2 = blocks = list(m.layers)  # the tiny preset: one dense block, then two MoE blocks
+    plan = [(blocks.index(b), w, n) for b, w, n in capture_plan(blocks, 5, None, False)]
+    assert plan == [(0, None, 5), (1, None, 5), (2, None, 5)]
+    plan = [(blocks.index(b), w, n) for b, w, n in capture_plan(blocks, 5, (3, 2), False)]  # auto: both
+    assert plan == [(0, None, 5), (1, None, 5), (1, 0, 3), (1, 1, 2), (2, None, 5), (2, 0, 3), (2, 1, 2)]
+    plan = [(blocks.index(b), w, n) for b, w, n in capture_plan(blocks, 4, (2, 2), True)]  # always split
+    assert plan == [(0, None, 4), (1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
+    assert capture_plan(blocks, 1, (1, 0), True) == [(d, None, 1), (e1, None, 1), (e2, None, 1)]
+    H = CFG.hidden
+    e1.graphed_halves = ((None, (3, 8, H)), (None, (2, 8, H)))
+    xa = torch.zeros(3, 8, H, dtype=torch.bfloat16, requires_grad=True)
+    xb = torch.zeros(2, 8, H, dtype=torch.bfloat16, requires_grad=True)
+    assert replays(e1, xa, half=0, grad=True) and replays(e1, xb, half=1, grad=True)
+    assert not replays(e1, xb, half=0, grad=True) and not replays(e1, xa, half=0, grad=False)
+    assert not replays(e1, xa.detach(), half=0, grad=True)  # captured for an input that requires grad
+    assert not replays(e1, xa) and not replays(e2, xa, half=0, grad=True)  # no whole graph; e2 captured none
+    m.scale_stats.on = True
+    assert not replays(e1, xa, half=0, grad=True)
+
+
 def _tokens(B, S, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, CFG.vocab_size, (B, S + 1), generator=g).cuda()
@@ -79,6 +105,44 @@ def test_gpu_replayed_attention_equals_eager(recipe, accum):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe, overlap_only", [("fp8", True), ("bf16", True), ("fp8", False)])
+def test_gpu_overlap_replays_the_halves_graphs(recipe, overlap_only):
+    """The two micro-batch overlap (moefp8.overlap, here at EP=1) with its MoE blocks' attention
+    replayed from one graph per half: the overlapped eager model's losses and gradients bit for bit,
+    over two optimizer steps; evaluation (no autograd) stays eager."""
+    from moefp8.overlap import OverlapPolicy
+
+    torch.backends.cuda.enable_flash_sdp(False)
+    B, S = 4, 128
+    batches = [[_tokens(B, S, 10 * s)] for s in range(2)]
+    want = _steps(Transformer(CFG, Recipe(recipe), seed=0, overlap=OverlapPolicy()).cuda(), batches)
+    m = Transformer(CFG, Recipe(recipe), seed=0, overlap=OverlapPolicy()).cuda()
+    assert graph_attention(m, B, S, halves=(2, 2), overlap_only=overlap_only) == CFG.n_layers
+    moe = [b for b in m.layers if b.is_moe]
+    assert moe and all(b.graphed_halves[0] is not None and b.graphed_halves[1] is not None for b in moe)
+    assert all((b.graphed_attend is None) == (overlap_only and b.is_moe) for b in m.layers)
+    eager = {b: b.attend for b in m.layers}
+    for b in m.layers:  # the eager attention must not run: a replay does not call it
+        b.attend = None
+    got = _steps(m, batches, graphed=True)
+    for (lw, gw, nw), (lg, gg, ng) in zip(want, got):
+        assert all(torch.equal(a, b) for a, b in zip(lw, lg)), (lw, lg)
+        assert gw.keys() == gg.keys() and torch.equal(nw, ng)
+        for n in gw:
+            assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+    for b, f in eager.items():
+        b.attend = f
+    def boom(*_):
+        raise AssertionError("a half's graph replayed without autograd")
+
+    for b in moe:
+        b.graphed_halves = tuple((boom, g[1]) for g in b.graphed_halves)
+    x = _tokens(B, S, 99)
+    with torch.no_grad():  # evaluation: the overlapped blocks' attention runs eagerly
+        m(x[:, :-1], x[:, 1:])
+
+
+@pytest.mark.gpu
 def test_gpu_eager_where_a_replay_does_not_apply():
     """No autograd (evaluation), another shape, FP8 statistics on: the eager attention, the same
     outputs as a model that never captured; blocks that recompute their attention are not captured."""
@@ -102,16 +166,17 @@ def test_gpu_eager_where_a_replay_does_not_apply():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_path, gpus):
+@pytest.mark.parametrize("gpus, overlap", [(1, "false"), (2, "false"), (2, "true")])
+def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_path, gpus, overlap):
     """`train.cuda_graphs=true` through the Hydra entry point: said at start, and with deterministic
     kernels the same losses and gradient norms as the eager run, step for step; on 2 GPUs (EP2: the replicated weights'
-    gradients in the data-parallel buckets, whose `.grad` views the replayed backward adds into) too."""
+    gradients in the data-parallel buckets, whose `.grad` views the replayed backward adds into) too, and
+    with the two micro-batch overlap (the MoE blocks replay one graph per half)."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                                  "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2"] if gpus == 2
-                                 else ["-m", "moefp8.train"])
+                                  "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2",
+                                  f"dispatch.overlap={overlap}"] if gpus == 2 else ["-m", "moefp8.train"])
     runs = {}
     for graphs in ("false", "true"):
         out = tmp_path / graphs
@@ -123,7 +188,8 @@ def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_pa
                             f"train.cuda_graphs={graphs}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-        said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs"
+        said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs" + (
+            "; the MoE blocks' for the overlap's halves of 2 and 2 sequences" if overlap == "true" else "\n")
         assert (said in r.stdout) == (graphs == "true"), r.stdout[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         runs[graphs] = [(x["loss"], x["grad_norm"], x.get("val_loss")) for x in rows]
