@@ -277,9 +277,12 @@ class DeepEPDispatcher:
                              f"{y.shape[1]}")
         # As wide as the buffer's rows (the forward's payload): 8-16 column payloads also came back
         # with wrong rows on an H200 (v1.2.1, 2 and 4 ranks), full-width rows never did; not understood.
+        # Its bytes are repacked on the current stream, so DeepEP must follow the current stream, not
+        # previous_event (with one, DeepEP would not wait for the repacking): the current stream waits for it.
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         payload = fp32_to_byte_cols(y, min_cols=self.hidden_bytes // 2)
-        out, ev = self.combine_async(payload, handle, previous_event, allocate_on_comm_stream,
-                                     async_finish=False)  # then reassembled on the current stream
+        out, ev = self.combine_async(payload, handle, async_finish=False)  # then reassembled on the current stream
         return byte_cols_to_fp32(out, y.shape[1]), self.capture()
 
     def combine(self, y: Tensor, handle: DeepEPHandle) -> Tensor:

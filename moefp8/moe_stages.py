@@ -178,9 +178,10 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
 def bwd_combine(layer, dx_rows, dw, s: Saved, dtype, evented: bool = False):
     """(comm) send dx back to the tokens' ranks; dw [T_recv, K] (0 on slots routed elsewhere) ->
     [T, K] on the token's rank: exact (one nonzero term per slot), the identity at EP=1.
-    needs_input_grad agrees across ranks, so the collectives stay matched. evented: through the
-    dispatcher's event API (DeepEP's `combine_async`, after the current stream's work so far) ->
-    ((dx, dw), [the events that finish them])."""
+    needs_input_grad agrees across ranks, so the collectives stay matched. evented: dx through the
+    dispatcher's event API (DeepEP's `combine_async`, after the current stream's work so far), dw
+    (fp32, repacked as bytes on the current stream) through its synchronous combine -> ((dx, dw),
+    [the event that finishes dx]): dw is ready on the current stream."""
     disp = layer.dispatcher
     with record_function("bwd_combine"):
         if not evented:
@@ -194,9 +195,8 @@ def bwd_combine(layer, dx_rows, dw, s: Saved, dtype, evented: bool = False):
                 ev.current_stream_wait()
                 dx = dx.to(dtype)
             events.append(ev)
-        if dw is not None:  # fp32: DeepEP's BF16 combine of its bytes, reassembled on the current stream
-            dw_T, ev = disp.combine_async(dw, s.handle, previous_event=disp.capture())
-            events.append(ev)
+        if dw is not None:
+            dw_T = disp.combine(dw, s.handle)
         return (dx, dw_T), events
 
 

@@ -413,9 +413,10 @@ class _MoEBackward:
         with st.on_comm():
             st.wait(st.comm, self.ev_res[i])
             with st.stage(f"{'AB'[i]} grad combine", comm=True):
-                if self.evented:
-                    self.comb[i], self.ev_comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1],
-                                                                self.saves[i], self.douts[i].dtype, evented=True)
+                if self.evented:  # dx on the dispatcher's stream (its event), dw on this one (the mark)
+                    self.comb[i], evs = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
+                                                    self.douts[i].dtype, evented=True)
+                    self.ev_comb[i] = [*evs, st.mark(st.comm)]
                 else:
                     self.comb[i] = bwd_combine(self.layer, self.res[i][0], self.res[i][1], self.saves[i],
                                                self.douts[i].dtype)
