@@ -88,15 +88,13 @@ def capture_plan(blocks, batch: int, halves: tuple[int, int] | None, overlap_onl
     return units
 
 
-def replays(block, x: Tensor, half: int | None = None, grad: bool | None = None) -> bool:
+def replays(block, x: Tensor, half: int | None = None) -> bool:
     """Whether `block` runs its captured attention for input x (see the module docstring): the whole
-    micro-batch's graph, or with `half` (0 / 1) the overlap's graph of that half. grad: whether the
-    step records autograd (default: torch.is_grad_enabled(); an autograd Function's forward, where
-    it is off, passes its own)."""
+    micro-batch's graph, or with `half` (0 / 1) the overlap's graph of that half. The graphs were
+    captured for an input that requires grad, with autograd on."""
     g = block.graphed_attend if half is None else block.graphed_halves[half]
-    grad = torch.is_grad_enabled() if grad is None else grad
-    return (g is not None and grad and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16 and x.requires_grad
-            and not block.stats.on)
+    return (g is not None and torch.is_grad_enabled() and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16
+            and x.requires_grad and not block.stats.on)
 
 
 def prepare_grads(model) -> None:

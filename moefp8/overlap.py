@@ -586,13 +586,13 @@ class OverlappedBlock(torch.autograd.Function):
                         sh.w1 if sh else None, sh.w2 if sh else None, want_dw=False)
         pre, nf_a = [None] * 2, []
 
-        training = any(ctx.needs_input_grad)  # (this forward runs without grad mode; evaluation too)
-
         def attention(i):  # an autograd graph of its own, run backward in OverlappedBlock._backward
             with st.stage(f"{'AB'[i]} attn"):
                 with torch.enable_grad():
                     xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
-                    if replays(block, xi, half=i, grad=training):  # train.cuda_graphs: this half's graph
+                    # train.cuda_graphs: this half's graph (evaluation: x, made without autograd, needs no
+                    # grad, nor does xi: the eager path)
+                    if replays(block, xi, half=i):
                         h, m, nf = block.graphed_halves[i][0](xi, cos, sin)
                     else:
                         a, h, m = block.attend(xi, cos, sin)
