@@ -2,7 +2,7 @@
 
     python -m moefp8.memory experiment=v2_lite_ep4 [--gib 80] [--gpus 4]   # the plan, one table
 
-`plan(cfg, world)` counts bytes per GPU in six parts (world: the processes of the run):
+`plan(cfg, world)` counts bytes per GPU in six parts, seven with CUDA graphs of both kinds (world: the processes of the run):
 
     weights      the low-precision copies the GEMMs read (moefp8.experts.WeightCache): FP8 data
                  and its transpose for dgrad (2 bytes per parameter) or one BF16 cast (2 bytes)
@@ -18,6 +18,9 @@
                  tokens), per layer from docs/design.md §2's "saved for backward" lists
     logits       the LM head's peak: BF16 logits, their FP32 copy and the saved log-softmax, then
                  its gradient: ~10 bytes per token per vocabulary entry
+    graphs       (only where nonzero) train.cuda_graphs with dispatch.overlap=auto under EP: the MoE
+                 blocks capture their attention twice, whole and per half (moefp8.graphs), and the
+                 graphs' pool keeps both sets of saved activations: one more MoE-blocks' attention
 
 The routed experts are split over dispatch.ep_size ranks; everything else is replicated.
 Activations count tokens as they arrive after dispatch: a token goes to each distinct rank of its
@@ -109,6 +112,9 @@ def plan(cfg: Config, world: int = 1) -> dict[str, float]:
            "logits": (10.0 * min(T, t.loss_chunk) * m.vocab_size + 4.0 * embed) if t.loss_chunk else 10.0 * T * m.vocab_size}
     if max(world, cfg.dispatch.ep_size) == 1:  # made as the activations free (module docstring)
         out["grads"] = max(0.0, out["grads"] - out["activations"] - out["logits"])
+    if t.cuda_graphs and cfg.dispatch.overlap == "auto" and cfg.dispatch.ep_size > 1 and t.micro_batch > 1 \
+            and "attention" not in t.recompute:
+        out["graphs"] = float(T * n_moe * per["attention"])
     out["total"] = sum(out.values())
     return out
 

@@ -4,6 +4,7 @@ import itertools
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from moefp8.errors import UserError
 from moefp8.hydra_config import load_config
-from moefp8.memory import GIB, HEADROOM, distinct_ranks, fits, param_split, plan
+from moefp8.memory import GIB, HEADROOM, activation_bytes_per_token, distinct_ranks, fits, param_split, plan
 from moefp8.model import param_counts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -132,3 +133,19 @@ def test_attention_recompute_lowers_the_planned_activations():
     a = plan(load_config(["experiment=moe3b_gpu"]))
     b = plan(load_config(["experiment=moe3b_gpu", "train.recompute=[attention]"]))
     assert b["activations"] < 0.8 * a["activations"] and b["masters"] == a["masters"]
+
+
+def test_graphs_of_both_kinds_count_the_moe_attention_again():
+    """train.cuda_graphs with dispatch.overlap=auto under EP: the MoE blocks' attention captured whole and
+    per half, both sets of saved activations held by the graphs' pool; one kind alone adds nothing."""
+    cfg = load_config(["experiment=small_gpu", "dispatch=all_to_all", "dispatch.ep_size=2"])
+    base = plan(cfg, 2)
+    per = activation_bytes_per_token(cfg)
+    m, t = cfg.model, cfg.train
+    auto = plan(replace(cfg, dispatch=replace(cfg.dispatch, overlap="auto")), 2)
+    assert auto["graphs"] == t.micro_batch * t.seq_len * (m.n_layers - m.n_dense_layers) * per["attention"] > 0
+    assert auto["total"] == base["total"] + auto["graphs"] and "graphs" not in base
+    for other in (replace(cfg, dispatch=replace(cfg.dispatch, overlap=True)),  # halves only
+                  replace(cfg, dispatch=replace(cfg.dispatch, overlap="auto"), train=replace(t, cuda_graphs=False)),
+                  replace(cfg, dispatch=replace(cfg.dispatch, overlap="auto"), train=replace(t, recompute=["attention"]))):
+        assert "graphs" not in plan(other, 2)
