@@ -126,11 +126,9 @@ def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print
     B, ov = cfg.train.micro_batch, cfg.dispatch.overlap
     # the two micro-batch overlap splits the MoE blocks' batch: always (true), or in the steps auto runs it (EP > 1)
     split = B > 1 and (ov is True or (ov == "auto" and model.dispatcher.communicates))
-    parts = halves(B) if split else None
-    n = graph_attention(model, B, cfg.train.seq_len, halves=tuple(p.stop - p.start for p in parts) if split else None,
-                        overlap_only=ov is True)
+    sizes = tuple(p.stop - p.start for p in halves(B)) if split else None
+    n = graph_attention(model, B, cfg.train.seq_len, halves=sizes, overlap_only=ov is True)
     say(f"train.cuda_graphs: the attention of {n} of {len(model.layers)} blocks replays CUDA graphs"
         + (" (the others recompute it: train.recompute)" if n < len(model.layers) else "")
-        + (f"; the MoE blocks' for the overlap's halves of {parts[0].stop} and {B - parts[0].stop} sequences"
-           if split else ""))
+        + (f"; the MoE blocks' for the overlap's halves of {sizes[0]} and {sizes[1]} sequences" if split else ""))
     return n

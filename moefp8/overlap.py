@@ -592,11 +592,8 @@ class OverlappedBlock(torch.autograd.Function):
                     xi = x[parts[i]].detach().requires_grad_(ctx.needs_input_grad[0])
                     # train.cuda_graphs: this half's graph (evaluation: x, made without autograd, needs no
                     # grad, nor does xi: the eager path)
-                    if replays(block, xi, half=i):
-                        h, m, nf = block.graphed_halves[i][0](xi, cos, sin)
-                    else:
-                        a, h, m = block.attend(xi, cos, sin)
-                        nf = ~torch.isfinite(a.detach()).all()
+                    run = block.graphed_halves[i][0] if replays(block, xi, half=i) else block.attend_checked
+                    h, m, nf = run(xi, cos, sin)
                     m = m.view(-1, H)
                     r = layer.router(m, S)
                 nf_a.append(nf)
