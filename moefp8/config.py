@@ -57,6 +57,10 @@ class ModelConfig:
     route_scale: float = 1.0  # multiplies the picked experts' routing weights (DeepSeek-V3: 2.5)
     bias_update_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step; 0: off
     seq_aux_alpha: float = 1e-4  # sequence-wise balance loss weight (0: off)
+    # benchmarks only: the routers pick experts by random logits (every expert equally likely, the same
+    # compute and bytes), the balanced load of a trained router where a fresh one sends nearly every
+    # token to the same experts (bench/notes/scale.md, session 43). Megatron: moe_router_force_load_balancing
+    force_balanced_routing: bool = False
     rope_theta: float = 10000.0  # RoPE base frequency
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of matrices and experts (wo, w2: also / sqrt(2 n_layers))

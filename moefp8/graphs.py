@@ -23,6 +23,8 @@ in `.grad`) before each such step; the data-parallel gradient buckets already ma
 their own buffers, which autograd adds into.
 """
 
+import gc
+
 import torch
 from torch import Tensor, nn
 
@@ -64,8 +66,18 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     units = capture_plan(blocks, batch, halves, overlap_only)
     sample = tuple((torch.randn(n, seq_len, model.cfg.hidden, device=dev, dtype=torch.bfloat16,
                                 requires_grad=True), cos, sin) for _, _, n in units)
-    graphed = torch.cuda.make_graphed_callables(tuple(_Attend(b) for b, _, _ in units), sample,
-                                                num_warmup_iters=warmup)
+    # No garbage collection during the capture: freeing an earlier model's graphs (cudaGraphExecDestroy)
+    # while a capture is underway invalidates it ("operation failed due to a previous error during
+    # capture"; torch's graph context no longer collects first). Collect now, none until it is done.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        graphed = torch.cuda.make_graphed_callables(tuple(_Attend(b) for b, _, _ in units), sample,
+                                                    num_warmup_iters=warmup)
+    finally:
+        if collecting:
+            gc.enable()
     for (b, which, n), g in zip(units, graphed):
         entry = (g, (n, seq_len, model.cfg.hidden))
         if which is None:

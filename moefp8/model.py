@@ -111,7 +111,8 @@ class Block(nn.Module):
             self.mlp = MoELayer(cfg.hidden, cfg.moe_inter, cfg.n_experts, cfg.topk, cfg.n_shared, recipe, dispatcher,
                                 overlap, gemm, stats, score_func=cfg.score_func, n_groups=cfg.n_groups,
                                 topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
-                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha)
+                                bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha,
+                                force_balance=cfg.force_balanced_routing)
         else:
             self.mlp = MLP(cfg.hidden, cfg.dense_inter, recipe.dense_fp8("dense_mlp"), recipe.scale_fmt, stats,
                            gemm)

@@ -31,7 +31,7 @@ class RouterOutput(NamedTuple):
 class Router(nn.Module):
     def __init__(self, hidden: int, n_experts: int, topk: int, score_func: str = "sigmoid", n_groups: int = 1,
                  topk_groups: int = 1, route_scale: float = 1.0, bias_update_rate: float = 1e-3,
-                 seq_aux_alpha: float = 0.0):
+                 seq_aux_alpha: float = 0.0, force_balance: bool = False):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"router: score_func={score_func!r}, expected 'softmax' or 'sigmoid'")
@@ -47,6 +47,7 @@ class Router(nn.Module):
         self.n_experts, self.topk, self.score_func = n_experts, topk, score_func
         self.n_groups, self.topk_groups, self.route_scale = n_groups, topk_groups, route_scale
         self.bias_update_rate, self.seq_aux_alpha = bias_update_rate, seq_aux_alpha
+        self.force_balance = force_balance  # benchmarks: random logits (model.force_balanced_routing)
         self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
         nn.init.normal_(self.weight, std=hidden**-0.5)
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))  # selection only
@@ -56,6 +57,8 @@ class Router(nn.Module):
         sequence, for the sequence-wise auxiliary loss (default: all T tokens are one sequence)."""
         dt = torch.float64 if x_TH.dtype == torch.float64 else torch.float32
         logits = _Logits.apply(x_TH, self.weight, dt)
+        if self.force_balance:  # standard normal logits in value; the gradient still reaches the router's GEMM
+            logits = logits + (torch.randn_like(logits) - logits).detach()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         idx = select_experts(scores.detach(), self.bias.to(dt), self.topk, self.n_groups, self.topk_groups)
         w = scores.gather(1, idx)
