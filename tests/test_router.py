@@ -82,6 +82,39 @@ def test_gpu_router_does_not_sync_with_the_host():
     assert torch.equal(out.load_E.cpu(), torch.bincount(out.topk_idx_TK.view(-1).cpu(), minlength=64))
 
 
+def test_force_balance_spreads_a_collapsed_router():
+    """model.force_balanced_routing (benchmarks): a fresh router whose tokens all look alike (the
+    residual stream's shared direction at init) sends every token to the same K experts; with random
+    logits each expert gets its share up to sampling noise. The weights are the random logits' scores
+    renormalized, and the gradient still reaches the router's weight (the same backward work)."""
+    T, E, K = 4096, 16, 2
+    torch.manual_seed(0)
+    x = torch.randn(1, 64).expand(T, 64).contiguous()  # every token the same
+    plain, forced = Router(64, E, K), Router(64, E, K, force_balance=True)
+    forced.load_state_dict(plain.state_dict())
+    assert load_stats(plain(x).load_E)["load_max_over_mean"] == E / K  # collapsed: one set of K experts
+    out = forced(x)
+    stats = load_stats(out.load_E)
+    # T*K/E = 512 tokens per expert, binomial sd ~21: max over 16 experts < mean + 5 sd
+    assert stats["load_max_over_mean"] < 1.2 and stats["experts_empty"] == 0, stats
+    w = out.topk_w_TK
+    assert torch.isfinite(w).all() and torch.allclose(w.sum(-1), torch.ones(T))
+    assert not torch.equal(out.topk_idx_TK, forced(x).topk_idx_TK)  # new logits every call
+    x.requires_grad_(True)
+    forced(x).topk_w_TK.pow(2).sum().backward()
+    assert forced.weight.grad is not None and forced.weight.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+
+
+def test_force_balanced_routing_reaches_every_router():
+    from moefp8.config import ModelConfig
+    from moefp8.model import Transformer
+
+    cfg = ModelConfig(n_layers=3, n_dense_layers=1, force_balanced_routing=True)
+    routers = [b.mlp.router for b in Transformer(cfg).layers if b.is_moe]
+    assert len(routers) == 2 and all(r.force_balance for r in routers)
+    assert not any(b.mlp.router.force_balance for b in Transformer(ModelConfig(n_layers=2)).layers if b.is_moe)
+
+
 def test_update_bias_moves_towards_mean_load():
     r = Router(16, 4, 1, bias_update_rate=0.01)
     r.update_bias(torch.tensor([10, 2, 6, 6]))
