@@ -35,6 +35,11 @@ class UserError(ValueError):
         self.quiet = quiet
 
 
+class RankError(UserError):
+    """A UserError of this rank alone (an out-of-memory step): its peers may be waiting inside a
+    collective, so the process group is not ended in order (moefp8.parallel); the launcher stops them."""
+
+
 def first_line(text) -> str:
     """The first non-blank line of str(text) (an exception's message), stripped."""
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "")

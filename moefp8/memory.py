@@ -36,7 +36,7 @@ import sys
 from dataclasses import replace
 
 from moefp8.config import Config
-from moefp8.errors import UserError, report
+from moefp8.errors import RankError, UserError, report
 
 GIB = 1 << 30
 HEADROOM = 0.90  # of a GPU's memory the plan may fill: CUDA context, workspaces, padding, fragmentation
@@ -146,6 +146,25 @@ def fits(cfg: Config, capacity: float, device_name: str = "this GPU", world: int
     raise UserError(f"model.name={cfg.model.name}: {describe(pl)}, more than {HEADROOM:.0%} of the "
                     f"{capacity / GIB:.1f} GiB of {device_name}; " + ", or ".join(hints)
                     + " (the plan is an estimate: train.check_memory=false runs anyway)")
+
+
+def out_of_memory(cfg: Config, world: int, step: int, rank: int, peak: float | None, capacity: float | None,
+                  load_max_over_mean: float | None) -> RankError:
+    """The one line for a CUDA out-of-memory error during training step `step` (1-based) on `rank`:
+    the peak bytes beside the plan and what to change. load_max_over_mean: the MoE layers' expert load
+    at the last logged step (None: none logged); peak / capacity: the device's bytes (None: unknown). Under EP a router that sends most tokens to a few
+    experts (fresh routers do, for the first few hundred steps: bench/notes/scale.md, session 43)
+    hands the rank holding them up to ep_size times the rows the plan counts."""
+    t, ep = cfg.train, cfg.dispatch.ep_size
+    skew = ""
+    if ep > 1 and load_max_over_mean is not None and load_max_over_mean > 2:
+        skew = (f" The experts' load was {load_max_over_mean:.1f}x the mean at the last logged step: the rank holding "
+                f"the busiest experts receives up to {ep}x the tokens the plan counts (a fresh router's early steps).")
+    used = f"peak {peak / GIB:.1f} of {capacity / GIB:.1f} GiB; " if peak is not None and capacity else ""
+    return RankError(f"step {step}, rank {rank}: CUDA out of memory ({used}the plan: {plan(cfg, world)['total'] / GIB:.1f} "
+                     f"GiB).{skew} Lower train.micro_batch="
+                     f"{t.micro_batch} (train.grad_accum keeps the batch), or set train.recompute=[attention]; "
+                     f"the last checkpoint resumes the run")
 
 
 def main(argv=None) -> None:

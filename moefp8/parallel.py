@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from moefp8.config import Config
 from moefp8.dispatch import build_ep_group
-from moefp8.errors import UserError, first_line
+from moefp8.errors import RankError, UserError, first_line
 
 
 def ranks_per_node(cfg: Config, world: int, env=os.environ) -> int:
@@ -95,8 +95,8 @@ class Parallel:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Ends the process group after the run or a UserError (every rank reports and exits); a
-        bug's exception leaves it to the process's exit (a peer may be stuck in a collective)."""
-        if self.world > 1 and (exc is None or isinstance(exc, UserError)):
+        bug's exception or a RankError leaves it to the process's exit (a peer may be stuck in a collective)."""
+        if self.world > 1 and (exc is None or (isinstance(exc, UserError) and not isinstance(exc, RankError))):
             dist.destroy_process_group()
 
     def all_reduce_(self, x: torch.Tensor, group=None) -> torch.Tensor:

@@ -46,6 +46,7 @@ class RunLog:
                                  disable=not (self.t.progress and not console.quiet and console.is_terminal))
         self.task = self.progress.add_task("train", total=self.t.steps, completed=start, info="")
         self.span_steps, self.span_s, self.file = 0, 0.0, None
+        self.last_load = None  # the MoE layers' max/mean expert load at the last logged step
 
     def mfu(self, tokens_per_s: float) -> float | None:
         return self.fpt * tokens_per_s / self.peak if self.peak else None
@@ -68,6 +69,7 @@ class RunLog:
         expert of each MoE layer (on the host), values the step's own figures (loss, lr, ...);
         returns the metrics as written."""
         t, stats = self.t, [load_stats(load_E) for load_E in load_LE]
+        self.last_load = max((s["load_max_over_mean"] for s in stats), default=None)  # (out_of_memory's hint)
         m = {"step": step, **values, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
              "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
              "load_max_over_mean_by_layer": [s["load_max_over_mean"] for s in stats],

@@ -32,7 +32,7 @@ from moefp8.diverge import skip_or_stop
 from moefp8.graphs import prepare_grads
 from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
-from moefp8.memory import fits, plan
+from moefp8.memory import fits, out_of_memory, plan
 from moefp8.model import Transformer, flops_per_token
 from moefp8.optim import AdamW, clip_grad_norm, lr_at
 from moefp8.parallel import Parallel, StepWatchdog, same_file, same_on_every_rank
@@ -94,12 +94,18 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
     peak = peak_flops(cfg, device)
     log = RunLog(cfg, run_dir, console, wb, start, tokens_per_step, flops_per_token(cfg.model, t.seq_len),
                  peak * par.world if peak else None, device)
+    at = [start]  # the step under way (out of memory's line)
     with log, StepWatchdog(par.rank, t.dist_timeout_s, enabled=par.world > 1) as watchdog:
-        return _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start)
+        try:
+            return _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start, at)
+        except torch.cuda.OutOfMemoryError:  # one line, not the allocator's trace from inside a kernel wrapper
+            used = ((torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory)
+                    if device.type == "cuda" else (None, None))
+            raise out_of_memory(cfg, par.world, at[0] + 1, par.rank, *used, log.last_load) from None
 
 
-def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start) -> dict:
-    """The training steps from `start` to train.steps (module docstring)."""
+def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start, at) -> dict:
+    """The training steps from `start` to train.steps (module docstring); at[0]: the step under way."""
     t, o, world, run_dir = cfg.train, cfg.optim, par.world, Path(cfg.train.out_dir)
     sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
     replicated_params = [p for n, p in opt.params.items() if n not in sharded]
@@ -113,6 +119,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     for step in range(start, t.steps):
+        at[0] = step
         t0 = time.perf_counter()
         lr = lr_at(step, o, t.steps)
         sums = torch.zeros(4, device=device)  # [loss, aux loss, signalled, past the time limit]

@@ -149,3 +149,15 @@ def test_graphs_of_both_kinds_count_the_moe_attention_again():
                   replace(cfg, dispatch=replace(cfg.dispatch, overlap="auto"), train=replace(t, cuda_graphs=False)),
                   replace(cfg, dispatch=replace(cfg.dispatch, overlap="auto"), train=replace(t, recompute=["attention"]))):
         assert "graphs" not in plan(other, 2)
+
+
+def test_out_of_memory_line_names_the_routing_skew_under_ep():
+    from moefp8.memory import GIB, out_of_memory
+
+    cfg = load_config(["experiment=v2_lite_ep4"])
+    e = out_of_memory(cfg, 4, 12, 1, 139.7 * GIB, 139.8 * GIB, 10.7)
+    msg = str(e)
+    assert "\n" not in msg and msg.startswith("step 12, rank 1: CUDA out of memory (peak 139.7 of 139.8 GiB; the plan: ")
+    assert "10.7x the mean" in msg and "up to 4x the tokens" in msg and "train.micro_batch=4" in msg
+    assert "x the mean" not in str(out_of_memory(cfg, 4, 12, 1, None, None, 1.1))  # balanced: no such hint
+    assert "x the mean" not in str(out_of_memory(load_config([]), 1, 3, 0, None, None, 8.0))  # EP=1: none either

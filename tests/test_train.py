@@ -366,3 +366,22 @@ def test_gpu_copy_engine_transport_trains_like_nccl(data_dir, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         runs[transport] = [(m["loss"], m["grad_norm"]) for m in metrics(out)]
     assert len(runs["collective"]) == 4 and runs["copy_engine"] == runs["collective"]
+
+
+def test_out_of_memory_is_one_line(data_dir, tmp_path, monkeypatch):
+    """A CUDA out-of-memory error inside a step (here raised by the model's third forward) ends the
+    run with one line naming the step, the plan and what to change, not the allocator's trace."""
+    from moefp8.errors import RankError
+
+    calls, forward = [], Transformer.forward
+
+    def oom_on_third(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 800.00 MiB.")
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(Transformer, "forward", oom_on_third)
+    with pytest.raises(RankError, match=r"^step 3, rank 0: CUDA out of memory \(the plan: \d+\.\d GiB\)\. Lower "
+                                        r"train\.micro_batch=4 .*train\.recompute=\[attention\]"):
+        train(compose_config(base(data_dir, tmp_path / "oom", **{"train.steps": 5})))
