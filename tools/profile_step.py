@@ -19,11 +19,13 @@ memsets) per step; a step whose host time is near its step time waits for Python
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
 dense BF16 / FP8 peak (moefp8.launch.peak_flops). Memory: the CUDA peak of the timed steps
 beside moefp8.memory's plan for the config. Writes a JSON (rows per recipe, the top kernels)
-with --json. Routing: random tokens (one batch, stepped on again and again) through a fresh router
-route less evenly than a trained run, and differently per recipe as the routers drift (the per-expert
-GEMM shapes, the EP ranks' loads and the cuBLAS-loop choices follow); --data gives both recipes the
-same real batches, as training does. The last step's expert load, max over mean per layer, is
-printed and saved beside (`routing`). --host-profile: one more
+with --json. Routing: a fresh router sends nearly every token to the same few experts, random tokens
+or real (--data: the config's real batches, the same for both recipes): the residual stream of an
+untrained model is dominated by the attention's average over the context, which every token shares
+(bench/notes/scale.md, session 43). At EP the rank holding those experts paces the step and may run
+out of memory. A trained router is near balance (max/mean 1.2-1.9 after ~500 steps): time that with
+`model.force_balanced_routing=true` (random router logits, the same compute; the benches of record).
+The last step's expert load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
 step under cProfile, the host's time by function and by file. --vary KEY=V1,V2 --rounds N: an
 interleaved sweep (every other round in reverse order), medians and ratios in the JSON's `summary`. dispatch.overlap=auto runs its trial
 steps first, as training does (moefp8.overlap_auto), then times the schedule it kept (the JSON's
