@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -57,7 +58,8 @@ def override(draw) -> str:
     typ = KEYS[key]
     names = st.lists(st.sampled_from(["wqkv", "wo", "dense_mlp"]) | words, max_size=3)  # list[str] fields
     right = {int: ints, float: floats | ints, bool: st.booleans(), str: words,
-             list[str]: names.map(lambda xs: "[" + ",".join(xs) + "]")}[typ]
+             list[str]: names.map(lambda xs: "[" + ",".join(xs) + "]"),
+             Any: st.sampled_from([False, True, "auto"]) | words}[typ]  # dispatch.overlap: false | true | auto
     value = draw(st.one_of(right, right, ints, floats, st.booleans(), words, texts))
     if kind == "prefixed":
         prefix = draw(st.sampled_from(["+", "++", "~"]))
