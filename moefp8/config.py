@@ -64,6 +64,11 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of matrices and experts (wo, w2: also / sqrt(2 n_layers))
+    # std of the token embeddings' normal init; 0: init_std. At init_std (0.02) an untrained deep model's
+    # routers send nearly every token to the same experts (the attention's shared context average outweighs
+    # each token's embedding); torchtitan draws embeddings from N(0, 1), which routes near balance from
+    # the first step (bench/notes/scale.md, session 43). Its effect on the loss is not measured yet.
+    embed_init_std: float = 0.0
 
 
 # Which linears compute in FP8 and how their scales are stored (moefp8.fp8, moefp8.linear).
@@ -352,7 +357,8 @@ def validate(cfg: Config) -> None:
     if o.grad_clip < 0 or o.weight_decay < 0:
         raise ValueError(f"optim.grad_clip={o.grad_clip}, optim.weight_decay={o.weight_decay}: must be >= 0")
     for key, v, lo, hi in (("model.norm_eps", m.norm_eps, 0, None), ("model.rope_theta", m.rope_theta, 1, None),
-                           ("model.init_std", m.init_std, 0, None), ("model.route_scale", m.route_scale, 0, None),
+                           ("model.init_std", m.init_std, 0, None), ("model.embed_init_std", m.embed_init_std, 0, None),
+                           ("model.route_scale", m.route_scale, 0, None),
                            ("model.bias_update_rate", m.bias_update_rate, 0, None),
                            ("model.seq_aux_alpha", m.seq_aux_alpha, 0, None), ("optim.beta1", o.beta1, 0, 1),
                            ("optim.beta2", o.beta2, 0, 1), ("optim.eps", o.eps, 0, None),

@@ -216,7 +216,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """Normal(0, init_std) for every matrix and expert, the output projections (wo, w2) scaled
-        by 1/sqrt(2 L) (GPT-2); routers Normal(0, 1/sqrt(H)); norms at 1; the routers' biases (the
+        by 1/sqrt(2 L) (GPT-2); the token embeddings Normal(0, embed_init_std or init_std); routers
+        Normal(0, 1/sqrt(H)); norms at 1; the routers' biases (the
         only buffers) at 0. Each tensor (each expert: by its global index) draws from its own
         generator seeded from (seed, name): the weights do not depend on construction order or on
         how the experts are sharded."""
@@ -229,6 +230,8 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
                 continue
             s = self.cfg.hidden ** -0.5 if ".router." in name else std
+            if name == "embed.weight" and self.cfg.embed_init_std:
+                s = self.cfg.embed_init_std
             if name.endswith(("wo.weight", "w2.weight", "w2")):
                 s *= (2 * self.cfg.n_layers) ** -0.5
             if name in experts:  # one generator per global expert

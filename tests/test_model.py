@@ -324,3 +324,28 @@ def test_recompute_config():
                   dispatch=replace(cfg.dispatch, overlap=True, backend="all_to_all", ep_size=2))
     with pytest.raises(ValueError, match=r"not with dispatch.overlap=true"):
         validate(cfg)
+
+
+def test_embed_init_std_and_the_routing_of_an_untrained_model():
+    """model.embed_init_std draws the token embeddings at that std (0: init_std, every other weight
+    unchanged). At the default an untrained 8-layer model routes nearly every token of a 512-token
+    sequence to the same experts in its deep MoE layers (the attention's shared context average
+    outweighs each token's embedding); with N(0, 1) embeddings (torchtitan's init) they spread."""
+    from moefp8.router import load_stats
+
+    cfg = ModelConfig(vocab_size=1024, hidden=256, n_layers=8, n_heads=2, head_dim=128, dense_inter=512, moe_inter=128,
+                      n_experts=32, topk=4, n_dense_layers=1)
+    x = torch.randint(0, 1024, (1, 512), generator=torch.Generator().manual_seed(0))
+    worst = {}
+    for std in (0.0, 1.0):
+        m = Transformer(replace(cfg, embed_init_std=std), Recipe("bf16"), seed=0)
+        if std:
+            assert abs(float(m.embed.weight.std()) - std) < 0.01
+            ref = Transformer(cfg, Recipe("bf16"), seed=0)
+            assert all(torch.equal(p, ref.state_dict()[n]) for n, p in m.state_dict().items() if n != "embed.weight")
+        else:
+            assert abs(float(m.embed.weight.std()) - cfg.init_std) < 1e-3
+        with torch.no_grad():
+            load_LE = m(x, x).load_LE
+        worst[std] = max(load_stats(l)["load_max_over_mean"] for l in load_LE[3:])  # the deeper MoE layers
+    assert worst[0.0] > 4 and worst[1.0] < 2.5, worst  # max possible: E / K = 8
