@@ -152,3 +152,46 @@ def test_data_gives_every_step_a_new_batch_the_same_for_both_recipes(data_dir):
     assert len(b) == len(f) == 3  # warm-up + timed steps, one batch each
     assert all(torch.equal(u[0], v[0]) for u, v in zip(b, f))  # the same tokens for both recipes
     assert not torch.equal(b[0][0], b[1][0])  # and another batch every step
+
+
+def test_kernels_by_kind_from_their_names():
+    """The per-kind breakdown (the JSON's `by_kind` and `kinds`): kernel names as torch.profiler
+    reported them on 4 H200s (session 41's 16B tables) fall in their kind; every row is counted once."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from profile_step import by_kind, kernel_kind, kinds_side_by_side
+
+    want = {
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "all-to-all",
+        "Memcpy PtoP (Device -> Device)": "all-to-all",
+        "_pack_capacity_kernel": "all-to-all",
+        "void deep_ep::intranode::dispatch<8, 768, 6144>(int4*, float*, int*)": "all-to-all",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all-reduce",
+        "_mgrouped_ws_kernel": "gemm", "_kgrouped_ws_kernel": "gemm",
+        "nvjet_sm90_qqsss_128x128_128x6_4x2_h_bz_coopA_algo2_Avec128_Bvec128_TNT": "gemm",
+        "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal": "gemm",
+        "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize64x64x8_stage3_warpsize1x4x1_ffma_aligna4": "gemm",
+        "void cutlass::Kernel2<cutlass_80_simt_sgemm_128x64_8x5_nt_align1>(cutlass_80_simt_sgemm_128x64": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0": "attention",
+        "_rope_kernel": "attention",
+        "_swiglu_bwd_quant_kernel": "fp8 quant + swiglu", "_swiglu_bf16_kernel": "fp8 quant + swiglu",
+        "_dequant_swiglu_quant_colwise_strips_kernel": "fp8 quant + swiglu", "_quant_weight_kernel": "fp8 quant + swiglu",
+        "_requant_colwise_words_kernel": "fp8 quant + swiglu", "_transpose_kernel": "fp8 quant + swiglu",
+        "_permute_kernel": "permute + combine", "_combine_bwd_kernel": "permute + combine",
+        "_adamw_kernel": "optimizer",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16, float": "norm",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>": "norm",
+        "_xent_grad_kernel": "loss",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*": "elementwise + copies",
+        "Memcpy DtoD (Device -> Device)": "elementwise + copies",
+        "aten::mm": "gemm", "aten::copy_": "elementwise + copies",
+        "some_new_kernel": "other",
+    }
+    assert {n: kernel_kind(n) for n in want} == want
+    rows = [{"kernel": n, "ms_per_step": float(i + 1)} for i, n in enumerate(want)]
+    kinds = by_kind(rows)
+    assert sum(kinds.values()) == sum(r["ms_per_step"] for r in rows) and list(kinds.values()) == sorted(kinds.values(), reverse=True)
+    res = [{"recipe": rc, "variant": "", "round": 0, "by_kind": by_kind(rows[:k]), "kernels_ms_per_step": 9.0,
+            "step_ms": 10.0 + k} for rc, k in (("bf16", 30), ("fp8", 20))]
+    table = kinds_side_by_side(res)
+    assert [r["kind"] for r in table][-2:] == ["all kernels", "step"] and table[-1]["fp8"] == 30.0
+    assert all(set(r) == {"variant", "kind", "bf16", "fp8"} for r in table)

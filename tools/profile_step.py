@@ -13,7 +13,9 @@ the kernel table from rank 0.
 
 Every argument that is not an option is a Hydra override for both recipes. The step time is the
 median over --steps steps after --warmup (Triton compiles and tunes in the warm-up); the table
-comes from a torch.profiler trace of --profile-steps further steps. Host-boundness: the host's
+comes from a torch.profiler trace of --profile-steps further steps; its kernels are also summed by
+kind (GEMMs, all-to-all, all-reduce, attention, FP8 quantization + SwiGLU, permute + combine, ...: the
+rows' `by_kind`, and the JSON's `kinds`: every recipe side by side, where a step's milliseconds go). Host-boundness: the host's
 enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
 memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
@@ -37,6 +39,7 @@ import cProfile
 import gc
 import os
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -96,6 +99,38 @@ def step_fn(cfg, model, opt, grads, device, rank: int = 0, loader=None):
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# What each kernel of the table is, by its name (first match wins): where a step's milliseconds go,
+# FP8 beside BF16 (the JSON's `by_kind`). Names as torch.profiler reports them on H100/H200: NCCL's,
+# DeepEP's, cuBLAS (nvjet, cutlass, xmma), cuDNN's attention, moefp8's Triton kernels, ATen's.
+KINDS = (
+    ("all-to-all", r"SendRecv|AllToAll|deep_ep|intranode|notify_dispatch|Memcpy PtoP|_pack_capacity"),
+    ("all-reduce", r"AllReduce|ReduceScatter|AllGather|Broadcast"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|_mgrouped|_kgrouped|wgmma_gemm|aten::mm|aten::addmm|aten::bmm|_scaled_mm|"
+             r"_grouped_mm"),
+    ("attention", r"sdpa|flash|fmha|attention|_rope"),
+    ("fp8 quant + swiglu", r"quant|swiglu|_transpose_kernel"),
+    ("permute + combine", r"permute|_combine|_layout|gather|scatter"),
+    ("optimizer", r"adamw|adam|multi_tensor"),
+    ("norm", r"norm|GammaBeta"),
+    ("loss", r"xent|cross_entropy|log_softmax|nll"),
+    ("elementwise + copies", r"elementwise|Memcpy|Memset|CatArray|copy|fill|aten::"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The KINDS entry a kernel's name falls in, else "other"."""
+    return next((kind for kind, pat in KINDS if re.search(pat, name, re.IGNORECASE)), "other")
+
+
+def by_kind(rows: list[dict]) -> dict[str, float]:
+    """ms per step by kind over every kernel row (not only the printed top), largest first."""
+    out: dict[str, float] = {}
+    for r in rows:
+        k = kernel_kind(r["kernel"])
+        out[k] = out.get(k, 0.0) + r["ms_per_step"]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def host_profile(step, device: torch.device, top: int) -> dict:
@@ -256,7 +291,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -269,6 +304,8 @@ def report(r: dict) -> None:
           f"{r['kernels_ms_per_step']:.1f} ms/step, host enqueue {r['host_ms']:.1f} ms/step{ops}{mem}; routing: "
           f"max/mean expert load {r['routing']['load_max_over_mean']:.2f} (layer mean), "
           f"{r['routing']['experts_empty']} empty experts")
+    if r.get("by_kind"):
+        print("  by kind, ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind"].items()))
     if r["top"]:
         print(f"  {'ms/step':>8} {'calls':>6}  kernel")
     for k in r["top"]:
@@ -306,9 +343,40 @@ def summarize(res: list[dict]) -> list[dict]:
     return out
 
 
+def kinds_side_by_side(res: list[dict]) -> list[dict]:
+    """Per variant, from its profiled (first-round) rows: each kind's ms per step for every recipe,
+    and the step time beside (a kernel on a side stream overlaps others: the kinds may sum past it)."""
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in res):
+        rows = {r["recipe"]: r for r in res if r["variant"] == variant and r["round"] == 0 and r.get("by_kind")}
+        if not rows:
+            continue
+        kinds = list(dict.fromkeys(k for r in rows.values() for k in r["by_kind"]))
+        for k in [*kinds, "all kernels", "step"]:
+            row = {"variant": variant, "kind": k}
+            for recipe, r in rows.items():
+                row[recipe] = (r["by_kind"].get(k, 0.0) if k in kinds else
+                               r["kernels_ms_per_step"] if k == "all kernels" else r["step_ms"])
+            out.append(row)
+    return out
+
+
+def print_kinds(table: list[dict]) -> None:
+    if not table:
+        return
+    recipes = [k for k in table[0] if k not in ("variant", "kind")]
+    delta = recipes[:2] == ["bf16", "fp8"]
+    for variant in dict.fromkeys(r["variant"] for r in table):
+        print(f"\nwhere a step's ms go{variant and ' (' + variant + ')'}: " + " / ".join(recipes)
+              + (" (bf16 - fp8)" if delta else ""))
+        for r in (r for r in table if r["variant"] == variant):
+            cells = " / ".join(f"{r[x]:7.1f}" for x in recipes)
+            print(f"  {r['kind']:<22} {cells}" + (f"  ({r['bf16'] - r['fp8']:+7.1f})" if delta else ""))
+
+
 def save(path: str, res: list[dict], overrides: list[str], complete: bool) -> None:
     save_results("profile_step", res, {r["recipe"]: r["peak_tflops"] for r in res}, path=Path(path),
-                 overrides=overrides, summary=summarize(res), complete=complete)
+                 overrides=overrides, summary=summarize(res), kinds=kinds_side_by_side(res), complete=complete)
 
 
 def main() -> None:
@@ -354,6 +422,7 @@ def main() -> None:
           f"{n['active'] / 1e6:.1f}M active")
     for r in res:
         report(r)
+    print_kinds(kinds_side_by_side(res))
     print()
     for row in summarize(res):
         ratios = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("over_"))
