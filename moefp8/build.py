@@ -31,7 +31,7 @@ def open_data(cfg: Config, par: Parallel, say=print) -> Loader:
     loader over it. UserError (one line) for what the user can fix."""
     t, d = cfg.train, cfg.data
     par.on_main(lambda: ensure(d.path, d.prepare_from, d.glob, d.max_bytes, say, tokenizer=d.tokenizer,
-                               check=d.verify))
+                               check=d.verify), slow=True)  # preparing (and verifying) a corpus takes minutes
     same_file(d.path, f"data.path={d.path}", "prepare it on every node (the same command and sources give the "
               "same shards) or put it on a filesystem every node mounts", par.rank, par.world, folder_data_id)
     try:

@@ -24,6 +24,8 @@ from moefp8.config import Config
 from moefp8.dispatch import build_ep_group
 from moefp8.errors import RankError, UserError, first_line
 
+SLOW_WAIT_S = 24 * 3600  # how long the other ranks wait for rank 0's `on_main(..., slow=True)` job
+
 
 def ranks_per_node(cfg: Config, world: int, env=os.environ) -> int:
     """Ranks per node: dispatch.ranks_per_node, else torchrun's LOCAL_WORLD_SIZE, else all of them."""
@@ -89,6 +91,10 @@ class Parallel:
             g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout)
             if r == self.ep_rank:
                 self.expert_dp_group = g
+        # rank 0's long jobs before training (data preparation at first use: minutes, more for a large
+        # corpus) are waited for on a CPU group without a practical time limit: on the world's group the
+        # waiting ranks' broadcast would end the run at train.dist_timeout_s (NCCL's watchdog)
+        self.slow_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=SLOW_WAIT_S))
 
     def __enter__(self) -> "Parallel":
         return self
@@ -104,11 +110,12 @@ class Parallel:
             dist.all_reduce(x, group=group)
         return x
 
-    def on_main(self, fn):
+    def on_main(self, fn, slow: bool = False):
         """fn() on rank 0 alone; its result there (None on the other ranks). Whatever it raises is
         raised on every rank: its UserError as it is on rank 0 and as a quiet copy (the same
         message, not printed again) on the others, so that each rank exits with one report. Other
-        exceptions (bugs) are raised on rank 0 with their traceback, quietly elsewhere."""
+        exceptions (bugs) are raised on rank 0 with their traceback, quietly elsewhere. slow: fn may
+        take longer than train.dist_timeout_s (data preparation): the others wait up to SLOW_WAIT_S."""
         out, err = None, None
         if self.rank == 0:
             try:
@@ -118,7 +125,7 @@ class Parallel:
         if self.world > 1:
             box = [None if err is None else (str(err) if isinstance(err, UserError)
                                              else f"rank 0 failed: {type(err).__name__}: {first_line(err)}")]
-            dist.broadcast_object_list(box)
+            dist.broadcast_object_list(box, group=self.slow_group if slow else None)
             if box[0] is not None and self.rank != 0:
                 raise UserError(box[0], quiet=True)
         if err is not None:
