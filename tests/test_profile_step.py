@@ -195,3 +195,26 @@ def test_kernels_by_kind_from_their_names():
     table = kinds_side_by_side(res)
     assert [r["kind"] for r in table][-2:] == ["all kernels", "step"] and table[-1]["fp8"] == 30.0
     assert all(set(r) == {"variant", "kind", "bf16", "fp8"} for r in table)
+
+
+def test_host_profile_counts_the_waits_at_syncs():
+    """--host-profile splits the step's host time into its waits at syncs (the self time of `.tolist()`,
+    `.item()`, synchronizations: on a GPU the host blocks there) and the host's own work."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from profile_step import SYNCS, host_profile
+
+    x = torch.randn(3000, 1000)
+
+    def step():
+        x.tolist()  # ~100 ms of C time, as a blocking read-back would take
+        sum(i * i for i in range(200_000))  # the host's own Python work
+
+    h = host_profile(step, torch.device("cpu"), top=5)
+    assert 0 < h["sync_wait_ms"] < h["host_ms"] and abs(h["host_busy_ms"] + h["sync_wait_ms"] - h["host_ms"]) < 1e-6
+    assert h["sync_wait_ms"] > 0.3 * h["host_ms"]
+    names = ["<method 'tolist' of 'torch._C.TensorBase' objects>", "<method 'item' of 'torch._C.TensorBase' objects>",
+             "<built-in method _cuda_synchronize>", "<built-in method torch._C._cuda_synchronize>",
+             "<method 'synchronize' of 'torch._C._CudaEventBase' objects>"]
+    assert all(SYNCS.search(n) for n in names)
+    assert not any(SYNCS.search(n) for n in ["<method 'add_' of 'torch._C.TensorBase' objects>", "<built-in method cat>",
+                                             "<method 'itemsize' of 'x' objects>", "<built-in method cpu_count>"])

@@ -28,7 +28,9 @@ untrained model is dominated by the attention's average over the context, which 
 out of memory. A trained router is near balance (max/mean 1.2-1.9 after ~500 steps): time that with
 `model.force_balanced_routing=true` (random router logits, the same compute; the benches of record).
 The last step's expert load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
-step under cProfile, the host's time by function and by file. --vary KEY=V1,V2 --rounds N: an
+step under cProfile, the host's time by function and by file, and how much of it the host spent
+waiting for the GPU at syncs (`sync_wait_ms`; the rest, `host_busy_ms`, is its own work: a host
+that paces the step is busy, not waiting). --vary KEY=V1,V2 --rounds N: an
 interleaved sweep (every other round in reverse order), medians and ratios in the JSON's `summary`. dispatch.overlap=auto runs its trial
 steps first, as training does (moefp8.overlap_auto), then times the schedule it kept (the JSON's
 `overlap_auto`: the choice and both medians): `--vary dispatch.overlap=false,true,auto`.
@@ -133,6 +135,10 @@ def by_kind(rows: list[dict]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+SYNCS = re.compile(r"(?:method '|built-in method (?:torch\._C\.)?)(tolist|item|cpu|_cuda_synchronize|synchronize|"
+                   r"_local_scalar_dense)\b")  # cProfile's names of C functions
+
+
 def host_profile(step, device: torch.device, top: int) -> dict:
     """One step under cProfile: where the host's time goes, by function (self time) and by source
     file; the step's host time under the profiler beside (cProfile slows Python, not the GPU). On
@@ -152,7 +158,10 @@ def host_profile(step, device: torch.device, top: int) -> dict:
         key = name if file == "~" else "/".join(Path(file).parts[-2:])  # "~": builtins and C functions
         by_file[key] = by_file.get(key, 0.0) + tt
     fns = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {"host_ms": host * 1e3,
+    # the host's waits for the GPU: the self time of the calls that block on it (the MoE layers' count
+    # read-backs, `.item()`, synchronizations); the rest of the step's host time is the host's own work
+    wait = sum(tt for (file, _, name), (_, _, tt, _, _) in stats.items() if file == "~" and SYNCS.search(name))
+    return {"host_ms": host * 1e3, "sync_wait_ms": wait * 1e3, "host_busy_ms": (host - wait) * 1e3,
             "functions": [{"function": f"{'/'.join(Path(f).parts[-2:])}:{line} {name}", "self_ms": tt * 1e3,
                            "cum_ms": ct * 1e3, "calls": nc} for (f, line, name), (_, nc, tt, ct, _) in fns],
             "files": [{"file": k, "self_ms": v * 1e3} for k, v in sorted(by_file.items(), key=lambda kv: -kv[1])[:top]]}
@@ -312,7 +321,8 @@ def report(r: dict) -> None:
         print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kernel']}")
     if r["host_top"]:
         h = r["host_top"]
-        print(f"  host, one step under cProfile: {h['host_ms']:.1f} ms; by file (self ms): "
+        print(f"  host, one step under cProfile: {h['host_ms']:.1f} ms, of which waiting for the GPU at syncs "
+              f"{h['sync_wait_ms']:.1f} ms (busy {h['host_busy_ms']:.1f}); by file (self ms): "
               + ", ".join(f"{f['file']} {f['self_ms']:.1f}" for f in h["files"][:12]))
         print(f"  {'self ms':>8} {'cum ms':>8} {'calls':>6}  function")
         for f in h["functions"]:
