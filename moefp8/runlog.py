@@ -104,6 +104,9 @@ def describe_run(cfg: Config, par: Parallel, device: torch.device, loader: Loade
     say(f"model {cfg.model.name}: {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active; recipe "
         f"{cfg.recipe.recipe}{impls}; {device} x {par.world} (EP {par.ep_size}); {tokens_per_step} tokens/step; "
         f"run dir {Path(t.out_dir)}")
+    if cfg.model.force_balanced_routing:
+        say("model.force_balanced_routing=true: the routers pick experts at random (a benchmark's balanced load); "
+            "the model does not learn to route, so its loss is not a trained MoE's")
     if par.node_groups is not None:
         say(f"dispatch: hierarchical, {par.ep_size // par.ranks_per_node} nodes x {par.ranks_per_node} ranks per EP "
             f"group")

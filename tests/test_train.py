@@ -385,3 +385,11 @@ def test_out_of_memory_is_one_line(data_dir, tmp_path, monkeypatch):
     with pytest.raises(RankError, match=r"^step 3, rank 0: CUDA out of memory \(the plan: \d+\.\d GiB\)\. Lower "
                                         r"train\.micro_batch=4 .*train\.recompute=\[attention\]"):
         train(compose_config(base(data_dir, tmp_path / "oom", **{"train.steps": 5})))
+
+
+def test_force_balanced_routing_is_said_at_start(data_dir, tmp_path, capsys):
+    """A benchmark switch left on in a training run: said at the start, the routers' loads balanced."""
+    train(compose_config(base(data_dir, tmp_path / "fb", **{"train.steps": 2, "model.force_balanced_routing": "true"})))
+    assert "model.force_balanced_routing=true: the routers pick experts at random" in capsys.readouterr().out
+    train(compose_config(base(data_dir, tmp_path / "plain", **{"train.steps": 2})))
+    assert "pick experts at random" not in capsys.readouterr().out
