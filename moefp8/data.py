@@ -237,6 +237,21 @@ def _write_shards(files: list[Path], dest: Path, max_bytes: int, shard_tokens: i
     return shards, n_files, total
 
 
+def _prepared_meanwhile(out: Path, old_files: list[str], src: str, glob: str, max_bytes: int,
+                        tokenizer: str) -> dict | None:
+    """The index another process wrote into `out` while this one prepared the same data (two runs
+    started at once on one data.path): the same settings, so theirs serves; DataError where they
+    differ; None where `out` holds no index (not that race: something else is there)."""
+    if old_files or not (out / "index.json").is_file():
+        return None
+    theirs = read_index(str(out))
+    if not (_same_source(theirs, src, glob, max_bytes) and _same_tokenizer(theirs, tokenizer)):
+        raise DataError(f"data.path={out}: another process prepared it from other settings "
+                        f"({_settings(theirs.get('src'), theirs.get('glob'), theirs.get('max_bytes'))}, "
+                        f"{tokenizers.describe(theirs)}) while this one prepared it; pick another data.path")
+    return theirs
+
+
 def _swap(new: Path, out: Path, old_files: list[str]) -> None:
     """Renames the folder `new` to `out` (absent, empty, or an earlier output whose files are
     old_files: renamed aside first, then only those files and the folder removed)."""
@@ -302,7 +317,14 @@ def prepare(src: str, out: str, glob: str = "*.py", max_bytes: int = 32_000_000,
                  "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "shards": shards}
         (tmp / "index.json").write_text(json.dumps(index, indent=1))
         os.chmod(tmp, mode)  # mkdtemp's is 0o700
-        _swap(tmp, out_dir, old_files)
+        try:
+            _swap(tmp, out_dir, old_files)
+        except OSError:  # out_dir is no longer absent or empty: did another process prepare it meanwhile?
+            theirs = _prepared_meanwhile(out_dir, old_files, src, glob, max_bytes, tokenizer)
+            if theirs is None:
+                raise
+            shutil.rmtree(tmp)
+            return theirs
     except BaseException:
         if tmp.exists():  # made above: ours to remove
             shutil.rmtree(tmp)

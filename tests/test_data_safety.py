@@ -177,6 +177,32 @@ def test_failed_prepare_keeps_the_earlier_output(texts, tmp_path, monkeypatch):
     assert len(calls) == 2 and snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("theirs_max_bytes", [10_000_000, 1000])
+def test_two_processes_prepare_one_folder_at_once(texts, tmp_path, monkeypatch, theirs_max_bytes):
+    """Two runs started at once on one data.path both prepare it: the one that renames second finds
+    the first's output in place. The same settings: it keeps theirs (its own build removed, nothing
+    else touched); other settings: one line naming data.path (theirs kept). Before, an OSError trace."""
+    out, real_swap, raced = tmp_path / "data", data_mod._swap, []
+
+    def other_finishes_first(new, out_, old):
+        if not raced:  # the other process's whole prepare lands between this one's build and its rename
+            raced.append(None)
+            raced[0] = prepare(str(texts), str(out_), glob="*.txt", max_bytes=theirs_max_bytes)
+        real_swap(new, out_, old)
+
+    monkeypatch.setattr(data_mod, "_swap", other_finishes_first)
+    if theirs_max_bytes == 1000:
+        with pytest.raises(DataError) as e:
+            prepare(str(texts), str(out), glob="*.txt", max_bytes=10_000_000)
+        refusal(e, f"data.path={out}", "another process prepared it from other settings", "max_bytes")
+    else:
+        idx = prepare(str(texts), str(out), glob="*.txt", max_bytes=10_000_000)
+        assert idx == read_index(str(out)) == raced[0]
+        assert tokens_of(out) == user_bytes(texts)
+    assert read_index(str(out)) == raced[0]  # theirs, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "texts"]  # no build folder left behind
+
+
 def test_output_inside_the_source_is_not_read(texts, tmp_path):
     """out inside a source folder: its shards, index and temporary folders are not read as text."""
     out = texts / "prepared"
