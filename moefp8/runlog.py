@@ -69,11 +69,11 @@ class RunLog:
         expert of each MoE layer (on the host), values the step's own figures (loss, lr, ...);
         returns the metrics as written."""
         t, stats = self.t, [load_stats(load_E) for load_E in load_LE]
-        self.last_load = max((s["load_max_over_mean"] for s in stats), default=None)  # (out_of_memory's hint)
         m = {"step": step, **values, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
              "load_max_over_mean": max((s["load_max_over_mean"] for s in stats), default=0.0),
              "load_max_over_mean_by_layer": [s["load_max_over_mean"] for s in stats],
              "experts_empty": sum(s["experts_empty"] for s in stats), **memory_mb(self.device)}
+        self.last_load = m["load_max_over_mean"]  # (out_of_memory's hint)
         if self.peak:
             m["mfu"] = self.mfu(m["tokens_per_s"])
         printed = step % t.log_every == 0 or step == t.steps or step == self.start + 1
