@@ -61,6 +61,13 @@ def test_capture_plan_and_the_halves_replay_check():
     assert not replays(e1, xa, half=0)
 
 
+def _failure(stderr: str) -> str:
+    """A failed run's stderr for the assertion: its first error lines (a rank's own report, before the
+    launcher's summary pushes it out of a plain tail) and its end."""
+    first = [line for line in stderr.splitlines() if "Error" in line or "error" in line][:12]
+    return "\n".join(first) + "\n...\n" + stderr[-2000:]
+
+
 def _tokens(B, S, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, CFG.vocab_size, (B, S + 1), generator=g).cuda()
@@ -188,7 +195,7 @@ def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_pa
                             f"data.path={data_dir}", "data.max_bytes=2000000", f"train.out_dir={out}",
                             f"train.cuda_graphs={graphs}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0, _failure(r.stderr)
         said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs" + (
             "; the MoE blocks' for the overlap's halves of 2 and 2 sequences" if overlap == "true" else "\n")
         assert (said in r.stdout) == (graphs == "true"), r.stdout[-2000:]
