@@ -82,12 +82,23 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                              recompute=tuple(t.recompute), loss_chunk=t.loss_chunk)
 
 
+def _sharded(par: Parallel | None, model: Transformer) -> set:
+    return set(model.routed_expert_names()) if par is not None and par.ep_size > 1 else set()
+
+
+def norm_split(par: Parallel | None, model: Transformer, opt: AdamW) -> tuple[list, list]:
+    """(replicated, sharded) parameters as `optim.grad_norm` takes them: the routed experts are
+    sharded over the EP group (with EP > 1), the rest is replicated."""
+    sharded = _sharded(par, model)
+    return ([p for n, p in opt.params.items() if n not in sharded], [p for n, p in opt.params.items() if n in sharded])
+
+
 def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: AdamW) -> GradBuckets | None:
     """The data-parallel gradient buckets (moefp8.grad_sync): replicated parameters summed over all
     ranks, the routed experts over their expert-data-parallel group; None on one process."""
     if par is None or par.world == 1:
         return None
-    sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
+    sharded = _sharded(par, model)
     return GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
                        cfg.train.grad_bucket_mb, overlap=not cfg.train.deterministic)
 

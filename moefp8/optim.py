@@ -1,5 +1,5 @@
 """AdamW on FP32 master weights with BF16 (default) or FP32 moments, the LR schedule and grad
-clipping (docs/design.md §1: Adam moments BF16 by default, FP32 optional).
+clipping (applied by the update itself, `clip_scale`) (docs/design.md §1: Adam moments BF16 by default, FP32 optional).
 
 Hand-written because torch.optim.AdamW keeps its moments in the parameters' dtype (fp32 here).
 The moments are stored in `moment_dtype`; each update reads them in fp32, updates in fp32 and
@@ -38,7 +38,10 @@ class AdamW:
         self.impl = None  # the update's implementation: None (by device), "triton" or "ref"
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: Tensor | None = None) -> None:
+        """One update of every parameter that has a gradient. grad_scale: a float32 scalar tensor the
+        gradients are multiplied by as the update reads them (`clip_scale`: the mean over ranks and
+        the clipping, no pass of their own); None: the gradients as they are."""
         c = self.cfg
         self.step_count += 1
         bc1, bc2 = 1 - c.beta1 ** self.step_count, 1 - c.beta2 ** self.step_count
@@ -47,7 +50,7 @@ class AdamW:
                 continue
             adamw_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], lr=lr, beta1=c.beta1, beta2=c.beta2,
                         eps=c.eps, weight_decay=c.weight_decay if decays(n, p) else 0.0, bc1=bc1, bc2=bc2,
-                        impl=self.impl)
+                        grad_scale=grad_scale, impl=self.impl)
 
     def zero_grad(self) -> None:
         for p in self.params.values():
@@ -80,15 +83,17 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def clip_grad_norm(params, max_norm: float, sharded=(), group=None) -> Tensor:
-    """Global L2 norm of all gradients (fp32 scalar tensor), scaled down to max_norm when larger
-    (max_norm 0: measured, not clipped). `params` are replicated on every rank (counted once);
-    `sharded` hold a different slice on each rank of `group` (the routed experts over the EP
-    group): their squared norms are summed over the group. A non-finite norm leaves the gradients
-    as they are."""
-    def sq(ps):
-        gs = [p.grad.float() for p in ps if p.grad is not None]
-        return sum((torch.linalg.vector_norm(g) ** 2 for g in gs), torch.zeros((), device=gs[0].device)) if gs else 0.0
+def grad_norm(params, sharded=(), group=None, scale: float = 1.0) -> Tensor:
+    """Global L2 norm of scale x all gradients (fp32 scalar tensor; the gradients are not changed).
+    `params` are replicated on every rank (counted once); `sharded` hold a different slice on each
+    rank of `group` (the routed experts over the EP group): their squared norms are summed over the
+    group. scale: 1 / world where the gradients hold sums over the ranks (moefp8.grad_sync)."""
+    params, sharded = list(params), list(sharded)
+    dev = (params + sharded)[0].device if params or sharded else None
+
+    def sq(ps):  # torch's multi-tensor norm: one kernel for all of them, not three per gradient
+        gs = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in ps if p.grad is not None]
+        return torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=dev)
 
     total = sq(params)
     if sharded:
@@ -96,10 +101,17 @@ def clip_grad_norm(params, max_norm: float, sharded=(), group=None) -> Tensor:
         if group is not None:
             torch.distributed.all_reduce(shard_sq, group=group)
         total = total + shard_sq
-    norm = torch.sqrt(total)
-    grads = [p.grad for p in (*params, *sharded) if p.grad is not None]
+    return torch.sqrt(total) * scale
+
+
+def clip_scale(norm: Tensor, max_norm: float, scale: float = 1.0) -> Tensor:
+    """What `AdamW.step` multiplies the gradients by (grad_scale): scale, times max_norm / norm
+    where the norm (of the scaled gradients, `grad_norm`) exceeds max_norm (0: no clipping). A
+    non-finite norm leaves scale alone."""
+    s = torch.full_like(norm, scale)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-        torch._foreach_mul_(grads, coef)
-    return norm
+        s = torch.where(torch.isfinite(norm), coef * scale, s)
+    return s
+
+

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from moefp8 import checkpoint, cli
-from moefp8.build import build_model, cuda_graphs, grad_buckets, open_data, overlap_auto
+from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, open_data, overlap_auto
 from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
@@ -34,7 +34,7 @@ from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, out_of_memory, plan
 from moefp8.model import Transformer, flops_per_token
-from moefp8.optim import AdamW, clip_grad_norm, lr_at
+from moefp8.optim import AdamW, clip_scale, grad_norm, lr_at
 from moefp8.parallel import Parallel, StepWatchdog, same_file, same_on_every_rank
 from moefp8.rundir import LOCK, take
 from moefp8.runlog import RunLog, describe_run, record_start, start_wandb
@@ -107,9 +107,7 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
 def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start, at) -> dict:
     """The training steps from `start` to train.steps (module docstring); at[0]: the step under way."""
     t, o, world, run_dir = cfg.train, cfg.optim, par.world, Path(cfg.train.out_dir)
-    sharded = set(model.routed_expert_names()) if par.ep_size > 1 else set()
-    replicated_params = [p for n, p in opt.params.items() if n not in sharded]
-    sharded_params = [p for n, p in opt.params.items() if n in sharded]
+    replicated_params, sharded_params = norm_split(par, model, opt)
     grads = grad_buckets(cfg, par, model, opt)  # the mean gradient over the ranks, reduced during the last backward
     zero_grad = grads.zero_grad if grads else opt.zero_grad
     auto = overlap_auto(cfg, par, model, console.print)  # dispatch.overlap=auto: times both schedules first
@@ -149,7 +147,10 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             par.all_reduce_(sums)
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
         model.scale_stats.on = False
-        gnorm = clip_grad_norm(replicated_params, o.grad_clip, sharded_params, par.ep_group)
+        # the gradients hold sums over the ranks (grads.grad_scale: 1 / world makes them the mean); the norm is
+        # the mean's, and the update applies the mean and the clipping as it reads them (clip_scale)
+        mean = grads.grad_scale if grads else 1.0
+        gnorm = grad_norm(replicated_params, sharded_params, par.ep_group, mean)
         # the expert loads ride on the same sync (a pinned copy queued before it): per-layer statistics
         # read on the host, not five device syncs per MoE layer
         load_host = load_LE.to("cpu", non_blocking=True) if load_LE.is_cuda else load_LE
@@ -169,7 +170,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
                 return {"step": step + 1, **({"stopped": stopping} if stopping else {})}
             continue
         skipped = 0
-        opt.step(lr)
+        opt.step(lr, grad_scale=clip_scale(gnorm, o.grad_clip, mean))
         zero_grad()
         for router, load_E in zip(model.routers(), load_LE):  # the step's summed load per layer
             router.update_bias(load_E)

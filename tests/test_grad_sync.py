@@ -1,5 +1,6 @@
 """moefp8/grad_sync.py: bucketed gradient all-reduce during the backward, on 2 gloo ranks: the same
-gradients as one all-reduce per tensor after the backward (bit for bit at 2 ranks), with gradient
+gradients (sums over the ranks; `grad_scale` makes them the mean) as one all-reduce per tensor after
+the backward (bit for bit at 2 ranks), with gradient
 accumulation, expert groups, parameters without a gradient, and buckets that start before the
 backward ends."""
 
@@ -47,12 +48,11 @@ def _check(rank, world, dev):
     def group_of(n):
         return solo[rank] if ".mlp.w" in n else None
 
-    def per_tensor(params):  # the loop's former reduction: one blocking all-reduce per tensor
+    def per_tensor(params):  # the loop's former reduction: one blocking all-reduce per tensor (sums)
         for n, p in params.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group_of(n))
-            p.grad.div_(world)
 
     for accum in (1, 2):
         for n, p in named.items():
@@ -60,6 +60,7 @@ def _check(rank, world, dev):
         want, _ = _grads_after(model, named, accum, rank, per_tensor, dev)
         for mb, overlap in ((0.01, True), (25, True), (0.01, False)):  # many small buckets; a few large ones
             grads = GradBuckets(named, group_of, world, bucket_mb=mb, overlap=overlap)
+            assert grads.grad_scale == 1 / world  # the buckets hold sums; the optimizer applies the mean
             for step in range(2):  # and again after zero_grad: the views stay the gradients
                 grads.zero_grad()
                 got, started = _grads_after(model, named, accum, rank, grads, dev)

@@ -50,10 +50,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moefp8.build import build_model, cuda_graphs, grad_buckets, open_data, overlap_auto  # noqa: E402
+from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, open_data, overlap_auto  # noqa: E402
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
-from moefp8.optim import AdamW  # noqa: E402
+from moefp8.optim import AdamW, clip_scale, grad_norm  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
 from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 from moefp8.memory import plan  # noqa: E402
@@ -71,12 +71,14 @@ def build(cfg, device: torch.device, par: Parallel | None, say=print):
     return model, opt, grad_buckets(cfg, par, model, opt)
 
 
-def step_fn(cfg, model, opt, grads, device, rank: int = 0, loader=None):
+def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
     """One training step as a function. loader: the data's (`--data`: a new batch of real tokens
     every step, read as the training loop reads them); None: one batch of random tokens, the same
     every step."""
     t = cfg.train
-    gen = torch.Generator(device="cpu").manual_seed(t.seed + rank)  # every rank its own tokens
+    gen = torch.Generator(device="cpu").manual_seed(t.seed + (par.rank if par else 0))  # every rank its own tokens
+    replicated, sharded = norm_split(par, model, opt)
+    ep_group = par.ep_group if par else None
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen).to(device)
     fixed = (x[:, :-1], x[:, 1:])
 
@@ -91,7 +93,10 @@ def step_fn(cfg, model, opt, grads, device, rank: int = 0, loader=None):
         if grads is not None:
             grads.finish()
             torch.distributed.all_reduce(load_LE)
-        opt.step(cfg.optim.lr)
+        # the training loop's update: the mean over ranks and the clipping ride on the optimizer's read
+        mean = grads.grad_scale if grads is not None else 1.0
+        norm = grad_norm(replicated, sharded, ep_group, mean)
+        opt.step(cfg.optim.lr, grad_scale=clip_scale(norm, cfg.optim.grad_clip, mean))
         grads.zero_grad() if grads is not None else opt.zero_grad()
         for router, load_E in zip(model.routers(), load_LE):
             router.update_bias(load_E)
@@ -229,7 +234,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     say = print if par is None or par.rank == 0 else lambda s: None  # rank 0 tells what the build decided
     model, opt, grads = build(cfg, device, par, say)
     loader = open_data(cfg, par or Parallel(cfg, device), say) if args.data else None
-    step = step_fn(cfg, model, opt, grads, device, par.rank if par else 0, loader)
+    step = step_fn(cfg, model, opt, grads, device, par, loader)
     auto = overlap_auto(cfg, par, model, say)
     while auto is not None and auto.choice is None:  # dispatch.overlap=auto: its trial steps, as in training
         t0 = time.perf_counter()

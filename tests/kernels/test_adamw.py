@@ -63,13 +63,14 @@ def check_moment(got, want, tol, what):
     assert_close(got, want, tol, what)
 
 
-def step(impl, state, hp, weight_decay):
+def step(impl, state, hp, weight_decay, **kw):
     """The update on copies, each the front of a buffer one element longer: the element past the
-    end (the masked tail's neighbour) must stay untouched."""
+    end (the masked tail's neighbour) must stay untouched, and so must the gradient."""
     bufs = [torch.cat([t, torch.full((1,), 7.0, dtype=t.dtype, device=t.device)]) for t in state]
     p, g, m, v = (b[:-1] for b in bufs)
-    A.adamw_step_(p, g, m, v, weight_decay=weight_decay, impl=impl, **hp)
+    A.adamw_step_(p, g, m, v, weight_decay=weight_decay, impl=impl, **hp, **kw)
     assert all(b[-1] == 7 for b in bufs)
+    assert torch.equal(g, state[1])
     return p, m, v
 
 
@@ -118,6 +119,29 @@ def test_gpu_vs_ref(n, moment_dtype):
             assert (got[i] != want[i]).float().mean() < 1e-3, what
 
 
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interp),
+                                  pytest.param(None, marks=pytest.mark.gpu)])
+def test_grad_scale_updates_as_the_scaled_gradient(impl):
+    """grad_scale (the mean over ranks times the clipping, moefp8.optim.clip_scale) multiplies the
+    gradient as the update reads it: the update of g * grad_scale (the reference's bit for bit, the
+    kernel's within the tolerances), g itself unchanged. 0.3 is not a power of two: a kernel that
+    ignored the scale, or applied it twice, fails."""
+    dev = "cpu" if impl is not None else "cuda"
+    state = make_state(3 * A.BLOCK + 5, torch.bfloat16, seed=5, device=dev)
+    gs = torch.tensor(0.3, device=dev)
+    hp = HPS[0]
+    scaled = (state[0], state[1] * gs, state[2], state[3])
+    got, want = step(impl, state, hp, 0.1, grad_scale=gs), step("ref", scaled, hp, 0.1)
+    if impl == "ref":
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    (_, tol_p), (_, tol_m), (_, tol_v) = exact(*scaled, hp, 0.1)
+    assert_close(got[0], want[0], tol_p, "p")
+    check_moment(got[1], want[1], tol_m, "m")
+    check_moment(got[2], want[2], tol_v, "v")
+    unscaled = step("ref", state, hp, 0.1)
+    assert not torch.equal(unscaled[0], got[0])
+
+
 @pytest.mark.interp
 @pytest.mark.parametrize("moment", ["bf16", "fp32"])
 def test_optimizer_triton_vs_ref(moment):
@@ -162,3 +186,7 @@ def test_errors():
         A.adamw_step_(p, g, m, v.float(), **hp)
     with pytest.raises(TypeError, match="expected p float32"):
         A.adamw_step_(p.bfloat16(), g, m, v, **hp)
+    with pytest.raises(ValueError, match="grad_scale must be one float32 value"):
+        A.adamw_step_(p, g, m, v, grad_scale=torch.ones(2), **hp)
+    with pytest.raises(ValueError, match="grad_scale must be one float32 value"):
+        A.adamw_step_(p, g, m, v, grad_scale=torch.tensor(1.0, dtype=torch.float64), **hp)
