@@ -109,9 +109,10 @@ class GradBuckets:
         return 1.0 / self.world
 
     def zero_grad(self) -> None:
-        """Zeros the buffers; every p.grad stays its view (AdamW.zero_grad's None would detach it)."""
+        """Zeros the buffers (one multi-tensor launch, not one per bucket); every p.grad stays its view
+        (AdamW.zero_grad's None would detach it)."""
+        torch._foreach_zero_([b.buffer for b in self.buckets])
         for b in self.buckets:
-            b.buffer.zero_()
             for (_, p), v in zip(b.params, b.views):
                 if p.grad is None or p.grad.data_ptr() != v.data_ptr():  # replaced (None, another tensor)
                     p.grad = v
