@@ -195,6 +195,29 @@ def test_kernels_by_kind_from_their_names():
     table = kinds_side_by_side(res)
     assert [r["kind"] for r in table][-2:] == ["all kernels", "step"] and table[-1]["fp8"] == 30.0
     assert all(set(r) == {"variant", "kind", "bf16", "fp8"} for r in table)
+    for k, r in enumerate(res):  # with the GPU timeline: its busy and idle lines before the step's
+        r["timeline"] = {"span_ms": 9.0, "busy_ms": 8.0 - k, "compute_busy_ms": 7.0, "idle_ms": 1.0 + k}
+    table = kinds_side_by_side(res)
+    assert [r["kind"] for r in table][-4:] == ["all kernels", "GPU busy (any kernel)", "GPU idle (waits for host)", "step"]
+    assert (table[-3]["bf16"], table[-3]["fp8"], table[-2]["bf16"], table[-2]["fp8"]) == (8.0, 7.0, 1.0, 2.0)
+
+
+def test_gpu_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
+    """The JSON's `timeline`: kernels on two streams overlap (counted once in busy), communication is
+    left out of compute_busy, and the gaps between kernels are the GPU's idle time; per step."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from profile_step import busy_ms, timeline
+
+    assert busy_ms([]) == 0.0
+    assert busy_ms([(0, 10), (5, 15), (20, 30), (22, 25), (30, 31)]) == 26.0  # nested, touching, unsorted below
+    assert busy_ms([(20, 30), (0, 10), (5, 15)]) == 25.0
+    assert timeline([], 2) is None
+    ks = [("_mgrouped_ws_kernel", 0.0, 4000.0),  # us; two steps of 5 ms spans, say
+          ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 3000.0, 6000.0),  # overlaps the GEMM
+          ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 7000.0, 9000.0),
+          ("_adamw_kernel", 8000.0, 10000.0)]
+    t = timeline(ks, 2)
+    assert t == {"span_ms": 5.0, "busy_ms": 4.5, "compute_busy_ms": 3.0, "idle_ms": 0.5}
 
 
 def test_host_profile_counts_the_waits_at_syncs():

@@ -18,6 +18,8 @@ kind (GEMMs, all-to-all, all-reduce, attention, FP8 quantization + SwiGLU, permu
 rows' `by_kind`, and the JSON's `kinds`: every recipe side by side, where a step's milliseconds go). Host-boundness: the host's
 enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
 memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
+The profiled steps' GPU timeline (`timeline`: span, where any kernel runs, where any kernel other
+than communication runs, idle) puts a number on it: idle ms are the GPU waiting for the host.
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
 dense BF16 / FP8 peak (moefp8.launch.peak_flops). Memory: the CUDA peak of the timed steps
 beside moefp8.memory's plan for the config. Writes a JSON (rows per recipe, the top kernels)
@@ -138,6 +140,33 @@ def by_kind(rows: list[dict]) -> dict[str, float]:
         k = kernel_kind(r["kernel"])
         out[k] = out.get(k, 0.0) + r["ms_per_step"]
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The time (in the intervals' unit) covered by at least one of the [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def timeline(kernels: list[tuple[str, float, float]], steps: int) -> dict | None:
+    """The profiled steps' GPU timeline from its kernels (name, start us, end us), per step in ms:
+    `span_ms` from the first kernel's start to the last one's end, `busy_ms` where any kernel runs,
+    `compute_busy_ms` where any kernel other than communication runs (NCCL, DeepEP: their kernels
+    also count while they wait for peers), `idle_ms` = span - busy: the GPU waiting for the host
+    (launches, syncs). None without kernels (CPU)."""
+    if not kernels:
+        return None
+    comm = re.compile(KINDS[0][1] + "|" + KINDS[1][1], re.IGNORECASE)
+    span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    busy = busy_ms([(s, e) for _, s, e in kernels])
+    compute = busy_ms([(s, e) for n, s, e in kernels if not comm.search(n)])
+    per = 1e3 * steps
+    return {"span_ms": span / per, "busy_ms": busy / per, "compute_busy_ms": compute / per,
+            "idle_ms": (span - busy) / per}
 
 
 SYNCS = re.compile(r"(?:method '|built-in method (?:torch\._C\.)?)(tolist|item|cpu|_cuda_synchronize|synchronize|"
@@ -263,13 +292,16 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     memory = memory_profile(step, device, args.top) if args.memory and device.type == "cuda" else None
     dev = "cuda" if device.type == "cuda" else "cpu"
-    rows, launches, events = [], 0, []
+    rows, launches, events, busy = [], 0, [], None
     if profile_steps:
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(profile_steps):
                 step()
             sync(device)
         events = prof.key_averages()
+        gpu = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        busy = timeline(gpu, profile_steps)
     for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
@@ -305,7 +337,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": busy, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -318,6 +350,10 @@ def report(r: dict) -> None:
           f"{r['kernels_ms_per_step']:.1f} ms/step, host enqueue {r['host_ms']:.1f} ms/step{ops}{mem}; routing: "
           f"max/mean expert load {r['routing']['load_max_over_mean']:.2f} (layer mean), "
           f"{r['routing']['experts_empty']} empty experts")
+    if r.get("timeline"):
+        t = r["timeline"]
+        print(f"  GPU timeline, ms/step: span {t['span_ms']:.1f}, a kernel running {t['busy_ms']:.1f}, a kernel other "
+              f"than communication {t['compute_busy_ms']:.1f}, idle (waiting for the host) {t['idle_ms']:.1f}")
     if r.get("by_kind"):
         print("  by kind, ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind"].items()))
     if r["top"]:
@@ -360,18 +396,22 @@ def summarize(res: list[dict]) -> list[dict]:
 
 def kinds_side_by_side(res: list[dict]) -> list[dict]:
     """Per variant, from its profiled (first-round) rows: each kind's ms per step for every recipe,
-    and the step time beside (a kernel on a side stream overlaps others: the kinds may sum past it)."""
+    the GPU timeline's busy and idle ms where the profile had kernels (`timeline`), and the step time
+    beside (a kernel on a side stream overlaps others: the kinds may sum past it)."""
     out = []
     for variant in dict.fromkeys(r["variant"] for r in res):
         rows = {r["recipe"]: r for r in res if r["variant"] == variant and r["round"] == 0 and r.get("by_kind")}
         if not rows:
             continue
         kinds = list(dict.fromkeys(k for r in rows.values() for k in r["by_kind"]))
-        for k in [*kinds, "all kernels", "step"]:
+        lines = {"GPU busy (any kernel)": "busy_ms", "GPU idle (waits for host)": "idle_ms"}
+        timed = all(r.get("timeline") for r in rows.values())
+        for k in [*kinds, "all kernels", *(lines if timed else ()), "step"]:
             row = {"variant": variant, "kind": k}
             for recipe, r in rows.items():
                 row[recipe] = (r["by_kind"].get(k, 0.0) if k in kinds else
-                               r["kernels_ms_per_step"] if k == "all kernels" else r["step_ms"])
+                               r["kernels_ms_per_step"] if k == "all kernels" else
+                               r["timeline"][lines[k]] if k in lines else r["step_ms"])
             out.append(row)
     return out
 
@@ -386,7 +426,7 @@ def print_kinds(table: list[dict]) -> None:
               + (" (bf16 - fp8)" if delta else ""))
         for r in (r for r in table if r["variant"] == variant):
             cells = " / ".join(f"{r[x]:7.1f}" for x in recipes)
-            print(f"  {r['kind']:<22} {cells}" + (f"  ({r['bf16'] - r['fp8']:+7.1f})" if delta else ""))
+            print(f"  {r['kind']:<26} {cells}" + (f"  ({r['bf16'] - r['fp8']:+7.1f})" if delta else ""))
 
 
 def save(path: str, res: list[dict], overrides: list[str], complete: bool) -> None:
