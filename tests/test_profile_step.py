@@ -206,7 +206,7 @@ def test_gpu_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
     """The JSON's `timeline`: kernels on two streams overlap (counted once in busy), communication is
     left out of compute_busy, and the gaps between kernels are the GPU's idle time; per step."""
     sys.path.insert(0, str(REPO / "tools"))
-    from profile_step import busy_ms, timeline
+    from profile_step import busy_ms, idle_before, timeline
 
     assert busy_ms([]) == 0.0
     assert busy_ms([(0, 10), (5, 15), (20, 30), (22, 25), (30, 31)]) == 26.0  # nested, touching, unsorted below
@@ -217,7 +217,12 @@ def test_gpu_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
           ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 7000.0, 9000.0),
           ("_adamw_kernel", 8000.0, 10000.0)]
     t = timeline(ks, 2)
-    assert t == {"span_ms": 5.0, "busy_ms": 4.5, "compute_busy_ms": 3.0, "idle_ms": 0.5}
+    assert t == {"span_ms": 5.0, "busy_ms": 4.5, "compute_busy_ms": 3.0, "idle_ms": 0.5,
+                 "idle_before": [{"kernel": ks[2][0], "idle_ms": 0.5, "gaps_per_step": 0.5}]}
+    # gaps charged to the kernel that ends them, summed per name, largest first
+    waits = idle_before([("a", 0, 10), ("b", 12, 20), ("a", 19, 25), ("b", 30, 31), ("c", 40, 41), ("b", 45, 50)])
+    assert waits == {"b": [2 + 5 + 4, 3], "c": [9, 1]}
+    assert [w["kernel"] for w in timeline([("a", 0, 10), ("b", 12, 20), ("c", 40, 41)], 1, top=1)["idle_before"]] == ["c"]
 
 
 def test_host_profile_counts_the_waits_at_syncs():

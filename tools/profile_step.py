@@ -152,12 +152,27 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def timeline(kernels: list[tuple[str, float, float]], steps: int) -> dict | None:
+def idle_before(kernels: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """The GPU's idle gaps (no kernel running), each charged to the kernel that ends it: {name: [us of
+    idle, gaps]}. The kernel after a gap is the one the GPU waited for the host to launch."""
+    out: dict[str, list[float]] = {}
+    reach = None
+    for name, a, b in sorted(kernels, key=lambda k: k[1]):
+        if reach is not None and a > reach:
+            acc = out.setdefault(name, [0.0, 0])
+            acc[0] += a - reach
+            acc[1] += 1
+        reach = b if reach is None else max(reach, b)
+    return out
+
+
+def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 10) -> dict | None:
     """The profiled steps' GPU timeline from its kernels (name, start us, end us), per step in ms:
     `span_ms` from the first kernel's start to the last one's end, `busy_ms` where any kernel runs,
     `compute_busy_ms` where any kernel other than communication runs (NCCL, DeepEP: their kernels
     also count while they wait for peers), `idle_ms` = span - busy: the GPU waiting for the host
-    (launches, syncs). None without kernels (CPU)."""
+    (launches, syncs); `idle_before`: the `top` kernels the GPU waited longest for (idle ms per step
+    before them, gaps per step). None without kernels (CPU)."""
     if not kernels:
         return None
     comm = re.compile(KINDS[0][1] + "|" + KINDS[1][1], re.IGNORECASE)
@@ -165,8 +180,10 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int) -> dict | None
     busy = busy_ms([(s, e) for _, s, e in kernels])
     compute = busy_ms([(s, e) for n, s, e in kernels if not comm.search(n)])
     per = 1e3 * steps
+    waits = sorted(idle_before(kernels).items(), key=lambda kv: -kv[1][0])[:top]
     return {"span_ms": span / per, "busy_ms": busy / per, "compute_busy_ms": compute / per,
-            "idle_ms": (span - busy) / per}
+            "idle_ms": (span - busy) / per,
+            "idle_before": [{"kernel": n[:160], "idle_ms": us / per, "gaps_per_step": g / steps} for n, (us, g) in waits]}
 
 
 SYNCS = re.compile(r"(?:method '|built-in method (?:torch\._C\.)?)(tolist|item|cpu|_cuda_synchronize|synchronize|"
@@ -301,7 +318,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
         events = prof.key_averages()
         gpu = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
-        busy = timeline(gpu, profile_steps)
+        busy = timeline(gpu, profile_steps, args.top)
     for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
@@ -353,7 +370,9 @@ def report(r: dict) -> None:
     if r.get("timeline"):
         t = r["timeline"]
         print(f"  GPU timeline, ms/step: span {t['span_ms']:.1f}, a kernel running {t['busy_ms']:.1f}, a kernel other "
-              f"than communication {t['compute_busy_ms']:.1f}, idle (waiting for the host) {t['idle_ms']:.1f}")
+              f"than communication {t['compute_busy_ms']:.1f}, idle (waiting for the host) {t['idle_ms']:.1f}; "
+              "idle before: " + ", ".join(f"{w['kernel'][:48]} {w['idle_ms']:.2f} ms ({w['gaps_per_step']:.0f})"
+                                          for w in t["idle_before"][:8]))
     if r.get("by_kind"):
         print("  by kind, ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind"].items()))
     if r["top"]:
