@@ -316,8 +316,12 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
                 step()
             sync(device)
         events = prof.key_averages()
-        gpu = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        try:  # the profiler's events API differs between torch versions: without it, no timeline (said)
+            gpu = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        except AttributeError as err:
+            print(f"profile_step: no GPU timeline: this torch's profiler events lack {err}")
+            gpu = []
         busy = timeline(gpu, profile_steps, args.top)
     for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
