@@ -3,9 +3,9 @@
 One pass per parameter: read p (fp32 master), g (fp32|bf16), m and v (bf16|fp32), write p, m, v,
 which replaces the reference's dozen elementwise passes. An optional gradient multiplier (a device
 scalar: the clipping factor times 1/world where the gradients hold sums over the ranks) is applied
-as g is read, so neither the mean nor the clipping costs a pass over the gradients of its own. Math in fp32, in the reference's order:
-torch.lerp for m, addcmul for v, the moments stored rounded but the update made from the fp32
-values, then decay and addcdiv with IEEE division and sqrt. FMA contraction stays on (as in
+as g is read, so neither the mean nor the clipping costs a pass over the gradients of its own.
+Math in fp32, in the reference's order: torch.lerp for m, addcmul for v, the moments stored rounded
+but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. FMA contraction stays on (as in
 torch's CUDA kernels), so the kernel and the reference agree to a few fp32 ulp, not bit for bit.
 """
 

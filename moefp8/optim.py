@@ -1,5 +1,6 @@
-"""AdamW on FP32 master weights with BF16 (default) or FP32 moments, the LR schedule and grad
-clipping (applied by the update itself, `clip_scale`) (docs/design.md §1: Adam moments BF16 by default, FP32 optional).
+"""AdamW on FP32 master weights with BF16 (default) or FP32 moments, the LR schedule, the gradient
+norm and the clipping factor the update applies as it reads the gradients (`clip_scale`)
+(docs/design.md §1: Adam moments BF16 by default, FP32 optional).
 
 Hand-written because torch.optim.AdamW keeps its moments in the parameters' dtype (fp32 here).
 The moments are stored in `moment_dtype`; each update reads them in fp32, updates in fp32 and
@@ -113,5 +114,3 @@ def clip_scale(norm: Tensor, max_norm: float, scale: float = 1.0) -> Tensor:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         s = torch.where(torch.isfinite(norm), coef * scale, s)
     return s
-
-

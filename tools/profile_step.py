@@ -175,14 +175,14 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 10)
     before them, gaps per step). None without kernels (CPU)."""
     if not kernels:
         return None
-    comm = re.compile(KINDS[0][1] + "|" + KINDS[1][1], re.IGNORECASE)
     span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
-    busy = busy_ms([(s, e) for _, s, e in kernels])
-    compute = busy_ms([(s, e) for n, s, e in kernels if not comm.search(n)])
+    gaps = idle_before(kernels)
+    idle = sum(us for us, _ in gaps.values())
+    compute = busy_ms([(s, e) for n, s, e in kernels if kernel_kind(n) not in ("all-to-all", "all-reduce")])
     per = 1e3 * steps
-    waits = sorted(idle_before(kernels).items(), key=lambda kv: -kv[1][0])[:top]
-    return {"span_ms": span / per, "busy_ms": busy / per, "compute_busy_ms": compute / per,
-            "idle_ms": (span - busy) / per,
+    waits = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_ms": span / per, "busy_ms": (span - idle) / per, "compute_busy_ms": compute / per,
+            "idle_ms": idle / per,
             "idle_before": [{"kernel": n[:160], "idle_ms": us / per, "gaps_per_step": g / steps} for n, (us, g) in waits]}
 
 
@@ -309,7 +309,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     memory = memory_profile(step, device, args.top) if args.memory and device.type == "cuda" else None
     dev = "cuda" if device.type == "cuda" else "cpu"
-    rows, launches, events, busy = [], 0, [], None
+    rows, launches, events, gpu_timeline = [], 0, [], None
     if profile_steps:
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(profile_steps):
@@ -322,7 +322,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
         except AttributeError as err:
             print(f"profile_step: no GPU timeline: this torch's profiler events lack {err}")
             gpu = []
-        busy = timeline(gpu, profile_steps, args.top)
+        gpu_timeline = timeline(gpu, profile_steps, args.top)
     for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
@@ -358,7 +358,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": busy, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": gpu_timeline, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
