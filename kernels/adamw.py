@@ -5,8 +5,9 @@ which replaces the reference's dozen elementwise passes. An optional gradient mu
 scalar: the clipping factor times 1/world where the gradients hold sums over the ranks) is applied
 as g is read, so neither the mean nor the clipping costs a pass over the gradients of its own.
 Math in fp32, in the reference's order: torch.lerp for m, addcmul for v, the moments stored rounded
-but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. FMA contraction stays on (as in
-torch's CUDA kernels), so the kernel and the reference agree to a few fp32 ulp, not bit for bit.
+but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. FMA
+contraction stays on (as in torch's CUDA kernels), so the kernel and the reference agree to a few
+fp32 ulp, not bit for bit.
 """
 
 import torch
