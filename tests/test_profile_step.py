@@ -246,3 +246,32 @@ def test_host_profile_counts_the_waits_at_syncs():
     assert all(SYNCS.search(n) for n in names)
     assert not any(SYNCS.search(n) for n in ["<method 'add_' of 'torch._C.TensorBase' objects>", "<built-in method cat>",
                                              "<method 'itemsize' of 'x' objects>", "<built-in method cpu_count>"])
+
+
+def test_kernels_by_scope_name_the_range_the_autograd_node_and_the_op_that_launched_them():
+    """`scopes`: an ATen op's kernels charged to its innermost record_function range, the autograd node
+    it ran for (backward) and the outermost ATen call around it; summed per (scope, node, op, kind)."""
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from profile_step import by_scope, scope_of
+
+    def ev(name, parent=None, kernels=()):
+        return E(name=name, cpu_parent=parent, kernels=[E(name=k, duration=d) for k, d in kernels])
+
+    node = ev("autograd::engine::evaluate_function: _MoEBackward", ev("outer"))
+    rng = ev("bwd_fc1", node)
+    contig = ev("aten::contiguous", rng)
+    copy = ev("aten::copy_", ev("aten::clone", contig), [("elementwise_kernel<direct_copy>", 500.0)])
+    mul = ev("aten::mul", ev("fc1"), [("vectorized_elementwise_kernel<MulFunctor<float>>", 100.0)])
+    mul2 = ev("aten::mul", ev("fc1"), [("vectorized_elementwise_kernel<MulFunctor<float>>", 300.0),
+                                       ("Memset (Device)", 2.0)])
+    bare = ev("aten::add_", None, [("vectorized_elementwise_kernel<CUDAFunctor_add<float>>", 40.0)])
+    assert scope_of(copy) == ("bwd_fc1", "_MoEBackward", "aten::contiguous > aten::copy_")
+    assert scope_of(mul) == ("fc1", "forward", "aten::mul")
+    assert scope_of(bare) == ("-", "forward", "aten::add_")
+    rows = by_scope([node, rng, contig, copy, mul, mul2, bare, ev("aten::empty")], steps=2, top=3)
+    assert [(r["scope"], r["op"], r["kind"], round(r["ms_per_step"], 6), r["calls_per_step"]) for r in rows] == [
+        ("bwd_fc1", "aten::contiguous > aten::copy_", "elementwise + copies", 0.25, 0.5),
+        ("fc1", "aten::mul", "elementwise + copies", 0.201, 1.5),  # the memset is a copy too: one row
+        ("-", "aten::add_", "elementwise + copies", 0.02, 0.5)]

@@ -18,6 +18,8 @@ kind (GEMMs, all-to-all, all-reduce, attention, FP8 quantization + SwiGLU, permu
 rows' `by_kind`, and the JSON's `kinds`: every recipe side by side, where a step's milliseconds go). Host-boundness: the host's
 enqueue time per step (step() returning, before the sync) and the GPU ops (kernels, copies,
 memsets) per step; a step whose host time is near its step time waits for Python, not the GPU.
+The ATen-launched kernels (ATen's, cuBLAS, cuDNN, NCCL) are also summed by where they were launched
+(`scopes`: the record_function range, the autograd node, the op): what "elementwise + copies" is.
 The profiled steps' GPU timeline (`timeline`: span, where any kernel runs, where any kernel other
 than communication runs, idle) puts a number on it: idle ms are the GPU waiting for the host.
 Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
@@ -186,6 +188,41 @@ def timeline(kernels: list[tuple[str, float, float]], steps: int, top: int = 10)
             "idle_before": [{"kernel": n[:160], "idle_ms": us / per, "gaps_per_step": g / steps} for n, (us, g) in waits]}
 
 
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+
+
+def scope_of(e) -> tuple[str, str, str]:
+    """Where the ATen op `e` (a profiler event holding kernels) ran: (its innermost record_function
+    range, e.g. "bwd_fc1", or "-"; the autograd node it ran for, e.g. "MulBackward0", or "forward";
+    the op, the outermost ATen call around it first: "aten::contiguous > aten::copy_")."""
+    ops, ann, node, p = [e.name], None, None, e.cpu_parent
+    while p is not None and node is None:  # up to the autograd node (the backward's ops) or the root
+        if p.name.startswith(AUTOGRAD_NODE):
+            node = p.name[len(AUTOGRAD_NODE):]
+        elif "::" not in p.name:  # a record_function range (ATen ops and autograd nodes are "x::y")
+            ann = ann or p.name
+        elif p.name.startswith("aten::") and ann is None:
+            ops.insert(0, p.name)
+        p = p.cpu_parent
+    return ann or "-", node or "forward", " > ".join(dict.fromkeys([ops[0], ops[-1]]))
+
+
+def by_scope(events, steps: int, top: int) -> list[dict]:
+    """The GPU time of ATen-launched kernels (ATen's own, cuBLAS, cuDNN, c10d's NCCL) by where they
+    were launched (`scope_of`) and kind: what the "elementwise + copies" of the kinds table are.
+    Triton kernels launched from Python have no ATen op: they are not here (the kernel table has
+    them by name). ms and calls per step, largest first."""
+    acc: dict[tuple, list[float]] = {}
+    for e in events:
+        for k in getattr(e, "kernels", None) or ():
+            a = acc.setdefault((*scope_of(e), kernel_kind(k.name)), [0.0, 0])
+            a[0] += k.duration
+            a[1] += 1
+    rows = [{"scope": s, "autograd": n, "op": o, "kind": kind, "ms_per_step": us / 1e3 / steps,
+             "calls_per_step": c / steps} for (s, n, o, kind), (us, c) in acc.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+
+
 SYNCS = re.compile(r"(?:method '|built-in method (?:torch\._C\.)?)(tolist|item|cpu|_cuda_synchronize|synchronize|"
                    r"_local_scalar_dense)\b")  # cProfile's names of C functions
 
@@ -309,7 +346,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     memory = memory_profile(step, device, args.top) if args.memory and device.type == "cuda" else None
     dev = "cuda" if device.type == "cuda" else "cpu"
-    rows, launches, events, gpu_timeline = [], 0, [], None
+    rows, launches, events, gpu_timeline, scopes = [], 0, [], None, []
     if profile_steps:
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(profile_steps):
@@ -323,6 +360,10 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             print(f"profile_step: no GPU timeline: this torch's profiler events lack {err}")
             gpu = []
         gpu_timeline = timeline(gpu, profile_steps, args.top)
+        try:
+            scopes = by_scope(prof.events(), profile_steps, args.top) if dev == "cuda" else []
+        except AttributeError as err:  # as above: another torch's events
+            print(f"profile_step: no kernels by scope: this torch's profiler events lack {err}")
     for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
@@ -358,7 +399,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
-            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": gpu_timeline, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": gpu_timeline, "scopes": scopes, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -379,6 +420,12 @@ def report(r: dict) -> None:
                                           for w in t["idle_before"][:8]))
     if r.get("by_kind"):
         print("  by kind, ms/step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["by_kind"].items()))
+    if r.get("scopes"):
+        print(f"  ATen-launched kernels by where they ran:\n  {'ms/step':>8} {'calls':>6}  {'kind':<21} "
+              "record_function | autograd node | op")
+        for k in r["scopes"]:
+            print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:6.0f}  {k['kind']:<21} {k['scope']} | "
+                  f"{k['autograd']} | {k['op']}")
     if r["top"]:
         print(f"  {'ms/step':>8} {'calls':>6}  kernel")
     for k in r["top"]:
