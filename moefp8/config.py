@@ -29,7 +29,7 @@ NAN_POLICIES = ("stop", "skip")
 MOMENT_DTYPES = ("bf16", "fp32")
 SCORE_FUNCS = ("sigmoid", "softmax")
 DENSE_LINEARS = ("wqkv", "wo", "dense_mlp")
-RECOMPUTE = ("attention",)  # train.recompute's sub-layers  # the non-expert linears: attention projections, dense MLPs
+RECOMPUTE = ("attention", "expert_out")  # train.recompute's sub-layers  # the non-expert linears: attention projections, dense MLPs
 BYTE_VOCAB = 257  # 256 byte values + EOS (moefp8.data)
 
 
@@ -172,7 +172,9 @@ class TrainConfig:
     check_memory: bool = True
     grad_bucket_mb: float = 25.0  # data-parallel gradient all-reduce buckets (moefp8.grad_sync), MB
     # selective activation recompute: [attention] keeps only each block's input for its attention
-    # and runs norm, QKV, attention, output projection again in the backward (moefp8.memory counts it)
+    # and runs norm, QKV, attention, output projection again in the backward; [expert_out] (FP8
+    # recipe) keeps fc2's FP8 input instead of the experts' BF16 output y and recomputes y for the
+    # routing weights' gradient (one more fc2 GEMM per MoE layer); moefp8.memory counts both
     recompute: list[str] = field(default_factory=list)
     # CUDA graphs for each block's attention (moefp8.graphs): captured once, replayed every step, ~40
     # fewer host launches per layer; blocks in `recompute` and evaluation run eagerly. GPU only
@@ -267,9 +269,10 @@ def validate(cfg: Config) -> None:
         _one_of("recipe.bf16_linears entry", name, DENSE_LINEARS)
     for name in t.recompute:
         _one_of("train.recompute entry", name, RECOMPUTE)
-    if t.recompute and d.overlap:
-        raise ValueError(f"train.recompute={list(t.recompute)}: not with dispatch.overlap=true (the overlapped "
-                         f"blocks schedule their attention themselves); set train.recompute=[] or dispatch.overlap=false")
+    if "attention" in t.recompute and d.overlap:
+        raise ValueError(f"train.recompute={list(t.recompute)}: attention not with dispatch.overlap=true (the "
+                         f"overlapped blocks schedule their attention themselves); take attention out of "
+                         f"train.recompute or set dispatch.overlap=false")
     for key in ("hidden", "n_layers", "n_heads", "head_dim", "moe_inter", "n_experts", "topk", "vocab_size"):
         _positive(f"model.{key}", getattr(m, key))
     for key in ("steps", "micro_batch", "grad_accum", "seq_len", "log_every"):

@@ -97,7 +97,8 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, recipe: Recipe, dispatcher: Dispatcher | None,
                  stats: ScaleStats | None = None, overlap: OverlapPolicy | None = None,
-                 gemm: GemmPolicy = GemmPolicy(), recompute_attention: bool = False):
+                 gemm: GemmPolicy = GemmPolicy(), recompute_attention: bool = False,
+                 recompute_expert_out: bool = False):
         super().__init__()
         stats = stats if stats is not None else ScaleStats()
         self.stats, self.recompute_attention = stats, recompute_attention
@@ -112,7 +113,7 @@ class Block(nn.Module):
                                 overlap, gemm, stats, score_func=cfg.score_func, n_groups=cfg.n_groups,
                                 topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
                                 bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha,
-                                force_balance=cfg.force_balanced_routing)
+                                force_balance=cfg.force_balanced_routing, recompute_out=recompute_expert_out)
         else:
             self.mlp = MLP(cfg.hidden, cfg.dense_inter, recipe.dense_fp8("dense_mlp"), recipe.scale_fmt, stats,
                            gemm)
@@ -180,7 +181,7 @@ class Transformer(nn.Module):
         layers' two micro-batch overlap (an `OverlapPolicy`; None: off); gemm: the `GemmPolicy`
         every GEMM runs with; recompute: sub-layers whose activations the backward recomputes
         instead of keeping ("attention": each block's attention with its norms, from the block's
-        input; train.recompute); loss_chunk: the LM head's cross-entropy by chunks of that many
+        input; "expert_out": the FP8 experts' output y from fc2's FP8 input; train.recompute); loss_chunk: the LM head's cross-entropy by chunks of that many
         tokens, the [T, V] logits never whole (moefp8.loss; train.loss_chunk; 0: off). `scale_stats`: the model's FP8 tile-scale recorder (off until the
         caller turns it on)."""
         super().__init__()
@@ -189,7 +190,8 @@ class Transformer(nn.Module):
         self.dispatcher = dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm,
-                                          recompute_attention="attention" in recompute)
+                                          recompute_attention="attention" in recompute,
+                                          recompute_expert_out="expert_out" in recompute)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)

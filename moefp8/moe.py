@@ -45,12 +45,14 @@ class MoELayer(nn.Module):
     and overlap one's dispatch/combine with the other's expert compute (moefp8.overlap), with
     that policy's streams and SM reserve; every rank of the EP group must agree.
     gemm: the `GemmPolicy` its GEMMs run with. stats: the `ScaleStats` its quantizations report
-    to (the model's; None: one of its own, off)."""
+    to (the model's; None: one of its own, off). recompute_out: FP8 recipe, keep fc2's FP8 input
+    instead of the experts' BF16 output y and recompute y in the backward (for the routing weights'
+    gradient; train.recompute=[expert_out]): less memory, one more fc2 GEMM; the same bits."""
 
     def __init__(self, hidden: int, inter: int, n_experts: int, topk: int, n_shared: int = 1,
                  recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  overlap: OverlapPolicy | None = None, gemm: GemmPolicy = GemmPolicy(),
-                 stats: ScaleStats | None = None, **router_kwargs):
+                 stats: ScaleStats | None = None, recompute_out: bool = False, **router_kwargs):
         super().__init__()
         if recipe.fp8:
             for name, v in (("hidden", hidden), ("expert intermediate size", inter)):
@@ -69,7 +71,7 @@ class MoELayer(nn.Module):
         if n_experts % E_local:
             raise ValueError(f"MoELayer: {n_experts} experts cannot be split evenly into shards of {E_local}")
         self.hidden, self.inter, self.n_experts, self.topk = hidden, inter, n_experts, topk
-        self.recipe, self.overlap, self.gemm = recipe, overlap, gemm
+        self.recipe, self.overlap, self.gemm, self.recompute_out = recipe, overlap, gemm, recompute_out
         self.stats = stats if stats is not None else ScaleStats()
         self.w1 = nn.Parameter(torch.randn(E_local, 2 * inter, hidden) * hidden**-0.5)
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)

@@ -9,12 +9,13 @@ schedule (`RoutedExperts`, below) runs in order and what the two micro-batch ove
             row's scales multiplied by its routing weight (dy = w * dout stays FP8) -> expert MLP
             backward -> dx rows summed per token (unpermute) -> combine -> dx.
             The routing weights' gradient dw[t,k] = <dout[t], y[row]> is computed in fp32 from
-            y recomputed bit for bit from fc2's saved FP8 input: exact (it is what BF16 autograd
-            computes for the combine). With EP > 1 the gradient arrives in FP8 and dw uses its
-            dequantized value.
+            the forward's y: exact (it is what BF16 autograd computes for the combine). With EP > 1
+            the gradient arrives in FP8 and dw uses its dequantized value.
 Saved for backward: the dispatched FP8 rows (row-wise, not a permuted copy: the backward
-permutes again), the FP8 SwiGLU input h, fc2's FP8 input (for y), the routing weights and the
-layout. The BF16 recipe saves the BF16 rows, h and y.
+permutes again), the FP8 SwiGLU input h, y in BF16, the routing weights and the layout; with
+the layer's `recompute_out` (train.recompute=[expert_out]) fc2's FP8 input instead of y (I bytes
+a slot where y takes 2H), and the backward recomputes y from it bit for bit: one more fc2 GEMM
+per layer (~1/7 of its m-grouped GEMM time). The BF16 recipe saves the BF16 rows, h and y.
 
 Every stage takes the layer (a moefp8.moe.MoELayer: its recipe, dispatcher, weight cache and
 scale statistics) and, where it multiplies, the `GemmPolicy` the schedule runs its GEMMs with.
@@ -41,7 +42,7 @@ class Saved(NamedTuple):
     tensor and None)."""
     x: tuple  # dispatched rows (not a permuted copy: the backward permutes again)
     h: tuple  # the SwiGLU input
-    y: tuple  # FP8: fc2's input (y is recomputed from it); BF16: y; (None, None) without dw
+    y: tuple  # (y, None); FP8 with recompute_out: fc2's FP8 input (data, scale); (None, None) without dw
     topk_w: Tensor
     layout: PermuteLayout
     handle: object
@@ -119,10 +120,9 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
     if fp8:
         y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
                                    L.offsets_host, gemm=gemm, stats=layer.stats)
-        # Keep fc2's FP8 input, not y: backward recomputes y bit for bit (one more fc2 GEMM) for
-        # the exact dw, and a8 is 1 byte x I where y is 2 bytes x H.
-        saved = Saved((d.x.data, d.x.scale), (h.data, h.scale), (a8.data, a8.scale) if want_dw else (None, None),
-                      d.topk_w, L, d.handle)
+        # y for dw, or fc2's FP8 input (1 byte x I where y is 2 bytes x H) to recompute it from
+        keep = (None, None) if not want_dw else (a8.data, a8.scale) if layer.recompute_out else (y, None)
+        saved = Saved((d.x.data, d.x.scale), (h.data, h.scale), keep, d.topk_w, L, d.handle)
     else:
         y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
         saved = Saved((d.x, None), (h, None), (y if want_dw else None, None), d.topk_w, L, d.handle)
@@ -150,8 +150,9 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
     if fp8:
         if s.y[0] is not None:
             with record_function("bwd_dw"):
-                y = fp8_grouped_gemm(Fp8Tensor(*s.y, "1x128"), layer.cache.get(w2, fmt), L.offsets,
-                                     validate=False, host_offsets=L.offsets_host, policy=gemm)  # = forward's y
+                y = s.y[0] if s.y[1] is None else fp8_grouped_gemm(  # recompute_out: = forward's y, bit for bit
+                    Fp8Tensor(*s.y, "1x128"), layer.cache.get(w2, fmt), L.offsets, validate=False,
+                    host_offsets=L.offsets_host, policy=gemm)
                 dzf = dout if not disp.communicates else dz.dequantize(torch.bfloat16)
                 dw = combine_backward(dzf, y, L, w_TK, want_dy=False)[1]
                 del y, dzf  # [M, H] and [T_recv, H] bf16: not alive during the expert backward

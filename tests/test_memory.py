@@ -135,6 +135,18 @@ def test_attention_recompute_lowers_the_planned_activations():
     assert b["activations"] < 0.8 * a["activations"] and b["masters"] == a["masters"]
 
 
+def test_expert_out_recompute_lowers_the_fp8_plan_only():
+    """train.recompute=[expert_out]: per routed slot fc2's FP8 input (I bytes + scales) is kept instead
+    of y (2H BF16 bytes); the BF16 recipe keeps y either way."""
+    over = ["experiment=moe3b_gpu"]
+    for recipe in ("fp8", "bf16"):
+        a = activation_bytes_per_token(load_config([*over, f"recipe={recipe}"]))
+        b = activation_bytes_per_token(load_config([*over, f"recipe={recipe}", "train.recompute=[expert_out]"]))
+        m = load_config(over).model
+        less = m.topk * (2 * m.hidden - m.moe_inter * (1 + 4 / 128)) if recipe == "fp8" else 0
+        assert a["moe_mlp"] - b["moe_mlp"] == pytest.approx(less) and a["attention"] == b["attention"]
+
+
 def test_graphs_of_both_kinds_count_the_moe_attention_again():
     """train.cuda_graphs with dispatch.overlap=auto under EP: the MoE blocks' attention captured whole and
     per half, both sets of saved activations held by the graphs' pool; one kind alone adds nothing."""

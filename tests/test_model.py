@@ -317,13 +317,21 @@ def test_attention_recompute_gives_the_same_gradients_and_keeps_less(recipe):
 
 
 def test_recompute_config():
-    with pytest.raises(ValueError, match=r"train.recompute entry='mlp': expected one of 'attention'"):
+    with pytest.raises(ValueError, match=r"train.recompute entry='mlp': expected one of 'attention', 'expert_out'"):
         validate(replace(Config(), train=replace(Config().train, recompute=["mlp"])))
     cfg = Config()
     cfg = replace(cfg, train=replace(cfg.train, recompute=["attention"]),
                   dispatch=replace(cfg.dispatch, overlap=True, backend="all_to_all", ep_size=2))
-    with pytest.raises(ValueError, match=r"not with dispatch.overlap=true"):
+    with pytest.raises(ValueError, match=r"attention not with dispatch.overlap=true"):
         validate(cfg)
+    validate(replace(cfg, train=replace(cfg.train, recompute=["expert_out"])))  # the overlap's stages do it too
+
+
+def test_expert_out_recompute_reaches_every_moe_layer():
+    m = build("fp8", recompute=("expert_out",))
+    moe = [b.mlp for b in m.layers if b.is_moe]
+    assert moe and all(x.recompute_out for x in moe) and not any(b.recompute_attention for b in m.layers)
+    assert not any(b.mlp.recompute_out for b in build("fp8").layers if b.is_moe)
 
 
 def test_embed_init_std_and_the_routing_of_an_untrained_model():
