@@ -234,9 +234,11 @@ def test_gpu_fp8_vs_bf16_and_memory():
         res[recipe] = [o.out, x.grad, m.w1.grad, m.w2.grad, m.router.weight.grad]
     for u, v in zip(res["fp8"], res["bf16"]):
         assert torch.isfinite(u).all() and sqnr(u.float(), v.float()) > 20
-    # FP8 keeps x and h in FP8 and y in BF16 (BF16: all three in BF16); with recompute_out fc2's FP8
-    # input instead of y
-    assert saved["fp8"] <= 0.8 * saved["bf16"], f"saved {saved['fp8'] / saved['bf16']:.2f}x of BF16"
+    # FP8 keeps x and h in FP8 and y in BF16 (BF16: all three in BF16): at I = H/4 a routed slot's h
+    # is a quarter of its BF16 bytes (2I x 2 of 2I x 2 + 2H), half of that saved: ~0.87x per slot
+    # (0.91x measured on an H200 with the routing and the shared expert); with recompute_out fc2's
+    # FP8 input instead of y
+    assert saved["fp8"] <= 0.93 * saved["bf16"], f"saved {saved['fp8'] / saved['bf16']:.2f}x of BF16"
     assert peak["fp8"] < peak["bf16"]
     torch.manual_seed(0)
     m = MoELayer(Hg, Ig, Eg, Kg, n_shared=1, recipe=Recipe("fp8"), recompute_out=True).cuda()
