@@ -19,6 +19,12 @@ the ranks: the mean's 1 / world is applied by the optimizer as it reads them (`o
 pass took 10.8 ms of a 680 ms step, on the critical path after the backward). Sums are in fp32;
 with two ranks each element is the same a + b as the per-tensor reduction's, bit for bit.
 
+Parameters whose group is this rank alone (the routed experts when dispatch.ep_size is the world:
+no other rank holds them) get no bucket: there is nothing to sum, and a bucket view would cost a
+zeroing pass and autograd's add of each new gradient into it (~22 ms of a 660 ms step on the 16B
+preset at EP4, both recipes). Their `.grad` is autograd's as on one process: the wgrad GEMM's
+output, taken without a copy; `zero_grad` sets it to None.
+
 Replaces one blocking all-reduce per tensor after the backward (issue 47, GPU-bound steps).
 """
 
@@ -43,8 +49,9 @@ class _Bucket:
 
 class GradBuckets:
     """named_params: {name: parameter} (the optimizer's, in registration order); group_of(name):
-    the process group that parameter's gradient is summed over (None: all ranks); world: the
-    divisor (all ranks' tokens make the mean loss); overlap: False starts every bucket in
+    the process group that parameter's gradient is summed over (None: all ranks; a group of this
+    rank alone: no bucket, see the module docstring); world: the divisor (all ranks' tokens make
+    the mean loss); overlap: False starts every bucket in
     `finish()`, after the backward (train.deterministic: 4 H100s, FP8, EP2, capacity-mode dispatch,
     25 MB buckets started inside the backward made two runs of one commit part at step 2 or 3,
     while one bucket started at the end, the exact-mode dispatch or BF16 repeated bit for bit;
@@ -55,9 +62,13 @@ class GradBuckets:
         self.world, self.armed, self.overlap = world, False, overlap
         cap = int(bucket_mb * 2**20)
         self.buckets: list[_Bucket] = []
+        self.local: list[Tensor] = []  # in a group of one rank: autograd's own .grad, no bucket
         run, size, key = [], 0, object()
         for name, p in reversed(list(named_params.items())):
             g = group_of(name)
+            if g is not None and dist.get_world_size(g) == 1:
+                self.local.append(p)
+                continue
             if run and (g is not key or size + p.numel() * p.element_size() > cap
                         or p.dtype != run[0][1].dtype or p.device != run[0][1].device):
                 self.buckets.append(_Bucket(run, key))
@@ -98,6 +109,9 @@ class GradBuckets:
         the sum over the ranks; `grad_scale` (1 / world) makes it their mean."""
         while self.next < len(self.buckets):
             self._start(self.next)
+        for p in self.local:  # no gradient on this step: zeros, as a bucket would have held
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         for b in self.buckets:
             b.work.wait()
             b.work = None
@@ -110,8 +124,11 @@ class GradBuckets:
 
     def zero_grad(self) -> None:
         """Zeros the buffers (one multi-tensor launch, not one per bucket); every p.grad stays its view
-        (AdamW.zero_grad's None would detach it)."""
-        torch._foreach_zero_([b.buffer for b in self.buckets])
+        (AdamW.zero_grad's None would detach it); the parameters without a bucket get None."""
+        if self.buckets:
+            torch._foreach_zero_([b.buffer for b in self.buckets])
+        for p in self.local:
+            p.grad = None
         for b in self.buckets:
             for (_, p), v in zip(b.params, b.views):
                 if p.grad is None or p.grad.data_ptr() != v.data_ptr():  # replaced (None, another tensor)
@@ -121,6 +138,8 @@ class GradBuckets:
         """Removes the hooks and leaves the gradients as plain tensors (None)."""
         for h in self._handles:
             h.remove()
+        for p in self.local:
+            p.grad = None
         for b in self.buckets:
             for _, p in b.params:
                 p.grad = None

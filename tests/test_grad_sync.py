@@ -1,8 +1,8 @@
 """moefp8/grad_sync.py: bucketed gradient all-reduce during the backward, on 2 gloo ranks: the same
 gradients (sums over the ranks; `grad_scale` makes them the mean) as one all-reduce per tensor after
 the backward (bit for bit at 2 ranks), with gradient
-accumulation, expert groups, parameters without a gradient, and buckets that start before the
-backward ends."""
+accumulation, expert groups (here each rank its own: no bucket), parameters without a gradient,
+and buckets that start before the backward ends."""
 
 import pytest
 import torch
@@ -40,13 +40,21 @@ def _check(rank, world, dev):
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     solo = {r: dist.new_group([r]) for r in range(world)}  # each rank its own expert shard's group
+    both = dist.new_group(list(range(world)))  # the expert shard held by every rank (EP 1 under DP)
     model = Transformer(ModelConfig(), Recipe("bf16"), seed=0).to(dev)
     # no gradient on any step: reduces zeros. First in registration order, so in the last bucket
     # (a bucket with a parameter that gets no gradient starts only in finish(), and so the ones after it)
-    named = {"unused": torch.nn.Parameter(torch.ones(3, 5, device=dev)), **dict(model.named_parameters())}
+    named = {"unused": torch.nn.Parameter(torch.ones(3, 5, device=dev)),
+             "spare.mlp.w9": torch.nn.Parameter(torch.ones(4, device=dev)),  # an expert weight without gradient
+             **dict(model.named_parameters())}
 
+    for experts in (solo[rank], both):
+        _check_experts_in(experts, model, named, rank, world, dev)
+
+
+def _check_experts_in(experts, model, named, rank, world, dev):
     def group_of(n):
-        return solo[rank] if ".mlp.w" in n else None
+        return experts if ".mlp.w" in n else None
 
     def per_tensor(params):  # the loop's former reduction: one blocking all-reduce per tensor (sums)
         for n, p in params.items():
@@ -67,9 +75,17 @@ def _check(rank, world, dev):
                 for n in want:
                     assert torch.equal(got[n], want[n]), (n, accum, mb, step)
                 assert torch.equal(got["unused"], torch.zeros(3, 5, device=dev))
+                assert torch.equal(got["spare.mlp.w9"], torch.zeros(4, device=dev))  # finish() made it, as a bucket
                 if mb < 1:  # reductions began inside the backward, or (overlap=False) all after it
                     assert len(grads.buckets) > 5 and (started > 0 if overlap else started == 0)
-            assert any(b.group is solo[rank] for b in grads.buckets) and any(b.group is None for b in grads.buckets)
+            alone = dist.get_world_size(experts) == 1
+            # the experts' group is this rank alone: no bucket, autograd's own gradient (no view, no add)
+            assert len(grads.local) == (sum(".mlp.w" in n for n in named) if alone else 0)
+            assert any(b.group is experts for b in grads.buckets) != alone and any(b.group is None for b in grads.buckets)
+            views = {v.data_ptr() for b in grads.buckets for v in b.views}
+            assert all(p.grad is not None and p.grad.data_ptr() not in views for p in grads.local)
+            grads.zero_grad()
+            assert all(p.grad is None for p in grads.local)
             grads.remove()
             assert all(p.grad is None for p in named.values())
 
