@@ -157,9 +157,11 @@ def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, H, stride_y, stride_o, K: tl.c
 
 
 @triton.jit
-def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride_dz, stride_y, stride_dy,
-                        K: tl.constexpr, K_PAD: tl.constexpr, WANT_DW: tl.constexpr, WANT_DY: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+def _combine_bwd_kernel(dz_ptr, s_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride_dz, stride_st, stride_sc,
+                        stride_y, stride_dy, K: tl.constexpr, K_PAD: tl.constexpr, WANT_DW: tl.constexpr,
+                        WANT_DY: tl.constexpr, DZ_FP8: tl.constexpr, BLOCK_H: tl.constexpr):
+    """DZ_FP8: dz is "1x128" FP8 with scales s [T, H/128] (any strides), dequantized here to the BF16
+    value `Fp8Tensor.dequantize(bf16)` gives (q x s in fp32, rounded to bf16): no pass of its own."""
     t = tl.program_id(0).to(tl.int64)  # one token per program: dw needs all of H
     offs_k = tl.arange(0, K_PAD)
     rows = tl.load(row_ptr + t * K + offs_k, mask=offs_k < K, other=-1)
@@ -169,6 +171,9 @@ def _combine_bwd_kernel(dz_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         dz = tl.load(dz_ptr + t * stride_dz + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+        if DZ_FP8:
+            s = tl.load(s_ptr + t * stride_st + (offs_h // 128) * stride_sc, mask=offs_h < H, other=0.0)
+            dz = (dz * s).to(tl.bfloat16).to(tl.float32)
         mask = ok[:, None] & (offs_h < H)[None, :]
         if WANT_DW:
             y = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_h[None, :], mask=mask, other=0.0)
@@ -293,20 +298,32 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
                      impl: str | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of `unpermute_combine`: dw [T, K] fp32 (dw[t, k] = <dz[t], y[row]> in fp32, 0 for
     unrouted slots; None when y is None) and, if want_dy, dy [M, H] bf16 (w * dz at each routed
-    row, 0 on padding)."""
+    row, 0 on padding). dz_TH: bf16 [T, H], or "1x128" FP8 (the gradient as the EP dispatch
+    delivers it: rows may be views into its receive buffer), read as `dz_TH.dequantize(bf16)`
+    without making that copy (at the 16B preset's EP4: four passes over [T_recv, H], ~30 ms a step)."""
     T, K = layout.row_TK.shape
-    H = dz_TH.shape[1]
-    if not use_triton(dz_TH, impl):
+    fp8 = isinstance(dz_TH, Fp8Tensor)
+    if fp8 and dz_TH.layout != "1x128":
+        raise ValueError(f"combine_backward: an FP8 dz must be '1x128' (row-wise tiles), got {dz_TH.layout!r}")
+    H = dz_TH.data.shape[1] if fp8 else dz_TH.shape[1]
+    if not use_triton(dz_TH.data if fp8 else dz_TH, impl):
         return combine_backward_ref(dz_TH, y_MH, layout, w_TK, want_dy)
     want_dw = y_MH is not None
-    dw = torch.empty(T, K, dtype=torch.float32, device=dz_TH.device) if want_dw else None
-    dy = torch.zeros(layout.M, H, dtype=torch.bfloat16, device=dz_TH.device) if want_dy else None
+    dev = w_TK.device
+    dw = torch.empty(T, K, dtype=torch.float32, device=dev) if want_dw else None
+    dy = torch.zeros(layout.M, H, dtype=torch.bfloat16, device=dev) if want_dy else None
     if T and (want_dw or want_dy):
-        dz = dz_TH.contiguous()
+        if fp8:  # rows with any stride (the receive buffer's), elements contiguous
+            dz = dz_TH.data if dz_TH.data.stride(1) == 1 else dz_TH.data.contiguous()
+            s = dz_TH.scale
+        else:
+            dz = dz_TH.contiguous()
+            s = dz
         y = y_MH if want_dw else dz
-        _combine_bwd_kernel[(T,)](dz, y, layout.row_TK, w_TK.float().contiguous(), dw if want_dw else dz,
-                                  dy if want_dy else dz, H, dz.stride(0), y.stride(0), dy.stride(0) if want_dy else 0,
-                                  K=K, K_PAD=triton.next_power_of_2(K), WANT_DW=want_dw, WANT_DY=want_dy,
+        _combine_bwd_kernel[(T,)](dz, s, y, layout.row_TK, w_TK.float().contiguous(), dw if want_dw else dz,
+                                  dy if want_dy else dz, H, dz.stride(0), s.stride(0), s.stride(1) if fp8 else 0,
+                                  y.stride(0), dy.stride(0) if want_dy else 0, K=K, K_PAD=triton.next_power_of_2(K),
+                                  WANT_DW=want_dw, WANT_DY=want_dy, DZ_FP8=fp8,
                                   BLOCK_H=min(512, triton.next_power_of_2(H)), num_warps=4)
     return dy, dw
 
@@ -377,8 +394,10 @@ def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor) -> 
     return out.bfloat16()
 
 
-def combine_backward_ref(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, w_TK: Tensor,
+def combine_backward_ref(dz_TH, y_MH: Tensor | None, layout: PermuteLayout, w_TK: Tensor,
                          want_dy: bool = True):
+    if isinstance(dz_TH, Fp8Tensor):
+        dz_TH = dz_TH.dequantize(torch.bfloat16)
     T, K = layout.row_TK.shape
     r = layout.row_TK.long()
     ok = r >= 0

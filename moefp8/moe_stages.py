@@ -153,9 +153,9 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
                 y = s.y[0] if s.y[1] is None else fp8_grouped_gemm(  # recompute_out: = forward's y, bit for bit
                     Fp8Tensor(*s.y, "1x128"), layer.cache.get(w2, fmt), L.offsets, validate=False,
                     host_offsets=L.offsets_host, policy=gemm)
-                dzf = dout if not disp.communicates else dz.dequantize(torch.bfloat16)
-                dw = combine_backward(dzf, y, L, w_TK, want_dy=False)[1]
-                del y, dzf  # [M, H] and [T_recv, H] bf16: not alive during the expert backward
+                # EP: the FP8 gradient as it arrived, dequantized inside the kernel (no BF16 copy)
+                dw = combine_backward(dout if not disp.communicates else dz, y, L, w_TK, want_dy=False)[1]
+                del y  # [M, H] bf16 (recompute_out): not alive during the expert backward
         with record_function("bwd_permute"):
             dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
             x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)

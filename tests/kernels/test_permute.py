@@ -166,6 +166,31 @@ def _compare_all(T, K, E, kind, H, device, exact: bool):
     assert torch.allclose(dw_a, dw_b, rtol=1e-5, atol=1e-5 * scale + 1e-30)
     _, dw_only = P.combine_backward(dz, y, L, w, want_dy=False, impl="triton")
     assert torch.equal(dw_only, dw_a)
+    # dz in FP8, as the EP dispatch delivers it (rows of a wider receive buffer, scales in either
+    # order, power-of-two or fp32 scales): the same as the kernel on its BF16 dequantization. With
+    # power-of-two scales q x s is exact in BF16, so bit for bit under the interpreter too; fp32
+    # scales round there (the interpreter truncates its bf16 casts: one ulp)
+    x = torch.randn(T, H, device=device) * 3
+    x[::7, :5] *= 200  # outliers: tiles with other scales
+    pow2, fp32s = quant_rowwise_ref(x), quant_rowwise_ref(x, "fp32")
+    buf = torch.zeros(T, H + 64, dtype=torch.uint8, device=device)
+    buf[:, 16:16 + H] = pow2.data.view(torch.uint8)
+    in_buffer = Fp8Tensor(buf[:, 16:16 + H].view(torch.float8_e4m3fn), pow2.scale, "1x128")
+    for d8, bits in ((pow2, True), (in_buffer, True), (pow2._replace(scale=col_major(pow2.scale)), True),
+                     (fp32s, exact)):
+        for want_dy in (False, True):
+            dy_8, dw_8 = P.combine_backward(d8, y, L, w, want_dy=want_dy, impl="triton")
+            dy_16, dw_16 = P.combine_backward(d8.dequantize(torch.bfloat16), y, L, w, want_dy=want_dy, impl="triton")
+            assert torch.isfinite(dw_8).all()
+            if bits:
+                assert torch.equal(dw_8, dw_16) and (not want_dy or torch.equal(dy_8, dy_16))
+            else:
+                scale = float(dw_16.abs().max()) if dw_16.numel() else 0.0
+                assert torch.allclose(dw_8, dw_16, rtol=2**-7, atol=2**-7 * scale + 1e-30)
+    ref = P.combine_backward_ref(pow2.dequantize(torch.bfloat16), y, L, w)
+    assert all(torch.equal(u, v) for u, v in zip(P.combine_backward_ref(pow2, y, L, w), ref))
+    with pytest.raises(ValueError, match="an FP8 dz must be '1x128'"):
+        P.combine_backward(Fp8Tensor(pow2.data.t(), pow2.scale.t(), "128x1"), y, L, w, impl="triton")
     # out=: written into a given buffer (a transport's send slot: a view into a larger byte buffer)
     for impl in ("triton", None):
         raw = torch.full((T * H * 2 + 64,), 0xAB, dtype=torch.uint8, device=device)
