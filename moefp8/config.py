@@ -28,8 +28,8 @@ WANDB_MODES = ("offline", "online", "disabled")
 NAN_POLICIES = ("stop", "skip")
 MOMENT_DTYPES = ("bf16", "fp32")
 SCORE_FUNCS = ("sigmoid", "softmax")
-DENSE_LINEARS = ("wqkv", "wo", "dense_mlp")
-RECOMPUTE = ("attention", "expert_out")  # train.recompute's sub-layers  # the non-expert linears: attention projections, dense MLPs
+DENSE_LINEARS = ("wqkv", "wo", "dense_mlp")  # the non-expert linears: attention projections, dense MLPs
+RECOMPUTE = ("attention", "expert_out")  # train.recompute's sub-layers
 BYTE_VOCAB = 257  # 256 byte values + EOS (moefp8.data)
 
 

@@ -181,9 +181,10 @@ class Transformer(nn.Module):
         layers' two micro-batch overlap (an `OverlapPolicy`; None: off); gemm: the `GemmPolicy`
         every GEMM runs with; recompute: sub-layers whose activations the backward recomputes
         instead of keeping ("attention": each block's attention with its norms, from the block's
-        input; "expert_out": the FP8 experts' output y from fc2's FP8 input; train.recompute); loss_chunk: the LM head's cross-entropy by chunks of that many
-        tokens, the [T, V] logits never whole (moefp8.loss; train.loss_chunk; 0: off). `scale_stats`: the model's FP8 tile-scale recorder (off until the
-        caller turns it on)."""
+        input; "expert_out": the FP8 experts' output y, from fc2's FP8 input; train.recompute);
+        loss_chunk: the LM head's cross-entropy by chunks of that many tokens, the [T, V] logits
+        never whole (moefp8.loss; train.loss_chunk; 0: off). `scale_stats`: the model's FP8
+        tile-scale recorder (off until the caller turns it on)."""
         super().__init__()
         self.cfg, self.recipe, self.gemm, self.loss_chunk = cfg, recipe, gemm, loss_chunk
         self.scale_stats = ScaleStats()
