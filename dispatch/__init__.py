@@ -133,16 +133,18 @@ def ep_group_ranks(world_size: int, ep_size: int, num_experts: int) -> list[list
 
 def build_ep_group(world_size: int, ep_size: int, num_experts: int, timeout=None):
     """This rank's expert-parallel process group (torch.distributed must be initialized; every rank
-    must call this, in the same order: new_group is collective). ep_size == world_size: the default group.
-    timeout: a datetime.timedelta every collective of the group waits for its peers at most (None:
-    torch's default for new groups, 30 min on gloo, not the default group's)."""
+    must call this, in the same order: new_group is collective). ep_size == world_size: a group of
+    all ranks of its own, not the default group: a process group runs its collectives on one NCCL
+    stream in the order issued, so on the default group each dispatch and combine of the backward
+    would queue behind the data-parallel gradient all-reduces started before it (moefp8.grad_sync),
+    on the step's critical path. timeout: a datetime.timedelta every collective of the group waits
+    for its peers at most (None: torch's default for new groups, 30 min on gloo, not the default
+    group's)."""
     import torch.distributed as dist
 
     groups = ep_group_ranks(world_size, ep_size, num_experts)
     if dist.get_world_size() != world_size:
         raise ValueError(f"EP groups: world size {world_size} given, but torch.distributed has {dist.get_world_size()}")
-    if ep_size == world_size:
-        return dist.group.WORLD
     mine = None
     for ranks in groups:
         g = dist.new_group(ranks, timeout=timeout)
