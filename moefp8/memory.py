@@ -31,6 +31,7 @@ prints its plan beside the measured peak (`cuda_max_alloc_mb` in metrics.jsonl).
 """
 
 import argparse
+import itertools
 import math
 import sys
 from dataclasses import replace
@@ -128,6 +129,15 @@ def describe(pl: dict[str, float], capacity: float | None = None) -> str:
     return f"memory per GPU (plan): {parts} = {pl['total'] / GIB:.1f} GiB{tail}"
 
 
+def _more_recompute(cfg: Config) -> list[str]:
+    """train.recompute's entries this config could add, the cheaper first: expert_out (FP8 recipe; one
+    fc2 GEMM per MoE layer again), attention (not with dispatch.overlap=true)."""
+    t = cfg.train
+    return [r for r in ("expert_out", "attention") if r not in t.recompute
+            and not (r == "attention" and cfg.dispatch.overlap is True)
+            and not (r == "expert_out" and cfg.recipe.recipe != "fp8")]
+
+
 def fits(cfg: Config, capacity: float, device_name: str = "this GPU", world: int = 1) -> dict[str, float]:
     """The plan for `world` processes; UserError (one line: the need, the parts, what to change) when
     its total exceeds HEADROOM of `capacity` bytes."""
@@ -142,7 +152,13 @@ def fits(cfg: Config, capacity: float, device_name: str = "this GPU", world: int
     if fit:
         hints.append(f"lower train.micro_batch={t.micro_batch} to {fit} or less (activations and logits: "
                      f"{(pl['activations'] + pl['logits']) / GIB:.1f} GiB now; train.grad_accum keeps the batch)")
-    else:
+    more = _more_recompute(cfg)
+    rec = next((list(t.recompute) + list(c) for n in range(1, len(more) + 1) for c in itertools.combinations(more, n)
+                if plan(replace(cfg, train=replace(t, recompute=list(t.recompute) + list(c))), world)["total"]
+                <= HEADROOM * capacity), None)
+    if rec:
+        hints.append(f"set train.recompute=[{','.join(rec)}] (the same micro-batch, some of the backward again)")
+    if not fit and not rec:
         hints.append(f"raise dispatch.ep_size={d.ep_size} (the experts' share of the {static / GIB:.1f} GiB of "
                      f"weights and optimizer state), shorten train.seq_len={t.seq_len}, or use GPUs with more memory")
     raise UserError(f"model.name={cfg.model.name}: {describe(pl)}, more than {HEADROOM:.0%} of the "
@@ -163,10 +179,11 @@ def out_of_memory(cfg: Config, world: int, step: int, rank: int, peak: float | N
         skew = (f" The experts' load was {load_max_over_mean:.1f}x the mean at the last logged step: the rank holding "
                 f"the busiest experts receives up to {ep}x the tokens the plan counts (a fresh router's early steps).")
     used = f"peak {peak / GIB:.1f} of {capacity / GIB:.1f} GiB; " if peak is not None and capacity else ""
+    more = _more_recompute(cfg)
+    rec = f", or set train.recompute=[{','.join([*t.recompute, *more])}]" if more else ""
     return RankError(f"step {step}, rank {rank}: CUDA out of memory ({used}the plan: {plan(cfg, world)['total'] / GIB:.1f} "
                      f"GiB).{skew} Lower train.micro_batch="
-                     f"{t.micro_batch} (train.grad_accum keeps the batch), or set train.recompute=[attention]; "
-                     f"the last checkpoint resumes the run")
+                     f"{t.micro_batch} (train.grad_accum keeps the batch){rec}; the last checkpoint resumes the run")
 
 
 def main(argv=None) -> None:

@@ -96,6 +96,19 @@ def test_refusal_is_one_line_naming_the_fix():
         fits(load_config(["experiment=v2_lite_ep4", "train.micro_batch=1"]), 79.1 * GIB)
 
 
+def test_refusal_names_the_recompute_that_fits():
+    """Where recomputing keeps the micro-batch: the fewest train.recompute entries that make the plan fit
+    (expert_out only in the FP8 recipe), and that advice holds."""
+    for recipe, mb, want in (("fp8", 22, "[expert_out]"), ("fp8", 32, "[expert_out,attention]"),
+                             ("bf16", 20, "[attention]")):
+        over = ["experiment=moe3b_gpu", f"train.micro_batch={mb}", f"recipe={recipe}"]
+        with pytest.raises(UserError) as e:
+            fits(load_config(over), 79.1 * GIB)
+        msg = str(e.value)
+        assert f"lower train.micro_batch={mb} to " in msg and f", or set train.recompute={want} (the same" in msg
+        fits(load_config([*over, f"train.recompute={want}"]), 79.1 * GIB)  # the advice holds
+
+
 def test_cli():
     r = subprocess.run([sys.executable, "-m", "moefp8.memory", "experiment=v2_lite_ep4", "--gib", "139"],
                        capture_output=True, text=True, cwd=REPO)

@@ -383,7 +383,7 @@ def test_out_of_memory_is_one_line(data_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Transformer, "forward", oom_on_third)
     with pytest.raises(RankError, match=r"^step 3, rank 0: CUDA out of memory \(the plan: \d+\.\d GiB\)\. Lower "
-                                        r"train\.micro_batch=4 .*train\.recompute=\[attention\]"):
+                                        r"train\.micro_batch=4 .*train\.recompute=\[expert_out,attention\]; the last checkpoint"):
         train(compose_config(base(data_dir, tmp_path / "oom", **{"train.steps": 5})))
 
 
