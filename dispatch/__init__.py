@@ -131,7 +131,7 @@ def ep_group_ranks(world_size: int, ep_size: int, num_experts: int) -> list[list
     return [list(range(i, i + ep_size)) for i in range(0, world_size, ep_size)]
 
 
-def build_ep_group(world_size: int, ep_size: int, num_experts: int, timeout=None):
+def build_ep_group(world_size: int, ep_size: int, num_experts: int, timeout=None, nccl_ctas: int = 0):
     """This rank's expert-parallel process group (torch.distributed must be initialized; every rank
     must call this, in the same order: new_group is collective). ep_size == world_size: a group of
     all ranks of its own, not the default group: a process group runs its collectives on one NCCL
@@ -139,15 +139,20 @@ def build_ep_group(world_size: int, ep_size: int, num_experts: int, timeout=None
     would queue behind the data-parallel gradient all-reduces started before it (moefp8.grad_sync),
     on the step's critical path. timeout: a datetime.timedelta every collective of the group waits
     for its peers at most (None: torch's default for new groups, 30 min on gloo, not the default
-    group's)."""
+    group's). nccl_ctas: on NCCL, the most CTAs each of the group's collectives may use (ncclConfig
+    max_ctas; the SMs left to the compute beside an overlapped exchange); 0: NCCL's choice."""
     import torch.distributed as dist
 
     groups = ep_group_ranks(world_size, ep_size, num_experts)
     if dist.get_world_size() != world_size:
         raise ValueError(f"EP groups: world size {world_size} given, but torch.distributed has {dist.get_world_size()}")
+    opts = None
+    if nccl_ctas and dist.get_backend() == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.min_ctas, opts.config.max_ctas = 1, nccl_ctas
     mine = None
     for ranks in groups:
-        g = dist.new_group(ranks, timeout=timeout)
+        g = dist.new_group(ranks, timeout=timeout, pg_options=opts)
         if dist.get_rank() in ranks:
             mine = g
     return mine

@@ -112,6 +112,12 @@ class DispatchConfig:
     # copies, no SMs taken: one host, GPUs, the capacity mode only)
     transport: str = "collective"
     slots: int = 4  # copy_engine: send slots in its ring (more: fewer waits for the slowest peer, more memory)
+    # the most CTAs (SMs) an EP collective may use: ncclConfig max_ctas of the EP group's communicator
+    # (NCCL only, 1-64; 0: NCCL's choice). Fewer leave SMs to the GEMMs beside an overlapped exchange,
+    # which run slower next to resident NCCL kernels (bench/notes/overlap.md, session 45)
+    nccl_ctas: int = 0
+    # dispatch.overlap: SMs the overlapped layers' GEMMs leave free for the exchanges (OverlapPolicy); 0: none
+    gemm_sm_reserve: int = 0
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
     # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off
     max_nodes: int = 0
@@ -300,6 +306,16 @@ def validate(cfg: Config) -> None:
                          f"dispatch.mode=capacity or auto, or dispatch.transport=collective")
     if d.slots < 2:
         raise ValueError(f"dispatch.slots={d.slots}: must be >= 2 (the copy_engine transport's send slots)")
+    if not isinstance(d.nccl_ctas, int) or not 0 <= d.nccl_ctas <= 64:
+        raise ValueError(f"dispatch.nccl_ctas={d.nccl_ctas!r}: expected 0 (NCCL's choice) to 64 CTAs per collective")
+    if d.nccl_ctas and d.backend != "all_to_all":
+        raise ValueError(f"dispatch.nccl_ctas={d.nccl_ctas}: caps the all_to_all backend's NCCL exchanges; got "
+                         f"dispatch={d.backend} (deepep: its own SM count); set dispatch.nccl_ctas=0")
+    if not isinstance(d.gemm_sm_reserve, int) or d.gemm_sm_reserve < 0:
+        raise ValueError(f"dispatch.gemm_sm_reserve={d.gemm_sm_reserve!r}: expected an integer >= 0 (0: all SMs)")
+    if d.gemm_sm_reserve and d.overlap is False:
+        raise ValueError(f"dispatch.gemm_sm_reserve={d.gemm_sm_reserve}: SMs left free while an overlapped layer runs; "
+                         f"set dispatch.overlap=true or auto, or dispatch.gemm_sm_reserve=0")
     for key, off in (("capacity", "train.micro_batch * train.seq_len"), ("max_nodes", "off"),
                      ("ranks_per_node", "torchrun's LOCAL_WORLD_SIZE")):
         if getattr(d, key) < 0:

@@ -82,7 +82,7 @@ class Parallel:
         # new_group is collective: every rank creates every group, in order, each with the timeout
         # (new_group's default is 30 min for gloo, 10 for NCCL, not the world's).
         if d.backend != "local":
-            self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts, timeout)
+            self.ep_group = build_ep_group(self.world, ep, cfg.model.n_experts, timeout, d.nccl_ctas)
         if d.hierarchical:
             from moefp8.dispatch.hierarchical import build_node_groups
 

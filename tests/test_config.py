@@ -49,6 +49,12 @@ REPO = Path(__file__).resolve().parent.parent
     (["dispatch=all_to_all", "dispatch.mode=exact", "dispatch.transport=copy_engine"],
      "dispatch.transport=copy_engine moves the all_to_all backend's capacity-mode blocks only"),
     (["dispatch=all_to_all", "dispatch.slots=1"], "dispatch.slots=1: must be >= 2"),
+    (["dispatch=all_to_all", "dispatch.nccl_ctas=65"], "dispatch.nccl_ctas=65: expected 0 (NCCL's choice) to 64"),
+    (["dispatch=deepep", "dispatch.nccl_ctas=8"], "dispatch.nccl_ctas=8: caps the all_to_all backend's NCCL"),
+    (["dispatch=all_to_all", "dispatch.overlap=true", "dispatch.gemm_sm_reserve=-1"],
+     "dispatch.gemm_sm_reserve=-1: expected an integer >= 0"),
+    (["dispatch=all_to_all", "dispatch.gemm_sm_reserve=8"],
+     "dispatch.gemm_sm_reserve=8: SMs left free while an overlapped layer runs; set dispatch.overlap=true or auto"),
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),

@@ -109,6 +109,10 @@ def test_the_capacity_follows_the_schedule():
         caps.append(model.dispatcher.capacity)
         auto.end_step(1.0 if model.overlap is None else 2.0)
     assert caps == [768, 384] * 4 + [768, 768] and auto.choice == "off"
+    assert auto.policy.gemm_sm_reserve == 0
+    c.dispatch.gemm_sm_reserve = 16  # the overlapped trials' GEMMs leave that many SMs to the exchanges
+    assert overlap_auto(c, par, model, lambda s: None).policy.gemm_sm_reserve == 16
+    c.dispatch.gemm_sm_reserve = 0
     c.dispatch.capacity = 1000
     model.dispatcher.capacity = 1000
     auto = overlap_auto(c, par, model, lambda s: None)

@@ -490,6 +490,8 @@ def _bad_inputs_capacity(rank):
 def _groups(rank, world, dev):
     g = build_ep_group(world, world, 8)  # all ranks, on a communicator of its own (not the gradients')
     assert g is not dist.group.WORLD and dist.get_world_size(g) == world and dist.get_rank(g) == rank
+    g = build_ep_group(world, world, 8, nccl_ctas=8)  # NCCL's CTA cap: nothing to cap on gloo
+    assert dist.get_world_size(g) == world
     g = build_ep_group(world, 1, 8)  # EP=1 groups of one rank each: all_to_all with itself
     disp = build_dispatcher("all_to_all", 8, g)
     assert disp.world == 1 and disp.num_local_experts == 8
