@@ -1,6 +1,7 @@
 """tools/convergence.py: both recipes train through the real entry point; JSON and PNG written."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -101,6 +102,10 @@ def test_recipe_means():
     assert got["runs_per_recipe"] == {"bf16": 2, "fp8": 2} and "bf16_seed+1" not in got["last_half_mean"]
     assert got["bf16_spread_pct"] == pytest.approx(100 * 0.02 / 1.01, abs=1e-4)
     assert got["fp8_spread_pct"] == pytest.approx(100 * 0.02 / 1.03, abs=1e-4)
+    # the difference's standard error from the runs' scatter: each recipe's sample variance 0.0002 over 2 runs
+    assert got["se_pct"] == pytest.approx(100 * math.sqrt(0.0002 / 2 + 0.0002 / 2) / 1.01, abs=1e-4)
+    assert got["resolves_pct"] == pytest.approx(2 * got["se_pct"], abs=1e-3)
+    assert "se_pct" not in recipe_means({n: c for n, c in curves.items() if n != "fp8_again"})  # one FP8 run: no scatter
     curves["fp8_again"]["val"] = {2: 1.0}  # no evaluation in the last half: the run is left out
     assert recipe_means(curves)["runs_per_recipe"]["fp8"] == 1
     assert recipe_means({"bf16": run(1, 1, 1, 1), "fp8": {"steps": [1, 2], "val": {}}}) == {}  # no held-out fp8

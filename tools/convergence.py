@@ -297,7 +297,11 @@ def train(runs: dict[str, Path], overrides: list[str], parallel: bool, fp8_overr
 def recipe_means(curves: dict) -> dict:
     """Recipe against recipe on the held-out loss: each same-seed run's mean over the last half (the
     seed+1 run is left out: other data order), then the FP8 runs' average relative to the BF16 runs',
-    with each recipe's spread (max - min over its runs, relative) beside it. {} without held-out losses."""
+    with each recipe's spread (max - min over its runs, relative) beside it. With two or more runs
+    of each recipe, also the standard error of that difference from the runs' own scatter (`se_pct`:
+    sqrt(s_fp8^2 / n_fp8 + s_bf16^2 / n_bf16), relative): a difference within the threshold says
+    little unless 2 x se_pct is under it too (`resolves_pct`: the smallest difference these runs can
+    tell from zero, 2 x se). {} without held-out losses."""
     last = {}
     for name, c in curves.items():
         steps = [s for s in c["val"] if s > c["steps"][-1] / 2]
@@ -307,8 +311,13 @@ def recipe_means(curves: dict) -> dict:
     if not all(group.values()):
         return {}
     mean = {r: sum(v) / len(v) for r, v in group.items()}
+    se = {}
+    if all(len(v) > 1 for v in group.values()):
+        var = {r: statistics.variance(v) / len(v) for r, v in group.items()}
+        se_pct = 100 * math.sqrt(var["fp8"] + var["bf16"]) / mean["bf16"]
+        se = {"se_pct": round(se_pct, 4), "resolves_pct": round(2 * se_pct, 4)}
     return {"impl": "fp8 runs vs bf16 runs: mean held-out loss over the last half, relative",
-            "value": round(100 * (mean["fp8"] / mean["bf16"] - 1), 4), "unit": "%",
+            "value": round(100 * (mean["fp8"] / mean["bf16"] - 1), 4), "unit": "%", **se,
             "runs_per_recipe": {r: len(v) for r, v in group.items()},
             **{f"{r}_spread_pct": round(100 * (max(v) - min(v)) / mean[r], 4) for r, v in group.items()},
             "last_half_mean": {n: round(v, 6) for n, v in last.items()}}
@@ -546,7 +555,9 @@ def main() -> None:
     if by_recipe:
         print(f"held-out loss, last-half mean, {by_recipe['runs_per_recipe']['fp8']} fp8 runs vs "
               f"{by_recipe['runs_per_recipe']['bf16']} bf16 runs: {by_recipe['value']:+.3f}% (the bf16 runs span "
-              f"{by_recipe['bf16_spread_pct']:.3f}%, the fp8 runs {by_recipe['fp8_spread_pct']:.3f}%)")
+              f"{by_recipe['bf16_spread_pct']:.3f}%, the fp8 runs {by_recipe['fp8_spread_pct']:.3f}%)"
+              + (f"; standard error {by_recipe['se_pct']:.3f}%: these runs tell apart differences of "
+                 f"{by_recipe['resolves_pct']:.3f}% or more" if "se_pct" in by_recipe else ""))
     for what, vs_mean in vs_means.items():
         print(f"{what} vs the mean of the bf16 runs ({', '.join(bf16_runs)}): max {vs_mean['max_pct']:.3f}% at step "
               f"{vs_mean['max_step']}, mean {vs_mean['mean_pct']:+.3f}%, {vs_mean['share_within_threshold']:.1%} of "
