@@ -131,10 +131,10 @@ def describe(pl: dict[str, float], capacity: float | None = None) -> str:
 
 def _more_recompute(cfg: Config) -> list[str]:
     """train.recompute's entries this config could add, the cheaper first: expert_out (FP8 recipe; one
-    fc2 GEMM per MoE layer again), attention (not with dispatch.overlap=true)."""
+    fc2 GEMM per MoE layer again), attention (not with dispatch.overlap true or auto)."""
     t = cfg.train
     return [r for r in ("expert_out", "attention") if r not in t.recompute
-            and not (r == "attention" and cfg.dispatch.overlap is True)
+            and not (r == "attention" and cfg.dispatch.overlap)
             and not (r == "expert_out" and cfg.recipe.recipe != "fp8")]
 
 

@@ -107,6 +107,12 @@ def test_refusal_names_the_recompute_that_fits():
         msg = str(e.value)
         assert f"lower train.micro_batch={mb} to " in msg and f", or set train.recompute={want} (the same" in msg
         fits(load_config([*over, f"train.recompute={want}"]), 79.1 * GIB)  # the advice holds
+    # with the overlap (true or auto) the attention cannot recompute (config.validate): never advised then
+    from moefp8.memory import _more_recompute
+
+    cfg = load_config(["experiment=moe3b_gpu"])
+    for overlap, want in ((False, ["expert_out", "attention"]), (True, ["expert_out"]), ("auto", ["expert_out"])):
+        assert _more_recompute(replace(cfg, dispatch=replace(cfg.dispatch, overlap=overlap))) == want
 
 
 def test_cli():
