@@ -270,11 +270,12 @@ def unsent_rows_garbage(seed: int):
         A.pack_capacity, A.pack_capacity_cached = pc, pcc
 
 
-def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, mode="exact", backend="all_to_all"):
+def _layer_case(rank, world, dev, recipe, T_r, E, K, skew, report, n_shared=0, mode="exact", backend="all_to_all",
+                recompute_out=False):
     group = None
     torch.manual_seed(0)
     ref = MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe)).to(dev)
-    ep = MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe),
+    ep = MoELayer(H, I, E, K, n_shared=n_shared, recipe=Recipe(recipe), recompute_out=recompute_out,
                   dispatcher=build_dispatcher(backend, E, group, capacity=max(T_r), mode=mode)).to(dev)
     E_l = E // world
     with torch.no_grad():
@@ -354,6 +355,10 @@ def _layer_cases(rank, world, dev, recipes):
                               mode="capacity")
         for a, b in zip(exact, cap):  # the modes give the same rows in the same order and the same sums
             assert torch.equal(a, b)
+        if recipe == "fp8":  # y recomputed from fc2's FP8 input (train.recompute=[expert_out]): the same bits under EP
+            again = _layer_case(rank, world, dev, recipe, Ts[0], 4 * world, 3, False, report, n_shared=1,
+                                recompute_out=True)
+            assert all(torch.equal(a, b) for a, b in zip(exact, again))
         for mode in ("exact", "capacity"):  # zero-token rank, skew
             # Capacity mode on CPU: not skewed. There a rank that receives rows but no routed pair
             # (M = 0) trips kernels/permute.py's torch references (unpermute_combine_ref and
