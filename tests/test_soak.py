@@ -24,7 +24,10 @@ def test_soak_smoke(tmp_path, data_dir):
     assert doc["tool"] == "soak" and doc["device"] == "cpu" and doc["tps_metric"] == "tokens_per_cpu_s"
     cases = {row["case"]: row for row in doc["rows"]}
     assert {"rss_mb", "tokens_per_s_wall", "tokens_per_cpu_s"} <= set(cases)
-    assert all(row["baseline_value"] > 0 and row["value"] > 0 for row in doc["rows"])
+    assert all(row["baseline_value"] > 0 for row in doc["rows"])
+    # the last third's figures: memory and the per-step rate; the windowed rates may read 0 on a loaded 2-core
+    # machine (half-second windows with no finished step: checkpoint saves, other test workers)
+    assert cases["rss_mb"]["value"] > 0 and cases["tokens_per_s_step_median"]["value"] > 0
     assert doc["ok"] == all(row["ok"] for row in doc["rows"] if row["decides"]) and (r.returncode == 0) == doc["ok"]
     assert len(doc["samples"]) >= 6 and doc["samples"][-1]["step"] > doc["samples"][0]["step"]
     log = (tmp_path / "soak.log").read_text()
