@@ -77,9 +77,14 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                                       node_groups=par.node_groups)
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
     return Transformer.build(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, device=device, seed=t.seed,
-                             overlap=OverlapPolicy(gemm_sm_reserve=d.gemm_sm_reserve) if d.overlap is True else None,
+                             overlap=overlap_policy(cfg) if d.overlap is True else None,
                              gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
                              recompute=tuple(t.recompute), loss_chunk=t.loss_chunk)
+
+
+def overlap_policy(cfg: Config) -> OverlapPolicy:
+    """The two micro-batch schedule's policy (dispatch.overlap true, or auto's trials): its SM reserve."""
+    return OverlapPolicy(gemm_sm_reserve=cfg.dispatch.gemm_sm_reserve)
 
 
 def _sharded(par: Parallel | None, model: Transformer) -> set:
@@ -120,8 +125,8 @@ def overlap_auto(cfg: Config, par: Parallel | None, model: Transformer, say=prin
     def switch(schedule: str) -> None:
         if caps is not None:
             model.dispatcher.capacity = caps[schedule]
-    return OverlapAuto(model, OverlapPolicy(gemm_sm_reserve=cfg.dispatch.gemm_sm_reserve), all_reduce=par.all_reduce_, world=par.world, say=say, on_switch=switch,
-                       device=par.device)
+    return OverlapAuto(model, overlap_policy(cfg), all_reduce=par.all_reduce_, world=par.world, say=say,
+                       on_switch=switch, device=par.device)
 
 
 def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print) -> int:

@@ -153,8 +153,8 @@ def fits(cfg: Config, capacity: float, device_name: str = "this GPU", world: int
         hints.append(f"lower train.micro_batch={t.micro_batch} to {fit} or less (activations and logits: "
                      f"{(pl['activations'] + pl['logits']) / GIB:.1f} GiB now; train.grad_accum keeps the batch)")
     more = _more_recompute(cfg)
-    rec = next((list(t.recompute) + list(c) for n in range(1, len(more) + 1) for c in itertools.combinations(more, n)
-                if plan(replace(cfg, train=replace(t, recompute=list(t.recompute) + list(c))), world)["total"]
+    tries = ([*t.recompute, *c] for n in range(1, len(more) + 1) for c in itertools.combinations(more, n))
+    rec = next((r for r in tries if plan(replace(cfg, train=replace(t, recompute=r)), world)["total"]
                 <= HEADROOM * capacity), None)
     if rec:
         hints.append(f"set train.recompute=[{','.join(rec)}] (the same micro-batch, some of the backward again)")

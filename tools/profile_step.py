@@ -353,17 +353,15 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
                 step()
             sync(device)
         events = prof.key_averages()
-        try:  # the profiler's events API differs between torch versions: without it, no timeline (said)
-            gpu = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+        try:  # the profiler's events API differs between torch versions: without it, neither table (said)
+            evs = prof.events()
+            gpu = [(e.name, e.time_range.start, e.time_range.end) for e in evs
                    if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+            scopes = by_scope(evs, profile_steps, args.top) if dev == "cuda" else []
         except AttributeError as err:
-            print(f"profile_step: no GPU timeline: this torch's profiler events lack {err}")
+            print(f"profile_step: no GPU timeline or kernels by scope: this torch's profiler events lack {err}")
             gpu = []
         gpu_timeline = timeline(gpu, profile_steps, args.top)
-        try:
-            scopes = by_scope(prof.events(), profile_steps, args.top) if dev == "cuda" else []
-        except AttributeError as err:  # as above: another torch's events
-            print(f"profile_step: no kernels by scope: this torch's profiler events lack {err}")
     for e in events:
         on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
         annotation = getattr(e, "is_user_annotation", False)  # record_function ranges (on the GPU too): not kernels
