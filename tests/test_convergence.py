@@ -13,8 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import convergence  # noqa: E402
-from convergence import (RERUN, compare, ema, grad_spikes, mean_run, recipe_means,  # noqa: E402
-                         run_overrides, spikes_before, where)
+from convergence import (RERUN, SEEDED, compare, ema, grad_spikes, mean_run, recipe_means,  # noqa: E402
+                         run_overrides, seed_pairs, spikes_before, where)
 
 
 def in_process(cmd: list[str], capsys, monkeypatch):
@@ -47,6 +47,10 @@ def test_noise_floor_runs():
     assert run_overrides("bf16_again", base, ablation) == [*base, "recipe=bf16"]
     assert run_overrides("fp8_again2", base, ablation) == [*base, "recipe=fp8", *ablation]  # a third FP8 run
     assert RERUN.fullmatch("bf16_again3") and not RERUN.fullmatch("fp8_seed+1") and not RERUN.fullmatch("fp8_x")
+    # either recipe at another seed (the seed pairs): the configured seed + K, the FP8 ablation on the FP8 ones
+    assert run_overrides("fp8_seed+2", base, ablation) == [*base, "recipe=fp8", "train.seed=5", *ablation]
+    assert run_overrides("bf16_seed+2", ["model=tiny"]) == ["model=tiny", "recipe=bf16", "train.seed=2"]
+    assert SEEDED.fullmatch("fp8_seed+12") and not SEEDED.fullmatch("fp8_seed+") and not SEEDED.fullmatch("fp8_again")
 
 
 def test_compare_before_the_data_repeats():
@@ -109,6 +113,29 @@ def test_recipe_means():
     curves["fp8_again"]["val"] = {2: 1.0}  # no evaluation in the last half: the run is left out
     assert recipe_means(curves)["runs_per_recipe"]["fp8"] == 1
     assert recipe_means({"bf16": run(1, 1, 1, 1), "fp8": {"steps": [1, 2], "val": {}}}) == {}  # no held-out fp8
+
+
+def test_seed_pairs():
+    """FP8 against BF16 at each seed with both recipes (same-seed reruns averaged), then over the seeds with
+    the standard error from their scatter; the same-seed recipe means leave the other seeds out."""
+    def run(*val):  # held-out losses at steps 2, 4, 6, 8 of an 8-step run: the last half is steps 6 and 8
+        return {"steps": list(range(1, 9)), "val": dict(zip((2, 4, 6, 8), val))}
+
+    curves = {"bf16": run(9, 9, 1.0, 1.0), "fp8": run(9, 9, 0.99, 0.99), "bf16_again": run(9, 9, 1.0, 1.0),
+              "fp8_again": run(9, 9, 0.99, 0.99),  # seed +0: fp8 -1%, the reruns agree
+              "bf16_seed+1": run(0, 0, 2.0, 2.0), "fp8_seed+1": run(0, 0, 2.02, 2.02),  # seed +1: +1%
+              "bf16_seed+2": run(0, 0, 4.0, 4.0), "fp8_seed+2": run(0, 0, 4.0, 4.0),  # seed +2: 0%
+              "bf16_seed+3": run(0, 0, 3.0, 3.0),  # one recipe only: no pair
+              "bf16_megablocks": run(0, 0, 7.0, 7.0)}  # another MoE: not a draw of either recipe
+    got = seed_pairs(curves)
+    assert got["seeds"] == 3 and got["per_seed_pct"] == pytest.approx({"seed+0": -1.0, "seed+1": 1.0, "seed+2": 0.0})
+    assert got["value"] == pytest.approx(0.0, abs=1e-4)
+    assert got["se_pct"] == pytest.approx(1.0 / math.sqrt(3), abs=1e-4)  # sample sd of (-1, 1, 0) is 1
+    assert got["resolves_pct"] == pytest.approx(2 / math.sqrt(3), abs=1e-3)
+    same = recipe_means(curves)  # one seed, reruns agree: -1% with no scatter, which says nothing of other seeds
+    assert same["value"] == pytest.approx(-1.0, abs=1e-4) and same["se_pct"] == 0
+    assert set(same["last_half_mean"]) == {"bf16", "fp8", "bf16_again", "fp8_again"}
+    assert seed_pairs({n: curves[n] for n in ("bf16", "fp8", "bf16_seed+1")}) == {}  # one seed with both recipes
 
 
 def test_mean_run():
