@@ -25,13 +25,13 @@ statistics recorder (`moefp8.fp8.ScaleStats`) of the layer that calls them.
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 
 from moefp8.fp8 import Fp8Tensor, ScaleStats
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
 from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, requant_colwise, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
+from moefp8.scope import scope
 
 
 class WeightCache:
@@ -79,12 +79,12 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
     """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I] the cache for backward, a8 "1x128"
     [M, I] fc2's input: y = fp8_grouped_gemm(a8, w2_8) again gives y bit for bit).
     off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop)."""
-    with record_function("fc1"):
+    with scope("fc1"):
         h = _mm(x8, w1_8, off, off_host, gemm)
-    with record_function("swiglu"):
+    with scope("swiglu"):
         h8, a8 = swiglu_quant_cache(h, scale_fmt, colmajor_scale=True)
         stats.record("act", a8)
-    with record_function("fc2"):
+    with scope("fc2"):
         return _mm(a8, w2_8, off, off_host, gemm), h8, a8
 
 
@@ -98,15 +98,15 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
     only, (dW1, dW2) of another micro-batch that these are added into (and returned): the two
     micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies."""
     into1, into2 = dw_into if dw_into is not None and off is not None else (None, None)
-    with record_function("bwd_fc2"):
+    with scope("bwd_fc2"):
         da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host, gemm)
         dy_col = dy_col if dy_col is not None else requant_colwise(dy8, scale_fmt)
         dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host, gemm, into2)
         del dy_col
-    with record_function("bwd_swiglu"):
+    with scope("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
         stats.record("grad", dh8)
-    with record_function("bwd_fc1"):
+    with scope("bwd_fc1"):
         dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host, gemm,
                      into1)
         dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host, gemm) if want_dx else None
@@ -153,22 +153,22 @@ def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor | None) -> Tensor:
 
 def bf16_mlp_forward(x: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor):
     """x [M, H] bf16, BF16 weights -> (y [M, H] bf16, h [M, 2I] bf16, the cache for backward)."""
-    with record_function("fc1"):
+    with scope("fc1"):
         h = bf16_grouped_mm(x, w1, off)
-    with record_function("swiglu"):
+    with scope("swiglu"):
         a = swiglu_bf16(h)
-    with record_function("fc2"):
+    with scope("fc2"):
         return bf16_grouped_mm(a, w2, off), h
 
 
 def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor, want_dx: bool = True):
     """BF16 weights -> (dx [M, H] bf16 or None, dW1 fp32, dW2 fp32)."""
-    with record_function("bwd_fc2"):
+    with scope("bwd_fc2"):
         da = bf16_grouped_mm(dy, w2, off, transpose_w=False)
         dw2 = bf16_grouped_wgrad(dy, swiglu_bf16(h), off)
-    with record_function("bwd_swiglu"):
+    with scope("bwd_swiglu"):
         dh = swiglu_backward_bf16(h, da)
-    with record_function("bwd_fc1"):
+    with scope("bwd_fc1"):
         dw1 = bf16_grouped_wgrad(dh, x, off)
         dx = bf16_grouped_mm(dh, w1, off, transpose_w=False) if want_dx else None
     return dx, dw1, dw2

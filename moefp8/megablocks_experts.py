@@ -18,7 +18,8 @@ imports it unless asked (`load`).
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.profiler import record_function
+
+from moefp8.scope import scope
 
 INSTALL = ("megablocks is built from source against the installed torch: `pip install --no-deps "
            "--no-build-isolation stanford-stk==0.7.1 grouped_gemm==0.3.0 megablocks==0.10.0` on a CUDA machine "
@@ -71,10 +72,10 @@ class MegablocksExperts(nn.Module):
         """x [T, H] bf16, the router's weights [T, K] and expert ids [T, K] -> [T, H] bf16:
         sum_k w[t, k] * SwiGLU_e(x[t]) over the picked experts e = idx[t, k]."""
         mlp = self.dmoe.mlp
-        with record_function("megablocks_weights"):
+        with scope("megablocks_weights"):
             mlp.w1, mlp.v1, mlp.w2 = megablocks_weights(w1_E2IH, w2_EHI)
         try:
-            with record_function("megablocks_dmoe"):
+            with scope("megablocks_dmoe"):
                 out = self.dmoe(x_TH, None, topk_w_TK.to(x_TH.dtype), topk_idx_TK)
         finally:
             mlp.w1 = mlp.v1 = mlp.w2 = None  # autograd keeps what backward needs; nothing else holds them

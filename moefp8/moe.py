@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.experts import WeightCache
@@ -26,6 +25,7 @@ from moefp8.moe_stages import RoutedExperts
 from moefp8.overlap import OverlappedMoE, OverlapPolicy
 from moefp8.recipe import Recipe
 from moefp8.router import Router
+from moefp8.scope import scope
 
 
 class MoEOutput(NamedTuple):
@@ -88,7 +88,7 @@ class MoELayer(nn.Module):
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
         shape = x.shape
         x2 = x.reshape(-1, self.hidden)
-        with record_function("router"):
+        with scope("router"):
             r = self.router(x2, seq_len)
         if self.overlap is not None:  # two micro-batches, communication overlapped (moefp8.overlap)
             sh = self.shared
@@ -100,6 +100,6 @@ class MoELayer(nn.Module):
         else:
             out = RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
         if self.shared is not None:
-            with record_function("shared"):
+            with scope("shared"):
                 out = out + self.shared(x2)
         return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)

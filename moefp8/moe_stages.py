@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 
 from moefp8.dispatch import Dispatcher
 from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
@@ -35,6 +34,7 @@ from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
                                     unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise
+from moefp8.scope import scope
 
 
 class Saved(NamedTuple):
@@ -99,15 +99,15 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, ev
     """(comm) quantize (FP8 recipe) and dispatch -> Dispatched. The quantization is the one
     compute kernel here: it must happen before the rows leave (docs/design.md §1). evented: through
     the dispatcher's event API (`_send`) -> (Dispatched, event)."""
-    with record_function("quant"):
+    with scope("quant"):
         xin = _wire_rows(layer, x_TH, "act")
-    with record_function("dispatch"):
+    with scope("dispatch"):
         return _send(layer.dispatcher, xin, evented, topk_idx_TK, topk_w_TK)
 
 
 def fwd_layout(layer, d) -> PermuteLayout:
     """(comm) the permutation of the received rows among the local experts; one host sync (the counts)."""
-    with record_function("layout"):
+    with scope("layout"):
         return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
 
 
@@ -115,7 +115,7 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
                 gemm: GemmPolicy) -> tuple[Tensor, Saved]:
     """permute -> expert MLP -> z[t] = sum_k w[t,k] y[row] (bf16, [T_recv, H]), and what backward needs."""
     fp8, fmt = layer.recipe.fp8, layer.recipe.scale_fmt
-    with record_function("permute"):
+    with scope("permute"):
         xp = permute_fp8(d.x, L, colmajor_scale=True) if fp8 else permute_rows(d.x, L)
     if fp8:
         y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
@@ -126,14 +126,14 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
     else:
         y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
         saved = Saved((d.x, None), (h, None), (y if want_dw else None, None), d.topk_w, L, d.handle)
-    with record_function("combine"):
+    with scope("combine"):
         return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer.dispatcher, d.handle, y)), saved
 
 
 def bwd_dispatch(layer, dout: Tensor, s: Saved, evented: bool = False):
     """(comm) the gradient of the combine: dout along the forward's routes (FP8 on the wire in the
     FP8 recipe, quantized 1x128 before it leaves). evented: -> (rows, event), as `fwd_dispatch`."""
-    with record_function("bwd_dispatch"):
+    with scope("bwd_dispatch"):
         d = _send(layer.dispatcher, _wire_rows(layer, dout, "grad"), evented, handle=s.handle)
         return (d[0].x, d[1]) if evented else d.x
 
@@ -149,29 +149,29 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
     dw = None
     if fp8:
         if s.y[0] is not None:
-            with record_function("bwd_dw"):
+            with scope("bwd_dw"):
                 y = s.y[0] if s.y[1] is None else fp8_grouped_gemm(  # recompute_out: = forward's y, bit for bit
                     Fp8Tensor(*s.y, "1x128"), layer.cache.get(w2, fmt), L.offsets, validate=False,
                     host_offsets=L.offsets_host, policy=gemm)
                 # EP: the FP8 gradient as it arrived, dequantized inside the kernel (no BF16 copy)
                 dw = combine_backward(dout if not disp.communicates else dz, y, L, w_TK, want_dy=False)[1]
                 del y  # [M, H] bf16 (recompute_out): not alive during the expert backward
-        with record_function("bwd_permute"):
+        with scope("bwd_permute"):
             dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
             x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)
         dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
                                          want_dx=want_dx, off_host=L.offsets_host, dw_into=dw_into, gemm=gemm,
                                          stats=layer.stats)
     else:
-        with record_function("bwd_dw"):
+        with scope("bwd_dw"):
             dy, dw = combine_backward(dz, s.y[0], L, w_TK, want_dy=True)
-        with record_function("bwd_permute"):
+        with scope("bwd_permute"):
             xp = permute_rows(s.x[0], L)
         dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, s.h[0], L.offsets, layer.cache.get(w1, "bf16"),
                                           layer.cache.get(w2, "bf16"), want_dx=want_dx)
     dx_rows = None
     if dxp is not None:  # sum each token's rows (their weights are already in dy)
-        with record_function("bwd_unpermute"):
+        with scope("bwd_unpermute"):
             dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK), out=combine_buffer(disp, s.handle, dxp))
     return dx_rows, dw, dw1, dw2
 
@@ -184,7 +184,7 @@ def bwd_combine(layer, dx_rows, dw, s: Saved, dtype, evented: bool = False):
     (fp32, repacked as bytes on the current stream) through its synchronous combine -> ((dx, dw),
     [the event that finishes dx]): dw is ready on the current stream."""
     disp = layer.dispatcher
-    with record_function("bwd_combine"):
+    with scope("bwd_combine"):
         if not evented:
             dx = disp.combine(dx_rows, s.handle).to(dtype) if dx_rows is not None else None
             return dx, disp.combine(dw, s.handle) if dw is not None else None
@@ -212,7 +212,7 @@ class RoutedExperts(torch.autograd.Function):
         z, saved = fwd_experts(layer, d, L, w1, w2, ctx.needs_input_grad[1], layer.gemm)
         save(ctx, [saved], w1, w2)
         ctx.layer = layer
-        with record_function("combine"):
+        with scope("combine"):
             return layer.dispatcher.combine(z, d.handle)
 
     @staticmethod
