@@ -8,12 +8,14 @@
                  and its transpose for dgrad (2 bytes per parameter) or one BF16 cast (2 bytes)
     masters      the FP32 parameters (4 bytes), which AdamW updates
     moments      Adam's two moments (2 x 2 bytes in BF16, 2 x 4 in FP32: optim.moment_dtype)
-    grads        FP32 gradients (4 bytes); on one process (world 1) only what the backward has made
-                 beyond the activations it freed by then, max(0, grads - activations - logits): there
-                 the gradients are made layer by layer as the backward frees the activations and are
-                 freed after the step, so the peak is the larger of the two (measured: the 3B preset
-                 peaks at the end of the backward with every gradient and no activation at micro-batch
-                 8, bench/notes/scale.md); several processes keep them in the gradient buckets
+    grads        FP32 gradients (4 bytes). Those the data-parallel buckets hold (moefp8.grad_sync: the
+                 replicated parameters' under several processes, the routed experts' where another
+                 rank holds the same experts) live through the step; the others (every gradient on one
+                 process; the routed experts' at dispatch.ep_size = world) are made layer by layer as
+                 the backward frees the activations and freed after the step, so they count only beyond
+                 the activations freed by then, max(0, made - activations - logits) (measured: the 3B
+                 preset peaks at the end of the backward with every gradient and no activation at
+                 micro-batch 8, bench/notes/scale.md; the 16B preset at EP4 peaks before the backward)
     activations  what the backward keeps of one micro-batch (train.micro_batch x train.seq_len
                  tokens), per layer from docs/design.md §2's "saved for backward" lists
     logits       the LM head's peak: BF16 logits, their FP32 copy and the saved log-softmax, then
@@ -113,8 +115,10 @@ def plan(cfg: Config, world: int = 1) -> dict[str, float]:
            "activations": float(acts),
            # train.loss_chunk: one chunk's logits at a time, plus the head's fp32 gradient kept to the backward
            "logits": (10.0 * min(T, t.loss_chunk) * m.vocab_size + 4.0 * embed) if t.loss_chunk else 10.0 * T * m.vocab_size}
-    if max(world, cfg.dispatch.ep_size) == 1:  # made as the activations free (module docstring)
-        out["grads"] = max(0.0, out["grads"] - out["activations"] - out["logits"])
+    world, ep = max(world, cfg.dispatch.ep_size), cfg.dispatch.ep_size
+    held = 0.0 if world == 1 else 4.0 * (replicated + (experts if world > ep else 0))  # in the buckets
+    made = out["grads"] - held  # made as the activations free (module docstring)
+    out["grads"] = held + max(0.0, made - out["activations"] - out["logits"])
     if t.cuda_graphs and cfg.dispatch.overlap == "auto" and cfg.dispatch.ep_size > 1 and t.micro_batch > 1 \
             and "attention" not in t.recompute:
         out["graphs"] = float(T * n_moe * per["attention"])
