@@ -51,6 +51,7 @@ def test_noise_floor_runs():
     assert run_overrides("fp8_seed+2", base, ablation) == [*base, "recipe=fp8", "train.seed=5", *ablation]
     assert run_overrides("bf16_seed+2", ["model=tiny"]) == ["model=tiny", "recipe=bf16", "train.seed=2"]
     assert SEEDED.fullmatch("fp8_seed+12") and not SEEDED.fullmatch("fp8_seed+") and not SEEDED.fullmatch("fp8_again")
+    assert not SEEDED.fullmatch("fp8_seed+0") and not SEEDED.fullmatch("bf16_seed+01")  # +0 is a rerun: fp8_again
 
 
 def test_compare_before_the_data_repeats():
