@@ -40,6 +40,9 @@ class Dispatched(NamedTuple):
     topk_idx: Tensor  # int64 [T_recv, K] local expert ids, -1 for experts on other ranks
     topk_w: Tensor  # fp32 [T_recv, K]
     handle: object  # the backend's frozen handle dataclass
+    # (token, slot) pairs received per local expert, where the backend has them on the host anyway (the
+    # all_to_all exact mode's count exchange, DeepEP's dispatch): the layout then reads back nothing
+    counts: list | None = None
 
 
 class Dispatcher(Protocol):

@@ -86,7 +86,7 @@ from moefp8.dispatch import Dispatched
 from moefp8.dispatch.copy_engine import check_slots
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, record_stream, unpack_ue8m0
 from moefp8.kernels.pack import (ERR_BAD_EXPERT, ERR_BAD_SCALE, ERR_OVER_CAPACITY, HDR_MAGIC, HDR_WORDS,
-                                 dispatch_layout, pack_capacity, pack_capacity_cached, pack_rows)
+                                 dispatch_layout, pack_capacity, pack_capacity_cached, pack_rows, pairs_per_expert)
 from moefp8.kernels.permute import PermuteLayout, unpermute_combine
 
 ROW_ALIGN = 16  # bytes: every field of a packed row starts 4-aligned, rows 16-aligned for the copy engines
@@ -471,11 +471,17 @@ class AllToAllDispatcher:
                                                               x.scale if payload == "fp8-pow2" else None)
         packed = pack_rows(x, send_tok, nb, _SCALES[payload], topk_idx, topk_w, dest, self.num_local_experts,
                            n_valid=n_send)
+        # and each destination's pairs per local expert, so that the receiver's layout needs no read-back
+        # of its own (bad ids counted nowhere: the meta's error code raises below)
+        El = self.num_local_experts
+        meta = torch.cat([meta, pairs_per_expert(topk_idx, self.num_experts).view(R, El)], dim=1)
         meta_in = torch.empty_like(meta)
         dist.all_to_all_single(meta_in, meta, group=self.group)
         both = torch.cat([meta[:, 0], meta_in.reshape(-1)]).tolist()  # the host sync
         send_splits = tuple(both[:R])
-        recv_meta = [both[R + 4 * i:R + 4 * i + 4] for i in range(R)]
+        W = 4 + El
+        recv_meta = [both[R + W * i:R + W * i + 4] for i in range(R)]
+        counts = [sum(both[R + W * i + 4 + e] for i in range(R)) for e in range(El)]
         self._raise_bad([m[2:] for m in recv_meta])
         for src, (_, b, _, _) in enumerate(recv_meta):
             if b != nb:
@@ -487,7 +493,7 @@ class AllToAllDispatcher:
         xr, w, local = self._unpack(self._exchange(packed[:S], send_splits, recv_splits), H, K, payload)
         local = local.long()  # already the local ids: the sender wrote them for this rank
         handle = AllToAllHandle(send_tok[:S], pos_TR, send_splits, recv_splits, T, local, w)
-        return Dispatched(xr, local, w, handle)
+        return Dispatched(xr, local, w, handle, counts)
 
     def _dispatch_capacity(self, x, payload: str, topk_idx: Tensor, topk_w: Tensor) -> Dispatched:
         T, H = x.shape

@@ -247,7 +247,8 @@ class DeepEPDispatcher:
             topk_idx=idx, topk_weights=w, config=self.configs[0], previous_event=ev, **ev_kw)
         self._raise_bad(per_expert, bad)  # DeepEP waited for the counts on the host: every rank knows
         handle = DeepEPHandle(h, T, r_idx, r_w)
-        return Dispatched(self._output(recv), r_idx, r_w, handle), ev
+        counts = list(per_expert) if len(per_expert) == self.num_local_experts else None  # the layout's, no read-back
+        return Dispatched(self._output(recv), r_idx, r_w, handle, counts), ev
 
     def dispatch(self, x, topk_idx: Tensor | None = None, topk_w: Tensor | None = None,
                  handle: DeepEPHandle | None = None) -> Dispatched:

@@ -206,6 +206,14 @@ def dispatch_layout(topk_idx: Tensor, num_experts: int, world: int, row_bytes: i
     return meta, pos, tok, dest, n
 
 
+def pairs_per_expert(topk_idx: Tensor, num_experts: int) -> Tensor:
+    """topk_idx int [T, K] -> int64 [E]: the (token, slot) pairs routed to each expert; -1 (not routed) and
+    ids outside [0, E) count nowhere. No host sync (a scatter-add, not bincount's min/max read-back)."""
+    bins = (topk_idx.reshape(-1).long() + 1).clamp_(0, num_experts + 1)  # -1 -> 0, e -> e + 1, bad -> 0 or E + 1
+    ones = torch.ones(1, dtype=torch.int64, device=bins.device).expand(bins.numel())
+    return torch.zeros(num_experts + 2, dtype=torch.int64, device=bins.device).scatter_add_(0, bins, ones)[1:-1]
+
+
 def dispatch_layout_ref(topk_idx: Tensor, num_experts: int, world: int, row_bytes: int, scale: Tensor | None = None):
     T, R = topk_idx.shape[0], world
     idx = topk_idx.long()

@@ -88,17 +88,18 @@ def _layout_count_kernel(idx_ptr, cnt_ptr, N, E, NB, BLOCK: tl.constexpr, E_CHUN
 
 
 @triton.jit
-def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, N, E, NB, BLOCK: tl.constexpr,
+def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, N, E, NB, M, BLOCK: tl.constexpr,
                          E_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
     """Per block: each pair's row = offsets[e] + (pairs of e in earlier blocks) + (pairs of e
     earlier in this block). csum = the inclusive cumsum of cnt [E + 1, NB] over blocks, its last
     column the counts. Every program rebuilds offsets from the counts; program 0 stores them, and chunk c
-    of experts writes its padding rows (-1) in program c % NB."""
+    of experts writes its padding rows (-1) in program c % NB. M: the rows src has (from the host's
+    counts): nothing is written past them, whatever the device's counts say."""
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK)
     p = b * BLOCK + j
     ids = tl.load(idx_ptr + p, mask=p < N, other=-1)
-    ok = ids >= 0  # ids < E: checked by the host
+    ok = (ids >= 0) & (ids < E)  # ids >= E: raised by the host (or ruled out by the dispatch's checks)
     e = tl.where(ok, ids, 0).to(tl.int32)
     rank = tl.sum(((e[:, None] == e[None, :]) & ok[None, :] & (j[None, :] < j[:, None])).to(tl.int32), axis=1)
     before = tl.load(csum_ptr + e * NB + b) - tl.load(cnt_ptr + e * NB + b)
@@ -114,12 +115,12 @@ def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, 
         run += tl.sum(padded, axis=0)
         if (e0 // E_CHUNK) % NB == b:
             pad = (start_c + c)[:, None] + tl.arange(0, ALIGN)[None, :]
-            tl.store(src_ptr + pad, -1, mask=pad < (start_c + padded)[:, None])
+            tl.store(src_ptr + pad, -1, mask=(pad < (start_c + padded)[:, None]) & (pad < M))
     one = tl.arange(0, 1)
     tl.store(off_ptr + E + one, run, mask=one * 0 + b == 0)
     dest = seg + before + rank
     tl.store(row_ptr + p, tl.where(ok, dest, -1), mask=p < N)
-    tl.store(src_ptr + dest, p, mask=ok)
+    tl.store(src_ptr + dest, p, mask=ok & (dest < M))
 
 
 @triton.jit
@@ -189,35 +190,45 @@ def _combine_bwd_kernel(dz_ptr, s_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H,
 # Wrappers
 
 
-def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None) -> PermuteLayout:
+def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
+                 counts: list[int] | None = None) -> PermuteLayout:
     """topk_idx_TK int [T, K], values in [0, E) or negative (not routed here) -> PermuteLayout.
 
     One host sync: the per-expert counts (and the number of ids >= E) in one read-back, which
     sizes src_M. Triton: 4 launches (count per block, cumsum over blocks, the read-back, place);
-    ids >= E raise after the read-back (the message's max id costs a second sync, only then)."""
+    ids >= E raise after the read-back (the message's max id costs a second sync, only then).
+    counts: the per-expert counts, where the caller has them on the host already (an EP dispatch
+    that exchanged them with its row counts, `Dispatched.counts`): no read-back, and the ids are
+    taken as checked (the dispatch raised on bad ones). They must be the ids' counts: the reference
+    raises where they are not; the Triton path writes nothing past the rows they size."""
     _check_topk_idx(topk_idx_TK)
+    if counts is not None and len(counts) != num_experts:
+        raise ValueError(f"build_layout: {len(counts)} counts for {num_experts} experts")
     if not use_triton(topk_idx_TK, impl):
-        return build_layout_ref(topk_idx_TK, num_experts)
+        return build_layout_ref(topk_idx_TK, num_experts, counts)
     T, K = topk_idx_TK.shape
     E, N, dev = num_experts, T * K, topk_idx_TK.device
     if N == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return PermuteLayout(empty.view(0, K), empty, torch.zeros(E + 1, dtype=torch.int32, device=dev), [0] * E, 0)
+    given = counts is not None
     flat = topk_idx_TK.contiguous().view(-1)
     BLOCK, E_CHUNK = 128, min(64, triton.next_power_of_2(max(E, 1)))
     NB = triton.cdiv(N, BLOCK)
     cnt_EB = torch.empty(E + 1, NB, dtype=torch.int32, device=dev)  # row E: ids >= E
     _layout_count_kernel[(NB,)](flat, cnt_EB, N, E, NB, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
     csum_EB = torch.cumsum(cnt_EB, 1, dtype=torch.int32)  # along the contiguous dim (the outer-dim scan took 0.44 ms)
-    *counts, n_bad = csum_EB[:, -1].tolist()  # the host sync
-    if n_bad:
-        bad = int(flat.max())
-        raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
+    if not given:
+        *counts, n_bad = csum_EB[:, -1].tolist()  # the host sync
+        if n_bad:
+            bad = int(flat.max())
+            raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
+    counts = [int(c) for c in counts]
     M = segment_offsets(counts)[-1]
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     src_M = torch.empty(M, dtype=torch.int32, device=dev)  # every row written: pairs and padding
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, N, E, NB, BLOCK=BLOCK,
+    _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, N, E, NB, M, BLOCK=BLOCK,
                                 E_CHUNK=E_CHUNK, ALIGN=ALIGN, num_warps=4)
     return PermuteLayout(row_TK, src_M, offsets, counts, M)
 
@@ -332,8 +343,9 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
 # References
 
 
-def build_layout_ref(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
-    """bincount, a stable sort, scatters: ~60 small ops and 3-4 host syncs on a GPU."""
+def build_layout_ref(topk_idx_TK: Tensor, num_experts: int, given: list[int] | None = None) -> PermuteLayout:
+    """bincount, a stable sort, scatters: ~60 small ops and 3-4 host syncs on a GPU. given: the
+    counts the caller expects (`build_layout`'s counts): a ValueError where the ids disagree."""
     _check_topk_idx(topk_idx_TK)
     dev = topk_idx_TK.device
     T, K = topk_idx_TK.shape
@@ -344,6 +356,8 @@ def build_layout_ref(topk_idx_TK: Tensor, num_experts: int) -> PermuteLayout:
     if len(counts) > num_experts:
         bad = int(flat.max())
         raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {num_experts} experts")
+    if given is not None and [int(c) for c in given] != counts:
+        raise ValueError(f"build_layout: the given counts {list(given)} are not the ids' {counts}")
     offsets_host = segment_offsets(counts)
     M = offsets_host[-1]
     offsets = torch.tensor(offsets_host, dtype=torch.int32, device=dev)

@@ -106,9 +106,10 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, ev
 
 
 def fwd_layout(layer, d) -> PermuteLayout:
-    """(comm) the permutation of the received rows among the local experts; one host sync (the counts)."""
+    """(comm) the permutation of the received rows among the local experts; one host sync (the counts),
+    none where the dispatch brought them (`Dispatched.counts`)."""
     with scope("layout"):
-        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts)
+        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts, counts=d.counts)
 
 
 def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool,

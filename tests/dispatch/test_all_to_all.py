@@ -123,6 +123,9 @@ def _check_dispatch(rank, world, dev, T_r, E, K, case, mode, transport="collecti
         assert torch.equal(d.x.scale[sent], pick(lambda s: s[0].scale))
         assert torch.equal(d.topk_w[sent], pick(lambda s: s[2]))
         assert torch.equal(d.topk_idx[sent], local)
+        # the exact mode brings the layout's counts (pairs per local expert, summed over the sources): no read-back
+        want_counts = torch.bincount(local[local >= 0].cpu(), minlength=E // world).tolist()
+        assert d.counts == (want_counts if mode == "exact" else None)
         # backward-style dispatch along the same routes: BF16 rows encoding the source
         xb = (torch.arange(T_r[rank], device=dev, dtype=torch.float32)[:, None] + 0.5 * rank).expand(-1, H)
         xb = xb.bfloat16().contiguous()

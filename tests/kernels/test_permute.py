@@ -59,6 +59,33 @@ def test_build_layout(T, K, E, kind):
     assert torch.equal(L.src_M, L2.src_M) and torch.equal(L.row_TK, L2.row_TK)
 
 
+@pytest.mark.parametrize("T,K,E,kind", CASES + [(129, 1, 3, "noisy"), (77, 5, 6, "unrouted")])
+def test_build_layout_with_the_dispatchs_counts(T, K, E, kind):
+    """The counts an EP dispatch brings (`Dispatched.counts`): the same layout without the read-back; the
+    reference raises where they are not the ids' counts (the Triton path trusts them, test below)."""
+    from moefp8.kernels.pack import pairs_per_expert
+
+    idx = routing(T, K, E, kind)
+    counts = pairs_per_expert(idx, E).tolist()
+    assert counts == torch.bincount(idx[(idx >= 0) & (idx < E)], minlength=E).tolist()
+    assert_same_layout(P.build_layout(idx, E, counts=counts), P.build_layout(idx, E))
+    if T and (idx >= 0).any():
+        wrong = [c + (e == 0) for e, c in enumerate(counts)]
+        with pytest.raises(ValueError, match="the given counts .* are not the ids'"):
+            P.build_layout(idx, E, counts=wrong)
+    with pytest.raises(ValueError, match=f"{E + 1} counts for {E} experts"):
+        P.build_layout(idx, E, counts=[0] * (E + 1))
+
+
+def test_pairs_per_expert_counts_no_bad_id():
+    from moefp8.kernels.pack import pairs_per_expert
+
+    idx = torch.tensor([[0, 3, -1], [3, 3, 9], [-7, 2, 0]])  # -1 / -7: not routed; 9: not an expert (counted nowhere)
+    assert pairs_per_expert(idx, 4).tolist() == [2, 0, 1, 3]
+    assert pairs_per_expert(idx.int(), 4).dtype == torch.int64
+    assert pairs_per_expert(torch.zeros(0, 2, dtype=torch.long), 3).tolist() == [0, 0, 0]
+
+
 def test_build_layout_errors():
     with pytest.raises(ValueError, match="holds expert 7, but there are only 4 experts"):
         P.build_layout(torch.tensor([[0, 7]]), 4)
@@ -225,6 +252,19 @@ LAYOUT_CASES = CASES + [(77, 5, 6, "unrouted"), (129, 1, 3, "noisy"), (50, 4, 1,
 def test_build_layout_interpreter_vs_ref(T, K, E, kind, dtype):
     idx = routing(T, K, E, kind, seed=T + E).to(dtype)
     assert_same_layout(P.build_layout(idx, E, impl="triton"), P.build_layout_ref(idx, E))
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,kind", [(37, 3, 5, "random"), (120, 4, 8, "skewed"), (129, 1, 3, "noisy")])
+def test_build_layout_interpreter_with_counts(T, K, E, kind):
+    """Given counts: no read-back, the same layout; counts that undercount the ids (a caller's bug) size
+    fewer rows, and the kernel writes none past them (the interpreter checks every access)."""
+    idx = routing(T, K, E, kind, seed=T)
+    counts = torch.bincount(idx[idx >= 0], minlength=E).tolist()
+    assert_same_layout(P.build_layout(idx, E, impl="triton", counts=counts), P.build_layout_ref(idx, E))
+    short = [max(0, c - 129) for c in counts]  # a whole 128-row segment fewer where there is one
+    L = P.build_layout(idx, E, impl="triton", counts=short)
+    assert L.M == P.segment_offsets(short)[-1] == L.src_M.numel() < P.build_layout_ref(idx, E).M
 
 
 @pytest.mark.interp
