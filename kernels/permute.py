@@ -119,8 +119,9 @@ def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, 
     one = tl.arange(0, 1)
     tl.store(off_ptr + E + one, run, mask=one * 0 + b == 0)
     dest = seg + before + rank
+    ok = ok & (dest < M)  # (past M: a pair the given counts did not count; no row, so no later read past M)
     tl.store(row_ptr + p, tl.where(ok, dest, -1), mask=p < N)
-    tl.store(src_ptr + dest, p, mask=ok & (dest < M))
+    tl.store(src_ptr + dest, p, mask=ok)
 
 
 @triton.jit

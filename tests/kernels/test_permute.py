@@ -265,6 +265,7 @@ def test_build_layout_interpreter_with_counts(T, K, E, kind):
     short = [max(0, c - 129) for c in counts]  # a whole 128-row segment fewer where there is one
     L = P.build_layout(idx, E, impl="triton", counts=short)
     assert L.M == P.segment_offsets(short)[-1] == L.src_M.numel() < P.build_layout_ref(idx, E).M
+    assert int(L.row_TK.max()) < L.M  # no pair points past the rows (a later gather would read out of bounds)
 
 
 @pytest.mark.interp
