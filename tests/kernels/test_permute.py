@@ -287,7 +287,9 @@ def test_build_layout_interpreter_errors():
 def test_build_layout_gpu_vs_ref(T, K, E, kind):
     idx = routing(T, K, E, kind, seed=T)
     for x in (idx, idx.int()):
-        assert_same_layout(P.build_layout(x.cuda(), E), P.build_layout_ref(x, E))
+        ref = P.build_layout_ref(x, E)
+        assert_same_layout(P.build_layout(x.cuda(), E), ref)
+        assert_same_layout(P.build_layout(x.cuda(), E, counts=ref.counts), ref)  # an EP dispatch's counts: no read-back
     with pytest.raises(ValueError, match=f"holds expert {E + 5}, but there are only {E} experts"):
         P.build_layout(torch.cat([idx, torch.tensor([[E + 5] * K])]).cuda(), E)
 
