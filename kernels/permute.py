@@ -212,19 +212,17 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
     if N == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return PermuteLayout(empty.view(0, K), empty, torch.zeros(E + 1, dtype=torch.int32, device=dev), [0] * E, 0)
-    given = counts is not None
     flat = topk_idx_TK.contiguous().view(-1)
     BLOCK, E_CHUNK = 128, min(64, triton.next_power_of_2(max(E, 1)))
     NB = triton.cdiv(N, BLOCK)
     cnt_EB = torch.empty(E + 1, NB, dtype=torch.int32, device=dev)  # row E: ids >= E
     _layout_count_kernel[(NB,)](flat, cnt_EB, N, E, NB, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
     csum_EB = torch.cumsum(cnt_EB, 1, dtype=torch.int32)  # along the contiguous dim (the outer-dim scan took 0.44 ms)
-    if not given:
+    if counts is None:
         *counts, n_bad = csum_EB[:, -1].tolist()  # the host sync
         if n_bad:
             bad = int(flat.max())
             raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
-    counts = [int(c) for c in counts]
     M = segment_offsets(counts)[-1]
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     src_M = torch.empty(M, dtype=torch.int32, device=dev)  # every row written: pairs and padding
