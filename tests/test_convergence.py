@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import convergence  # noqa: E402
 from convergence import (RERUN, SEEDED, compare, ema, grad_spikes, mean_run, recipe_means,  # noqa: E402
-                         run_overrides, seed_pairs, spikes_before, where)
+                         reference_of, run_overrides, seed_pairs, spikes_before, where)
 
 
 def in_process(cmd: list[str], capsys, monkeypatch):
@@ -137,6 +137,16 @@ def test_seed_pairs():
     assert same["value"] == pytest.approx(-1.0, abs=1e-4) and same["se_pct"] == 0
     assert set(same["last_half_mean"]) == {"bf16", "fp8", "bf16_again", "fp8_again"}
     assert seed_pairs({n: curves[n] for n in ("bf16", "fp8", "bf16_seed+1")}) == {}  # one seed with both recipes
+
+
+def test_plot_reference_is_the_bf16_run_of_the_seed():
+    """The plot draws an FP8 run at another seed against that seed's BF16 run (against seed 0's, the recipe's
+    difference would drown in the seeds' spread); BF16 runs at other seeds, reruns and FP8 runs without
+    their seed's BF16 against bf16."""
+    curves = dict.fromkeys(["bf16", "fp8", "fp8_again", "bf16_seed+1", "fp8_seed+1", "fp8_seed+2", "bf16_megablocks"])
+    got = {n: reference_of(n, curves) for n in curves}
+    assert got == {"bf16": "bf16", "fp8": "bf16", "fp8_again": "bf16", "bf16_seed+1": "bf16",
+                   "fp8_seed+1": "bf16_seed+1", "fp8_seed+2": "bf16", "bf16_megablocks": "bf16"}
 
 
 def test_mean_run():

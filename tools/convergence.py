@@ -373,9 +373,19 @@ def mean_run(curves: dict, names: list[str]) -> dict:
             "val": {s: sum(curves[n]["val"][s] for n in names) / len(names) for s in val}}
 
 
+def reference_of(name: str, curves: dict) -> str:
+    """The BF16 run a run is plotted against: an FP8 run at another seed against the BF16 run of its
+    seed where there is one (another seed draws other weights and data order: against seed 0's BF16 the
+    recipe's difference would drown in the seeds' spread); every other run against bf16 (a BF16 run at
+    another seed then draws that spread)."""
+    k = seed_offset(name)
+    return f"bf16_seed+{k}" if recipe_of(name) == "fp8" and k and f"bf16_seed+{k}" in curves else "bf16"
+
+
 def plot(path: Path, curves: dict, threshold: float) -> None:
-    """Top: each run's training loss (EMA). Middle: each run's EMA relative difference to bf16.
-    Bottom: the same for the held-out loss, where logged. One color per run throughout."""
+    """Top: each run's training loss (EMA). Middle: each run's EMA relative difference to the BF16 run
+    of its seed (`reference_of`). Bottom: the same for the held-out loss, where logged. One color per
+    run throughout."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -384,24 +394,24 @@ def plot(path: Path, curves: dict, threshold: float) -> None:
     held = any(c["val"] for c in curves.values())
     fig, axes = plt.subplots(3 if held else 2, 1, figsize=(8, 10 if held else 7), sharex=True)
     colors = dict(zip(curves, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    ref = curves["bf16"]
     for name, c in curves.items():
         axes[0].plot(c["steps"], c["ema"], color=colors[name], label=name)
-        if name == "bf16":
+        ref = reference_of(name, curves)
+        if name == ref:
             continue
-        steps, rel = rel_diff(c, ref)
+        steps, rel = rel_diff(c, curves[ref])
         axes[1].plot(steps, [100 * r for r in rel], color=colors[name], linewidth=1.5 if name == "fp8" else 0.8,
-                     label=f"{name} vs bf16")
-        vs, vr = rel_diff(c, ref, "val")
+                     label=f"{name} vs {ref}")
+        vs, vr = rel_diff(c, curves[ref], "val")
         if held and vs:
-            axes[2].plot(vs, [100 * r for r in vr], "o-", color=colors[name], markersize=3, label=f"{name} vs bf16")
+            axes[2].plot(vs, [100 * r for r in vr], "o-", color=colors[name], markersize=3, label=f"{name} vs {ref}")
     axes[0].set_yscale("log")
     axes[0].set_ylabel("training loss, EMA(0.9)")
     axes[0].legend()
-    axes[1].set_ylabel("training loss EMA:\n(run - bf16) / bf16, %")
+    axes[1].set_ylabel("training loss EMA:\n(run - its bf16) / its bf16, %")
     if held:
-        axes[2].set_ylabel("held-out loss:\n(run - bf16) / bf16, %")
-    half = ref["steps"][len(ref["steps"]) // 2]
+        axes[2].set_ylabel("held-out loss:\n(run - its bf16) / its bf16, %")
+    half = curves["bf16"]["steps"][len(curves["bf16"]["steps"]) // 2]
     for ax in axes[1:]:
         lo, hi = ax.get_ylim()
         ax.set_ylim(max(lo, -3), min(hi, 3))  # early-training swings would hide the last half's scale
