@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefp8.kernels.route import route_select
+
 
 class RouterOutput(NamedTuple):
     topk_idx_TK: Tensor  # int64 [T, K] expert ids
@@ -60,12 +62,11 @@ class Router(nn.Module):
         if self.force_balance:  # standard normal logits in value; the gradient still reaches the router's GEMM
             logits = logits + (torch.randn_like(logits) - logits).detach()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        idx = select_experts(scores.detach(), self.bias.to(dt), self.topk, self.n_groups, self.topk_groups)
+        idx, load = route_select(scores.detach(), self.bias.to(dt), self.topk, self.n_groups, self.topk_groups)
         w = scores.gather(1, idx)
         if self.score_func == "sigmoid":
             w = w / w.sum(-1, keepdim=True)
         w = w * self.route_scale
-        load = expert_load(idx, self.n_experts)
         aux = None
         if self.seq_aux_alpha > 0:
             aux = seq_aux_loss(scores, idx, self.n_experts, self.topk, seq_len or x_TH.shape[0]) * self.seq_aux_alpha
@@ -94,31 +95,6 @@ class _Logits(torch.autograd.Function):
         dx = (g @ w.to(ctx.dt)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = (g.t() @ x.to(ctx.dt)).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
-
-
-def select_experts(scores_TE: Tensor, bias_E: Tensor, topk: int, n_groups: int = 1, topk_groups: int = 1) -> Tensor:
-    """Top-k expert ids [T, K] by biased score, within the best `topk_groups` groups per token.
-
-    A group's score is the sum of its two best biased scores (DeepSeek-V3; the best one if groups
-    hold a single expert)."""
-    s = scores_TE + bias_E
-    T, E = s.shape
-    if n_groups > 1:
-        g = s.view(T, n_groups, E // n_groups)
-        group_score = g.topk(min(2, E // n_groups), dim=-1).values.sum(-1)  # [T, n_groups]
-        keep = group_score.topk(topk_groups, dim=-1).indices
-        mask = torch.ones(T, n_groups, dtype=torch.bool, device=s.device).scatter_(1, keep, False)
-        s = g.masked_fill(mask[:, :, None], float("-inf")).view(T, E)
-    return s.topk(topk, dim=-1).indices
-
-
-def expert_load(idx_TK: Tensor, n_experts: int) -> Tensor:
-    """Tokens per expert, int64 [E], from expert ids [T, K] in [0, E). A scatter-add of ones rather
-    than torch.bincount: bincount reads the ids' min and max on the host (a device sync in every
-    router call, which stalls the host's queueing of the rest of the step); integer adds are exact
-    in any order, so this is deterministic too."""
-    flat = idx_TK.reshape(-1)
-    return torch.zeros(n_experts, dtype=torch.int64, device=idx_TK.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def seq_aux_loss(scores_TE: Tensor, idx_TK: Tensor, n_experts: int, topk: int, seq_len: int) -> Tensor:

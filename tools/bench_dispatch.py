@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from moefp8.dispatch.all_to_all import AllToAllDispatcher, row_bytes  # noqa: E402
 from moefp8.dispatch.hierarchical import HierarchicalDispatcher, build_node_groups  # noqa: E402
 from moefp8.kernels.quant import quant_rowwise  # noqa: E402
-from moefp8.router import select_experts  # noqa: E402
+from moefp8.kernels.route import route_select  # noqa: E402
 from moefp8.testing import print_table, results_path, save_results  # noqa: E402
 
 
@@ -238,7 +238,7 @@ def main():
         raise SystemExit(f"bench_dispatch: --max-nodes {a.max_nodes} needs ranks posing as nodes (--ranks-per-node) "
                          f"and at most their {n // G if nodes else 1} nodes")
     if a.max_nodes:  # the router's node-limited selection: the groups are the nodes
-        idx = select_experts(scores, torch.zeros(E, device=dev), a.topk, n // G, a.max_nodes)
+        idx = route_select(scores, torch.zeros(E, device=dev), a.topk, n // G, a.max_nodes)[0]
     else:
         idx = scores.topk(a.topk, dim=-1, sorted=False).indices
     w = torch.rand(a.tokens, a.topk, device=dev)
