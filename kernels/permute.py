@@ -6,7 +6,8 @@ to a multiple of 128 rows, the grouped GEMMs' block).
 
 * `build_layout(topk_idx_TK, E)` -> `PermuteLayout`: where each (token, slot) goes. Within an
   expert, rows are in ascending (token, slot) order, so the layout is deterministic. On the GPU:
-  two Triton passes over blocks of pairs around one read-back of the counts (the only host sync).
+  two Triton passes over blocks of pairs around one read-back of the counts (the only host sync);
+  with `bound=True` (EP = 1) none: the rows are sized by their static bound instead.
 * `permute_fp8(x8_TH, layout)`: gathers FP8 rows and their scales into the layout; padding
   rows are zeros with scale 1 (`permute_rows`: the same for rows of any dtype, no scales). Optionally multiplies each row's scales by a per-(token, slot)
   factor (the routing weight in the backward pass: the gradient stays FP8).
@@ -39,31 +40,38 @@ def segment_offsets(counts: list[int]) -> list[int]:
     return out
 
 
+def rows_bound(n_pairs: int, num_experts: int) -> int:
+    """The most rows a layout of n_pairs (token, slot) pairs over num_experts experts can take: each
+    non-empty expert's segment pads at most ALIGN - 1 rows. A multiple of ALIGN."""
+    return -(-(n_pairs + min(num_experts, n_pairs) * (ALIGN - 1)) // ALIGN) * ALIGN
+
+
 @dataclass(frozen=True)
 class PermuteLayout:
     """Where each routed (token, slot) pair lives in the permuted tensor.
 
     row_TK:  int32 [T, K]  destination row of each pair; -1 where the slot is not routed here
-    src_M:   int32 [M]     pair index t*K + k of each row; -1 for padding rows
+    src_M:   int32 [M]     pair index t*K + k of each row; -1 for padding rows (and rows past offsets[E])
     offsets: int32 [E+1]   segment starts on the device, multiples of 128 (grouped GEMM contract)
-    counts:  list[int]     tokens per expert, on the host (load statistics, empty experts)
-    M:       int           rows including padding
+    counts:  list[int]     tokens per expert, on the host; None for a layout built without reading them
+                           back (`build_layout(bound=True)`)
+    M:       int           rows including padding: offsets[E], or the static bound `rows_bound` past it
     """
 
     row_TK: Tensor
     src_M: Tensor
     offsets: Tensor
-    counts: list
+    counts: list | None
     M: int
 
     @property
     def num_experts(self) -> int:
-        return len(self.counts)
+        return len(self.counts) if self.counts is not None else self.offsets.numel() - 1
 
     @property
-    def offsets_host(self) -> list[int]:
-        """`offsets` on the host (from the counts: no device sync)."""
-        return segment_offsets(self.counts)
+    def offsets_host(self) -> list[int] | None:
+        """`offsets` on the host (from the counts: no device sync); None where the counts are not on the host."""
+        return segment_offsets(self.counts) if self.counts is not None else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +200,7 @@ def _combine_bwd_kernel(dz_ptr, s_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H,
 
 
 def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
-                 counts: list[int] | None = None) -> PermuteLayout:
+                 counts: list[int] | None = None, bound: bool = False) -> PermuteLayout:
     """topk_idx_TK int [T, K], values in [0, E) or negative (not routed here) -> PermuteLayout.
 
     One host sync: the per-expert counts (and the number of ids >= E) in one read-back, which
@@ -201,31 +209,39 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
     counts: the per-expert counts, where the caller has them on the host already (an EP dispatch
     that exchanged them with its row counts, `Dispatched.counts`): no read-back, and the ids are
     taken as checked (the dispatch raised on bad ones). They must be the ids' counts: the reference
-    raises where they are not; the Triton path writes nothing past the rows they size."""
+    raises where they are not; the Triton path writes nothing past the rows they size.
+    bound: no read-back at all: M is the static `rows_bound(T * K, E)`, the rows past offsets[E]
+    are padding (src -1; the m-grouped GEMMs write them as zeros, the k-grouped ones skip them) and
+    `counts` is None. For ids known valid (the router's, at EP = 1): the Triton path does not check
+    them (an id >= E would get no row), the reference still raises."""
     _check_topk_idx(topk_idx_TK)
     if counts is not None and len(counts) != num_experts:
         raise ValueError(f"build_layout: {len(counts)} counts for {num_experts} experts")
+    if bound and counts is not None:
+        raise ValueError("build_layout: counts and bound=True: the counts size the rows exactly, give one or the other")
     if not use_triton(topk_idx_TK, impl):
-        return build_layout_ref(topk_idx_TK, num_experts, counts)
+        return build_layout_ref(topk_idx_TK, num_experts, counts, bound)
     T, K = topk_idx_TK.shape
     E, N, dev = num_experts, T * K, topk_idx_TK.device
     if N == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return PermuteLayout(empty.view(0, K), empty, torch.zeros(E + 1, dtype=torch.int32, device=dev), [0] * E, 0)
+        return PermuteLayout(empty.view(0, K), empty, torch.zeros(E + 1, dtype=torch.int32, device=dev),
+                             None if bound else [0] * E, 0)
     flat = topk_idx_TK.contiguous().view(-1)
     BLOCK, E_CHUNK = 128, min(64, triton.next_power_of_2(max(E, 1)))
     NB = triton.cdiv(N, BLOCK)
     cnt_EB = torch.empty(E + 1, NB, dtype=torch.int32, device=dev)  # row E: ids >= E
     _layout_count_kernel[(NB,)](flat, cnt_EB, N, E, NB, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
     csum_EB = torch.cumsum(cnt_EB, 1, dtype=torch.int32)  # along the contiguous dim (the outer-dim scan took 0.44 ms)
-    if counts is None:
+    if counts is None and not bound:
         *counts, n_bad = csum_EB[:, -1].tolist()  # the host sync
         if n_bad:
             bad = int(flat.max())
             raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
-    M = segment_offsets(counts)[-1]
+    M = rows_bound(N, E) if bound else segment_offsets(counts)[-1]
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
-    src_M = torch.empty(M, dtype=torch.int32, device=dev)  # every row written: pairs and padding
+    # every row written (pairs and padding), but for the rows past offsets[E] that only the bound has
+    src_M = torch.full((M,), -1, dtype=torch.int32, device=dev) if bound else torch.empty(M, dtype=torch.int32, device=dev)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, N, E, NB, M, BLOCK=BLOCK,
                                 E_CHUNK=E_CHUNK, ALIGN=ALIGN, num_warps=4)
@@ -342,9 +358,11 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
 # References
 
 
-def build_layout_ref(topk_idx_TK: Tensor, num_experts: int, given: list[int] | None = None) -> PermuteLayout:
+def build_layout_ref(topk_idx_TK: Tensor, num_experts: int, given: list[int] | None = None,
+                     bound: bool = False) -> PermuteLayout:
     """bincount, a stable sort, scatters: ~60 small ops and 3-4 host syncs on a GPU. given: the
-    counts the caller expects (`build_layout`'s counts): a ValueError where the ids disagree."""
+    counts the caller expects (`build_layout`'s counts): a ValueError where the ids disagree.
+    bound: `build_layout`'s (rows up to `rows_bound`, padding past offsets[E], no counts kept)."""
     _check_topk_idx(topk_idx_TK)
     dev = topk_idx_TK.device
     T, K = topk_idx_TK.shape
@@ -368,6 +386,8 @@ def build_layout_ref(topk_idx_TK: Tensor, num_experts: int, given: list[int] | N
     dest = offsets.long()[e_sorted] + torch.arange(n, device=dev) - start[e_sorted]
     row_TK = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
     row_TK[order] = dest.int()
+    if bound:
+        M, counts = rows_bound(T * K, num_experts), None
     src_M = torch.full((M,), -1, dtype=torch.int32, device=dev)
     src_M[dest] = order.int()
     return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M)

@@ -119,7 +119,8 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
 
 def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor | None, transpose_w: bool = True) -> Tensor:
     """x [M, K] bf16, w [E, N, K] -> [M, N] (x · w[e]ᵀ per segment); transpose_w=False: w [E, K, N]
-    used as is. offsets[E] == M (the permute layout's). off None: dense, w [N, K] (or [K, N])."""
+    used as is. offsets[E] <= M (the permute layout's: at EP = 1 its static bound, the rows past offsets[E]
+    padding: whatever _grouped_mm leaves there, no result reads them). off None: dense, w [N, K] (or [K, N])."""
     wt = w.transpose(-1, -2) if transpose_w else w
     if off is None:  # CPU: fp32 math, like the loop below
         return x @ wt.to(x.dtype) if x.is_cuda else (x.float() @ wt.float()).to(x.dtype)

@@ -107,9 +107,12 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, ev
 
 def fwd_layout(layer, d) -> PermuteLayout:
     """(comm) the permutation of the received rows among the local experts; one host sync (the counts),
-    none where the dispatch brought them (`Dispatched.counts`)."""
+    none where the dispatch brought them (`Dispatched.counts`) nor at EP = 1, where the rows are the
+    router's T x K pairs and take their static bound (`build_layout(bound=True)`): no sync in the layer."""
     with scope("layout"):
-        return build_layout(d.topk_idx, layer.dispatcher.num_local_experts, counts=d.counts)
+        disp = layer.dispatcher
+        return build_layout(d.topk_idx, disp.num_local_experts, counts=d.counts,
+                            bound=d.counts is None and not disp.communicates)
 
 
 def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool,

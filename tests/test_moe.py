@@ -128,7 +128,7 @@ def test_recomputed_expert_output_gives_the_same_bits_and_keeps_less(device):
         o.out.backward(dout)
         res[recompute_out] = [o.out, x.grad, m.w1.grad, m.w2.grad, m.router.weight.grad, m.shared.w1.grad]
     assert all(torch.isfinite(u).all() and torch.equal(u, v) for u, v in zip(res[False], res[True]))
-    M = build_layout(m.router(x.detach()).topk_idx_TK, E).M  # the permuted rows, 128-aligned per expert
+    M = build_layout(m.router(x.detach()).topk_idx_TK, E, bound=True).M  # the permuted rows at EP = 1: the bound
     assert kept[False] - kept[True] == M * (2 * H - I - 4 * I // 128)  # y's 2H BF16 bytes, fc2 input's I + scales
 
 
@@ -311,3 +311,59 @@ def check_gradients_vs_float64_model(H, I, E, K, T, device, tol):
     errs = {name: rel_err(got.float(), want) for name, got, want in
             (("dx", x.grad, dx), ("dW1", m.w1.grad, dw1), ("dW2", m.w2.grad, dw2), ("dw", w.grad, dw))}
     assert max(errs.values()) < tol, ", ".join(f"{n}: {e:.2e}" for n, e in errs.items())
+
+
+def check_bound_layout_changes_no_bit(recipe, device, T, monkeypatch):
+    """At EP = 1 the layer sizes its rows by the static bound (no read-back of the counts); the rows past the
+    experts' segments are padding that the GEMMs write as zeros or skip. Against the exact layout (the
+    read-back the layer made before): the output and every gradient bit for bit, in both recipes; with an
+    expert left empty and one taking most tokens, so the bound runs well past the segments."""
+    import moefp8.moe_stages as S
+
+    res, rows, real = {}, {True: [], False: []}, S.build_layout
+    for bound in (True, False):
+        def spy(idx, E_, counts=None, bound=False, _use=bound):  # the exact layout: the layer's bound switched off
+            L = real(idx, E_, counts=counts, bound=bound and _use)
+            rows[_use].append(L.M)
+            return L
+
+        monkeypatch.setattr(S, "build_layout", spy)
+        m = layer(recipe).to(device)
+        with torch.no_grad():
+            m.router.bias[3] = -50.0  # expert 3 empty
+            m.router.bias[5] = 50.0  # expert 5 in every token's top-2
+        res[bound] = run(m, T=T, device=device)
+    names = ["out", "dx", "dW1", "dW2", "d router", "d shared W1", "d shared W2"]
+    for name, u, v in zip(names, res[True], res[False]):
+        assert torch.isfinite(u).all() and torch.equal(u, v), name
+    assert rows[True][0] == build_layout(torch.zeros(T, K, dtype=torch.long), E, bound=True).M > rows[False][0]
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_bound_layout_changes_no_bit(recipe, monkeypatch):
+    check_bound_layout_changes_no_bit(recipe, "cpu", 150, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_gpu_bound_layout_changes_no_bit(recipe, monkeypatch):
+    check_bound_layout_changes_no_bit(recipe, "cuda", 1000, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_gpu_moe_layer_at_ep1_does_not_sync(recipe):
+    """EP = 1: the router, the bound layout, the experts' GEMMs (the kernels; no per-expert loop) and the
+    combine queue without one host sync, forward and backward: nothing drains the GPU's queue in the layer."""
+    m = layer(recipe).cuda()
+    run(m, T=1024, device="cuda")  # warm-up: compiles, caches the FP8 weights
+    torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1024, H, generator=g).bfloat16().cuda().requires_grad_()
+    dout = torch.randn(1024, H, generator=g).bfloat16().cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m(x).out.backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()

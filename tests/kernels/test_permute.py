@@ -77,6 +77,39 @@ def test_build_layout_with_the_dispatchs_counts(T, K, E, kind):
         P.build_layout(idx, E, counts=[0] * (E + 1))
 
 
+def check_bound(B: P.PermuteLayout, exact: P.PermuteLayout, T: int, K: int, E: int) -> None:
+    """A bound layout (EP = 1, no read-back) against the exact one: the same pairs, rows and offsets; its rows run
+    on to the static `rows_bound`, those past offsets[E] padding; no counts on the host."""
+    assert B.counts is None and B.offsets_host is None and B.num_experts == E
+    assert B.M == P.rows_bound(T * K, E) >= exact.M and B.M % 128 == 0 and B.src_M.numel() == B.M
+    for name in ("row_TK", "offsets"):
+        assert torch.equal(getattr(B, name).cpu(), getattr(exact, name).cpu()), name
+    src = B.src_M.cpu()
+    assert torch.equal(src[:exact.M], exact.src_M.cpu()) and torch.all(src[exact.M:] == -1)
+
+
+@pytest.mark.parametrize("T,K,E,kind", CASES + [(77, 5, 6, "unrouted"), (129, 1, 3, "noisy"), (3, 8, 256, "random")])
+def test_build_layout_bound(T, K, E, kind):
+    idx = routing(T, K, E, kind)
+    check_bound(P.build_layout(idx, E, bound=True), P.build_layout(idx, E), T, K, E)
+    with pytest.raises(ValueError, match="counts and bound=True"):
+        P.build_layout(idx, E, counts=[0] * E, bound=True)
+
+
+def test_rows_bound_holds_every_layout():
+    """The bound is never short: every expert non-empty with one pair over (the most padding), all pairs on one
+    expert, fewer pairs than experts, random splits."""
+    g = torch.Generator().manual_seed(0)
+    for n, E in [(0, 8), (1, 8), (7, 8), (8, 8), (9, 8), (129 * 8, 8), (1000, 1), (5000, 256), (255, 256)]:
+        worst = P.segment_offsets([n // E + (e < n % E) for e in range(E)])[-1] if n >= E else 128 * n
+        assert P.rows_bound(n, E) >= worst and P.rows_bound(n, E) % 128 == 0
+        assert P.rows_bound(n, E) >= P.segment_offsets([n] + [0] * (E - 1))[-1]
+        for _ in range(20):
+            cut = torch.randint(0, E, (n,), generator=g) if n else torch.zeros(0, dtype=torch.long)
+            assert P.rows_bound(n, E) >= P.segment_offsets(torch.bincount(cut, minlength=E).tolist())[-1]
+    assert P.rows_bound(16 * 2048 * 4, 32) - 16 * 2048 * 4 <= 32 * 128  # the 3B preset: <= 4096 rows (3%) past the pairs
+
+
 def test_pairs_per_expert_counts_no_bad_id():
     from moefp8.kernels.pack import pairs_per_expert
 
@@ -269,6 +302,24 @@ def test_build_layout_interpreter_with_counts(T, K, E, kind):
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,kind", LAYOUT_CASES)
+def test_build_layout_interpreter_bound(T, K, E, kind):
+    """No read-back: the kernels size nothing from the counts, and write every row up to the bound."""
+    idx = routing(T, K, E, kind, seed=T + E)
+    if kind == "noisy":
+        idx = idx.clamp(max=E - 1)  # the bound's ids are the router's: in range (negatives: unrouted)
+    got = P.build_layout(idx, E, impl="triton", bound=True)
+    assert_same_layout_bound(got, P.build_layout_ref(idx, E, bound=True))
+    check_bound(got, P.build_layout_ref(idx, E), T, K, E)
+
+
+def assert_same_layout_bound(a: P.PermuteLayout, b: P.PermuteLayout) -> None:
+    assert a.counts is None and b.counts is None and a.M == b.M
+    for name in ("row_TK", "src_M", "offsets"):
+        assert torch.equal(getattr(a, name).cpu(), getattr(b, name).cpu()), name
+
+
+@pytest.mark.interp
 def test_build_layout_interpreter_errors():
     for dtype in (torch.int64, torch.int32):
         with pytest.raises(ValueError, match="holds expert 9, but there are only 4 experts"):
@@ -290,6 +341,14 @@ def test_build_layout_gpu_vs_ref(T, K, E, kind):
         ref = P.build_layout_ref(x, E)
         assert_same_layout(P.build_layout(x.cuda(), E), ref)
         assert_same_layout(P.build_layout(x.cuda(), E, counts=ref.counts), ref)  # an EP dispatch's counts: no read-back
+        if kind != "noisy":  # EP = 1 (the router's ids): no read-back, no sync
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = P.build_layout(x.cuda(), E, bound=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert_same_layout_bound(got, P.build_layout_ref(x, E, bound=True))
     with pytest.raises(ValueError, match=f"holds expert {E + 5}, but there are only {E} experts"):
         P.build_layout(torch.cat([idx, torch.tensor([[E + 5] * K])]).cuda(), E)
 
