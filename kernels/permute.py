@@ -241,7 +241,9 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
     M = rows_bound(N, E) if bound else segment_offsets(counts)[-1]
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     # every row written (pairs and padding), but for the rows past offsets[E] that only the bound has
-    src_M = torch.full((M,), -1, dtype=torch.int32, device=dev) if bound else torch.empty(M, dtype=torch.int32, device=dev)
+    src_M = torch.empty(M, dtype=torch.int32, device=dev)
+    if bound:
+        src_M.fill_(-1)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, N, E, NB, M, BLOCK=BLOCK,
                                 E_CHUNK=E_CHUNK, ALIGN=ALIGN, num_warps=4)

@@ -107,7 +107,8 @@ def test_rows_bound_holds_every_layout():
         for _ in range(20):
             cut = torch.randint(0, E, (n,), generator=g) if n else torch.zeros(0, dtype=torch.long)
             assert P.rows_bound(n, E) >= P.segment_offsets(torch.bincount(cut, minlength=E).tolist())[-1]
-    assert P.rows_bound(16 * 2048 * 4, 32) - 16 * 2048 * 4 <= 32 * 128  # the 3B preset: <= 4096 rows (3%) past the pairs
+    pairs = 16 * 2048 * 4  # the 3B preset: <= 4096 rows (3%) past its pairs
+    assert P.rows_bound(pairs, 32) - pairs <= 32 * 128
 
 
 def test_pairs_per_expert_counts_no_bad_id():
