@@ -41,6 +41,7 @@ from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
 from moefp8.kernels import deepgemm
 from moefp8.kernels import grouped_gemm_ws as ws
 from moefp8.kernels import num_sms, use_triton
+from moefp8.kernels.quant import transpose_weight_ref
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -577,9 +578,9 @@ def transpose_weight(w: Fp8Tensor, impl: str | None = None) -> Fp8Tensor:
     N, K = w.data.shape[-2:]
     if N % TILE:
         raise ValueError(f"transpose_weight: N={N} is not divisible by {TILE}")
-    scale_t = w.scale.transpose(-1, -2).contiguous()
     if not use_triton(w.data, impl):
-        return Fp8Tensor(w.data.transpose(-1, -2).contiguous(), scale_t, "128x128")
+        return transpose_weight_ref(w)
+    scale_t = w.scale.transpose(-1, -2).contiguous()
     x = w.data.contiguous().view(torch.uint8)
     x3 = x.unsqueeze(0) if x.dim() == 2 else x
     y = torch.empty(x3.shape[0], K, N, dtype=torch.uint8, device=x.device)

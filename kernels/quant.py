@@ -259,8 +259,11 @@ def _quant_colwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qk, strid
 
 
 @triton.jit
-def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn,
-                         POW2: tl.constexpr):
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                         POW2: tl.constexpr, TRANS: tl.constexpr):
+    """One 128x128 block of W [E, N, K] -> its codes and scale; TRANS (N % 128 == 0): also the block
+    transposed into Wᵀ [E, K, N] and its scale into the transposed grid [E, K/128, N/128] (dgrad's copy,
+    `grouped_gemm.transpose_weight`, without a second pass over the codes)."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_e = tl.program_id(2).to(tl.int64)
@@ -272,8 +275,13 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride
     w = tl.load(w_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(_abs_nan0(w), axis=1), axis=0)
     scale, inv = _scale_from_amax(amax, POW2)
-    tl.store(q_ptr + base + offs, _to_fp8(w, scale, inv, POW2), mask=mask)
+    q = _to_fp8(w, scale, inv, POW2)
+    tl.store(q_ptr + base + offs, q, mask=mask)
     tl.store(s_ptr + pid_e * stride_se + pid_n * stride_sn + pid_k, scale)
+    if TRANS:  # Wᵀ[e, k, n] = W[e, n, k]; contiguous [E, K, N], grid [E, K/128, N/128]
+        base_t = pid_e * N * K + pid_k.to(tl.int64) * 128 * N + pid_n * 128
+        tl.store(qt_ptr + base_t + offs_k[:, None] * N + offs_n[None, :], tl.trans(q))
+        tl.store(st_ptr + pid_e * (K // 128) * (N // 128) + pid_k * (N // 128) + pid_n, scale)
 
 
 @triton.jit
@@ -670,29 +678,37 @@ def quant_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *
     return Fp8Tensor(q, s, "128x1")
 
 
-def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
-                 launch: dict | None = None) -> Fp8Tensor:
+def quant_weight(w: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *, transposed: bool = False,
+                 launch: dict | None = None):
     """w [N, K] or a stack [E, N, K], K % 128 == 0 -> "128x128": q like w (e4m3),
-    s [(E,) ceil(N/128), K/128] fp32. The same blocks serve fprop and dgrad."""
+    s [(E,) ceil(N/128), K/128] fp32. The same blocks serve fprop and dgrad.
+    transposed (N % 128 == 0): -> (that, its transpose `grouped_gemm.transpose_weight` would make:
+    Wᵀ [(E,) K, N] with the scale grid transposed), both from one pass over w."""
     _check_input("quant_weight", w)
     if w.dim() not in (2, 3):
         raise ValueError(f"quant_weight: expected w [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    if transposed and w.shape[-2] % TILE:
+        raise ValueError(f"quant_weight: transposed needs N % {TILE} == 0, got N={w.shape[-2]}")
     pow2 = check_scale_fmt(scale_fmt)
     if not use_triton(w, impl):
-        return quant_weight_ref(w, scale_fmt)
+        q8 = quant_weight_ref(w, scale_fmt)
+        return (q8, transpose_weight_ref(q8)) if transposed else q8
     w3 = w.unsqueeze(0) if w.dim() == 2 else w
     if w3.stride(-1) != 1 or w3.stride(0) != w3.shape[1] * w3.stride(1):
         w3 = w3.contiguous()
     E, N, K = w3.shape
     q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
     s = torch.empty(E, triton.cdiv(N, TILE), K // TILE, dtype=torch.float32, device=w.device)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device) if transposed else q
+    st = torch.empty(E, K // TILE, N // TILE, dtype=torch.float32, device=w.device) if transposed else s
     if E and N:
         grid = (K // TILE, triton.cdiv(N, TILE), E)
-        _quant_weight_kernel[grid](w3, q, s, N, K, w3.stride(0), w3.stride(1), s.stride(0), s.stride(1),
-                                   POW2=pow2, **(launch or LAUNCH["weight"]))
+        _quant_weight_kernel[grid](w3, q, s, qt, st, N, K, w3.stride(0), w3.stride(1), s.stride(0), s.stride(1),
+                                   POW2=pow2, TRANS=transposed, **(launch or LAUNCH["weight"]))
     if w.dim() == 2:
-        q, s = q[0], s[0]
-    return Fp8Tensor(q, s, "128x128")
+        q, s, qt, st = q[0], s[0], qt[0], st[0]
+    q8 = Fp8Tensor(q, s, "128x128")
+    return (q8, Fp8Tensor(qt, st, "128x128")) if transposed else q8
 
 
 def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
@@ -886,6 +902,12 @@ def quant_rowwise_ref(x: Tensor, scale_fmt: str = "pow2", *, colmajor_scale: boo
 def quant_colwise_ref(x: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:
     q, s = _quant_lastdim_ref(x.t(), check_scale_fmt(scale_fmt))
     return Fp8Tensor(q.contiguous(), col_major(s), "128x1")
+
+
+def transpose_weight_ref(w8: Fp8Tensor) -> Fp8Tensor:
+    """A "128x128" W [(E,) N, K] as Wᵀ [(E,) K, N]: the codes and the scale grid transposed (a
+    transposed 128x128 tile is the same tile: no requantization)."""
+    return Fp8Tensor(w8.data.transpose(-1, -2).contiguous(), w8.scale.transpose(-1, -2).contiguous(), "128x128")
 
 
 def quant_weight_ref(w: Tensor, scale_fmt: str = "pow2") -> Fp8Tensor:

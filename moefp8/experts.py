@@ -37,7 +37,9 @@ from moefp8.scope import scope
 class WeightCache:
     """Low-precision copies of weights, made again only when the parameter changed: keyed on (id,
     version counter), so the micro-batches of one step share them. fmt "pow2"/"fp32": the FP8
-    "128x128" quantization (and, on request, its transpose for dgrad); "bf16": a BF16 cast."""
+    "128x128" quantization and its transpose for dgrad (both in one pass where the backward will
+    want it: a weight that requires grad, under autograd; else the transpose on request); "bf16":
+    a BF16 cast."""
 
     def __init__(self):
         self._store: dict[int, tuple] = {}
@@ -46,8 +48,12 @@ class WeightCache:
         key, ver = id(w), w._version
         hit = self._store.get(key)
         if hit is None or hit[0] != ver or hit[1] != scale_fmt:
-            low = w.detach().to(torch.bfloat16) if scale_fmt == "bf16" else quant_weight(w.detach(), scale_fmt)
-            hit = (ver, scale_fmt, low, None)
+            if scale_fmt == "bf16":
+                hit = (ver, scale_fmt, w.detach().to(torch.bfloat16), None)
+            elif (transposed or (w.requires_grad and torch.is_grad_enabled())) and w.shape[-2] % 128 == 0:
+                hit = (ver, scale_fmt, *quant_weight(w.detach(), scale_fmt, transposed=True))
+            else:
+                hit = (ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None)
         if transposed and hit[3] is None:
             hit = (*hit[:3], transpose_weight(hit[2]))
         self._store[key] = hit

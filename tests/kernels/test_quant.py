@@ -578,3 +578,66 @@ def test_triton_gpu_nonfinite_and_fp32_input(fmt):
         got, want = Q.requant_colwise(z8, fmt), Q.requant_colwise_ref(z8, fmt)
         assert torch.isnan(want.dequantize()[5, 3]) and torch.isinf(want.scale[:128, 1]).all()
         assert_fp8_equal(got, want, exact=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# quant_weight(transposed=True): the weight and dgrad's transposed copy from one pass
+
+
+def check_weight_pair(shape, fmt, device, exact):
+    w = make_x(math.prod(shape[:-1]), shape[-1], torch.float32, seed=sum(shape)).view(shape).to(device)
+    q8, qt8 = Q.quant_weight(w, fmt, impl="triton" if device == "cpu" else None, transposed=True)
+    want = Q.quant_weight_ref(w.cpu(), fmt)
+    assert_fp8_equal(q8, want, exact=exact)
+    assert_fp8_equal(qt8, Q.transpose_weight_ref(want), exact=exact)
+    assert qt8.data.shape == (*shape[:-2], shape[-1], shape[-2]) and qt8.data.is_contiguous()
+    # the transposed copy is the same codes as the kernel's own q8, transposed (no second rounding)
+    assert torch.equal(qt8.data.view(torch.uint8).cpu(), q8.data.view(torch.uint8).transpose(-1, -2).cpu())
+    from moefp8.kernels.grouped_gemm import transpose_weight
+    assert_fp8_equal(qt8, transpose_weight(q8), exact=True)  # the separate transpose it replaces
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("shape", [(256, 128), (128, 384), (3, 256, 256)])
+def test_quant_weight_transposed_interpreter(shape, fmt):
+    check_weight_pair(shape, fmt, "cpu", exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("shape", [(2048, 7168), (7168, 2048), (16, 2816, 2048), (16, 2048, 1408)])
+def test_quant_weight_transposed_gpu(shape, fmt):
+    check_weight_pair(shape, fmt, "cuda", exact=True)
+
+
+def test_quant_weight_transposed_reference_and_errors():
+    w = torch.randn(2, 256, 384)
+    q8, qt8 = Q.quant_weight(w, transposed=True)  # CPU: the reference twins
+    assert_fp8_equal(qt8, Q.transpose_weight_ref(Q.quant_weight_ref(w)), exact=True)
+    assert torch.equal(qt8.dequantize(torch.float32), q8.dequantize(torch.float32).transpose(-1, -2))
+    with pytest.raises(ValueError, match="transposed needs N % 128 == 0, got N=200"):
+        Q.quant_weight(torch.randn(200, 256), transposed=True)
+
+
+def test_weight_cache_makes_both_copies_in_one_pass(monkeypatch):
+    """Under autograd a trainable weight's FP8 copy and its transpose come from one kernel (the transpose
+    kernel never runs); without autograd, only the copy (the transpose on request)."""
+    from moefp8 import experts as X
+
+    calls = []
+    real_quant, real_t = X.quant_weight, X.transpose_weight
+    monkeypatch.setattr(X, "quant_weight", lambda *a, **k: calls.append(("quant", k.get("transposed", False)))
+                        or real_quant(*a, **k))
+    monkeypatch.setattr(X, "transpose_weight", lambda *a, **k: calls.append(("transpose",)) or real_t(*a, **k))
+    w = torch.nn.Parameter(torch.randn(4, 256, 128))
+    cache = X.WeightCache()
+    a, at = cache.get(w, "pow2"), cache.get(w, "pow2", transposed=True)
+    assert calls == [("quant", True)]
+    assert_fp8_equal(at, Q.transpose_weight_ref(a), exact=True)
+    with torch.no_grad():
+        w.add_(1.0)  # a new version
+        cache.get(w, "pow2")
+        assert calls[-1] == ("quant", False)
+        cache.get(w, "pow2", transposed=True)
+        assert calls[-1] == ("transpose",)
