@@ -133,7 +133,8 @@ def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print
     """train.cuda_graphs: every block's attention captured for the config's micro-batch (moefp8.graphs;
     after a checkpoint's restore, before the first step), and where the MoE layers may run the two
     micro-batch overlap (dispatch.overlap true, or auto at EP > 1) the MoE blocks' for its halves;
-    how many blocks replay, said in one line."""
+    with train.cuda_graphs_mlp the blocks whose MLP has static shapes whole; how many blocks replay,
+    said in one line."""
     if not cfg.train.cuda_graphs:
         return 0
     if device.type != "cuda":
@@ -143,8 +144,11 @@ def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print
     # the two micro-batch overlap splits the MoE blocks' batch: always (true), or in the steps auto runs it (EP > 1)
     split = B > 1 and (ov is True or (ov == "auto" and model.dispatcher.communicates))
     sizes = tuple(p.stop - p.start for p in halves(B)) if split else None
-    n = graph_attention(model, B, cfg.train.seq_len, halves=sizes, overlap_only=ov is True)
+    n = graph_attention(model, B, cfg.train.seq_len, halves=sizes, overlap_only=ov is True,
+                        mlp=cfg.train.cuda_graphs_mlp)
+    whole = sum(b.graphed_whole is not None for b in model.layers)
     say(f"train.cuda_graphs: the attention of {n} of {len(model.layers)} blocks replays CUDA graphs"
         + (" (the others recompute it: train.recompute)" if n < len(model.layers) else "")
+        + (f"; {whole} of them whole, with their MLP (train.cuda_graphs_mlp)" if cfg.train.cuda_graphs_mlp else "")
         + (f"; the MoE blocks' for the overlap's halves of {sizes[0]} and {sizes[1]} sequences" if split else ""))
     return n

@@ -185,6 +185,10 @@ class TrainConfig:
     # CUDA graphs for each block's attention (moefp8.graphs): captured once, replayed every step, ~40
     # fewer host launches per layer; blocks in `recompute` and evaluation run eagerly. GPU only
     cuda_graphs: bool = False
+    # with cuda_graphs: each block's MLP too (a dense MLP; a MoE layer where it exchanges no rows, EP = 1,
+    # its permuted rows at their static bound): the whole block replays one graph. Blocks whose MoE layer
+    # communicates (EP > 1) keep the attention's graph only
+    cuda_graphs_mlp: bool = False
     ckpt_every: int = 50  # a checkpoint every N steps and at the end; 0: only at the end
     # checkpoints kept in the run dir: the newest keep_last (0: all), plus any you pin by creating a
     # file named `keep` in its step_N/ folder; older ones are deleted after each save
@@ -275,6 +279,9 @@ def validate(cfg: Config) -> None:
         _one_of("recipe.bf16_linears entry", name, DENSE_LINEARS)
     for name in t.recompute:
         _one_of("train.recompute entry", name, RECOMPUTE)
+    if t.cuda_graphs_mlp and not t.cuda_graphs:
+        raise ValueError("train.cuda_graphs_mlp=true: captures the blocks' MLPs beside their attention; set "
+                         "train.cuda_graphs=true too, or train.cuda_graphs_mlp=false")
     if "attention" in t.recompute and d.overlap:
         raise ValueError(f"train.recompute={list(t.recompute)}: attention not with dispatch.overlap=true (the "
                          f"overlapped blocks schedule their attention themselves); take attention out of "

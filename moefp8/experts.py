@@ -39,23 +39,29 @@ class WeightCache:
     version counter), so the micro-batches of one step share them. fmt "pow2"/"fp32": the FP8
     "128x128" quantization and its transpose for dgrad (both in one pass where the backward will
     want it: a weight that requires grad, under autograd; else the transpose on request); "bf16":
-    a BF16 cast."""
+    a BF16 cast.
+
+    Under a CUDA graph capture (moefp8.graphs) a copy made outside it is made again inside: the
+    replays then quantize the weight as it is at each replay (the version check runs only at the
+    capture). A copy made during the capture is reused by the rest of it (the backward's graph
+    reads the forward graph's buffer, which every forward replay refills)."""
 
     def __init__(self):
         self._store: dict[int, tuple] = {}
 
     def get(self, w: Tensor, scale_fmt: str, transposed: bool = False):
         key, ver = id(w), w._version
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
         hit = self._store.get(key)
-        if hit is None or hit[0] != ver or hit[1] != scale_fmt:
+        if hit is None or hit[0] != ver or hit[1] != scale_fmt or (capturing and not hit[4]):
             if scale_fmt == "bf16":
-                hit = (ver, scale_fmt, w.detach().to(torch.bfloat16), None)
+                hit = (ver, scale_fmt, w.detach().to(torch.bfloat16), None, capturing)
             elif (transposed or (w.requires_grad and torch.is_grad_enabled())) and w.shape[-2] % 128 == 0:
-                hit = (ver, scale_fmt, *quant_weight(w.detach(), scale_fmt, transposed=True))
+                hit = (ver, scale_fmt, *quant_weight(w.detach(), scale_fmt, transposed=True), capturing)
             else:
-                hit = (ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None)
+                hit = (ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None, capturing)
         if transposed and hit[3] is None:
-            hit = (*hit[:3], transpose_weight(hit[2]))
+            hit = (*hit[:3], transpose_weight(hit[2]), hit[4])
         self._store[key] = hit
         return hit[3] if transposed else hit[2]
 

@@ -1,4 +1,5 @@
-"""CUDA graphs for the blocks' attention (train.cuda_graphs): fewer host launches per step.
+"""CUDA graphs for the blocks' attention (train.cuda_graphs), and with train.cuda_graphs_mlp for whole
+blocks where the MLP's shapes are static too: fewer host launches per step.
 
 A block's attention (its norm, the QKV projection with its FP8 quantizations, RoPE, flash attention,
 the output projection, the residual add and the MLP's input norm: `Block.attend`) has the same shapes
@@ -14,6 +15,13 @@ record them), and blocks that recompute their attention in the backward (`train.
 Where the MoE layers run the two micro-batch overlap (moefp8.overlap: each block's attention on the
 two halves of the micro-batch), the MoE blocks also capture one graph per half and the overlapped
 block replays them (`graph_attention(halves=...)`).
+
+With train.cuda_graphs_mlp a block whose MLP has static shapes is captured whole instead (`_Whole`:
+attention, MLP or MoE layer, residual adds): a dense block always; a MoE block where its layer exchanges no
+rows (EP = 1: the layout sizes its rows by their static bound, `kernels.permute.rows_bound`, and nothing
+reads a count back), in the plain schedule. Its FP8 weight copies are made inside the captured forward
+(`experts.WeightCache` under a capture), so every replay quantizes the weights as they are then. The
+router's bias is updated in place outside the graph, which reads it where it lives.
 
 Gradients: a replayed backward writes the weights' gradients into the graph's own buffers, which
 autograd then hands to `.grad` as they are (no copy) where `.grad` is None. They stay valid until the
@@ -31,6 +39,29 @@ from torch import Tensor, nn
 from moefp8.kernels.rope import rope_tables
 
 
+class _Whole(nn.Module):
+    """A block whole (its attention and its MLP or MoE layer) for `make_graphed_callables`: x -> (x + a + o,
+    whether a / o hold a NaN/Inf[, the MoE layer's load_E][, its aux_loss]) (`Block.whole_checked`)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = block.attn_norm, block.attn, block.mlp_norm, block.mlp
+        self._block = (block,)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        return self._block[0].whole_checked(x, cos, sin)
+
+
+def whole_capturable(block) -> bool:
+    """Whether a block's MLP can be captured with its attention: a dense MLP, or a MoE layer that exchanges
+    no rows (EP = 1: its layout takes the static bound, nothing syncs the host), in the plain schedule, with
+    moefp8's experts (megablocks' dMoE sizes its buffers from the routing on the host)."""
+    if not block.is_moe:
+        return True
+    moe = block.mlp
+    return not moe.dispatcher.communicates and moe.overlap is None and moe.megablocks is None
+
+
 class _Attend(nn.Module):
     """A block's attention as a module of its own for `make_graphed_callables` (which graphs a module
     with its parameters): x -> (x + attention, the MLP's input, whether the attention output holds a
@@ -46,14 +77,15 @@ class _Attend(nn.Module):
 
 
 def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tuple[int, int] | None = None,
-                    overlap_only: bool = False) -> int:
+                    overlap_only: bool = False, mlp: bool = False) -> int:
     """Captures the attention of every block of `model` (a `moefp8.model.Transformer` on a CUDA device)
     that does not recompute it, for micro-batches of [batch, seq_len] tokens (`Block.graphed_attend`);
     returns how many blocks replay graphs. halves: the sequences of the two micro-batch overlap's
     halves (moefp8.overlap.halves of batch): each MoE block's attention is captured for them too,
     one graph per half (`Block.graphed_halves`, which `OverlappedBlock` replays: a graph's outputs
     live in its own buffers, and A's must outlive B's replay). overlap_only: the MoE blocks always
-    run overlapped (dispatch.overlap=true), so they get the halves' graphs only. All in one
+    run overlapped (dispatch.overlap=true), so they get the halves' graphs only. mlp (train.cuda_graphs_mlp):
+    the blocks where `whole_capturable` holds are captured whole instead (`Block.graphed_whole`). All in one
     `make_graphed_callables` call (one memory pool): its order, the forwards as listed and the
     backwards reversed, is the step's, whole or split (A then B forward, B then A backward). Call it
     after the weights have their final storage (build, checkpoint restore) and before the first
@@ -64,6 +96,7 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     dev = next(model.parameters()).device
     cos, sin = rope_tables(seq_len, model.cfg.head_dim, model.cfg.rope_theta, dev)
     units = capture_plan(blocks, batch, halves, overlap_only)
+    whole = [mlp and which is None and whole_capturable(b) for b, which, _ in units]
     sample = tuple((torch.randn(n, seq_len, model.cfg.hidden, device=dev, dtype=torch.bfloat16,
                                 requires_grad=True), cos, sin) for _, _, n in units)
     # No garbage collection during the capture: freeing an earlier model's graphs (cudaGraphExecDestroy)
@@ -73,14 +106,17 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     collecting = gc.isenabled()
     gc.disable()
     try:
-        graphed = torch.cuda.make_graphed_callables(tuple(_Attend(b) for b, _, _ in units), sample,
-                                                    num_warmup_iters=warmup)
+        graphed = torch.cuda.make_graphed_callables(tuple(_Whole(b) if w else _Attend(b)
+                                                          for (b, _, _), w in zip(units, whole)),
+                                                    sample, num_warmup_iters=warmup)
     finally:
         if collecting:
             gc.enable()
-    for (b, which, n), g in zip(units, graphed):
+    for (b, which, n), g, w in zip(units, graphed, whole):
         entry = (g, (n, seq_len, model.cfg.hidden))
-        if which is None:
+        if w:
+            b.graphed_whole = entry
+        elif which is None:
             b.graphed_attend = entry
         else:
             b.graphed_halves = (entry, b.graphed_halves[1]) if which == 0 else (b.graphed_halves[0], entry)
@@ -100,11 +136,12 @@ def capture_plan(blocks, batch: int, halves: tuple[int, int] | None, overlap_onl
     return units
 
 
-def replays(block, x: Tensor, half: int | None = None) -> bool:
+def replays(block, x: Tensor, half: int | None = None, whole: bool = False) -> bool:
     """Whether `block` runs its captured attention for input x (see the module docstring): the whole
-    micro-batch's graph, or with `half` (0 / 1) the overlap's graph of that half. The graphs were
-    captured for an input that requires grad, with autograd on."""
-    g = block.graphed_attend if half is None else block.graphed_halves[half]
+    micro-batch's graph, or with `half` (0 / 1) the overlap's graph of that half; whole: the graph of
+    the whole block (attention and MLP, train.cuda_graphs_mlp). The graphs were captured for an input
+    that requires grad, with autograd on."""
+    g = block.graphed_whole if whole else block.graphed_attend if half is None else block.graphed_halves[half]
     return (g is not None and torch.is_grad_enabled() and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16
             and x.requires_grad and not block.stats.on)
 
@@ -113,7 +150,12 @@ def prepare_grads(model) -> None:
     """Zero `.grad` for the graphed blocks' parameters that have none (see the module docstring: one
     process with gradient accumulation)."""
     for b in model.layers:
-        if b.graphed_attend is not None:  # (the halves' gradients come back through OverlappedBlock: summed, no buffer)
-            for p in (*b.attn_norm.parameters(), *b.attn.parameters(), *b.mlp_norm.parameters()):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        if b.graphed_whole is not None:
+            params = b.parameters()
+        elif b.graphed_attend is not None:  # (the halves' gradients come back through OverlappedBlock: summed)
+            params = (*b.attn_norm.parameters(), *b.attn.parameters(), *b.mlp_norm.parameters())
+        else:
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)

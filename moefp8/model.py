@@ -103,6 +103,7 @@ class Block(nn.Module):
         stats = stats if stats is not None else ScaleStats()
         self.stats, self.recompute_attention = stats, recompute_attention
         self.graphed_attend = None  # (the captured attend, its input shape): moefp8.graphs.graph_attention
+        self.graphed_whole = None  # the same for the whole block (train.cuda_graphs_mlp)
         self.graphed_halves = (None, None)  # the same for the overlap's micro-batches A and B (MoE blocks)
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, recipe, stats, gemm)
@@ -130,6 +131,14 @@ class Block(nn.Module):
         a, h, m = self.attend(x, cos, sin)
         return h, m, _nonfinite(a)
 
+    def whole_checked(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        """The block as its captured whole graph runs it (moefp8.graphs, train.cuda_graphs_mlp): -> (x + a + o,
+        whether a holds a NaN/Inf, whether o does[, the MoE layer's load_E][, its aux_loss])."""
+        a, h, m = self.attend(x, cos, sin)
+        o, aux, load = self.mlp(m, seq_len=x.shape[1]) if self.is_moe else (self.mlp(m), None, None)
+        return (h + o, _nonfinite(a), _nonfinite(o)) + ((load,) if load is not None else ()) + (
+            (aux,) if aux is not None else ())
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list, handoff: Handoff | None = None):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
         bool tensor per sub-layer: its output holds a NaN/Inf. handoff: passed along consecutive
@@ -143,6 +152,11 @@ class Block(nn.Module):
             return out, mean_over_halves(aux_2, x.shape[0]), load
         if handoff is not None:
             handoff.wait()
+        if replays(self, x, whole=True):  # train.cuda_graphs_mlp: the captured block (moefp8.graphs)
+            out, nf_attn, nf_mlp, *rest = self.graphed_whole[0](x, cos, sin)
+            flags += [nf_attn, nf_mlp]
+            load = rest.pop(0) if self.is_moe else None
+            return out, rest[0] if rest else None, load
         if replays(self, x):  # train.cuda_graphs: the captured attention (moefp8.graphs)
             x, h, nf = self.graphed_attend[0](x, cos, sin)
             flags.append(nf)

@@ -113,7 +113,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     auto = overlap_auto(cfg, par, model, console.print)  # dispatch.overlap=auto: times both schedules first
     # a replayed attention hands its graph's gradient buffers to a `.grad` that is None: with several
     # micro-batches on one process the gradients must exist before the first backward (moefp8.graphs)
-    keep_grads = grads is None and t.grad_accum > 1 and any(b.graphed_attend for b in model.layers)
+    keep_grads = grads is None and t.grad_accum > 1 and any(b.graphed_attend or b.graphed_whole for b in model.layers)
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     for step in range(start, t.steps):

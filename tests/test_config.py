@@ -55,6 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
      "dispatch.gemm_sm_reserve=-1: expected an integer >= 0"),
     (["dispatch=all_to_all", "dispatch.gemm_sm_reserve=8"],
      "dispatch.gemm_sm_reserve=8: SMs left free while an overlapped layer runs; set dispatch.overlap=true or auto"),
+    (["train.cuda_graphs_mlp=true"], "train.cuda_graphs_mlp=true: captures the blocks' MLPs beside their attention; "
+                                     "set train.cuda_graphs=true too"),
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),

@@ -59,6 +59,27 @@ def test_capture_plan_and_the_halves_replay_check():
     assert not replays(e1, xa) and not replays(e2, xa, half=0)  # no whole graph; e2 captured none
     m.scale_stats.on = True
     assert not replays(e1, xa, half=0)
+    m.scale_stats.on = False
+    e2.graphed_whole = (None, (3, 8, H))  # train.cuda_graphs_mlp: the whole block's graph
+    assert replays(e2, xa, whole=True) and not replays(e2, xa) and not replays(e1, xa, whole=True)
+
+
+def test_whole_capturable_blocks():
+    """train.cuda_graphs_mlp captures a block whole where its MLP's shapes are static: dense MLPs, and MoE
+    layers that exchange no rows in the plain schedule with moefp8's experts."""
+    from moefp8.graphs import whole_capturable
+    from moefp8.overlap import OverlapPolicy
+
+    assert all(whole_capturable(b) for b in Transformer(CFG, Recipe("bf16")).layers)
+    ov = Transformer(CFG, Recipe("bf16"), overlap=OverlapPolicy()).layers
+    assert [whole_capturable(b) for b in ov] == [not b.is_moe for b in ov]
+
+    class Exchanging:
+        communicates = True
+
+    e = Transformer(CFG, Recipe("bf16")).layers[1]
+    e.mlp.dispatcher = Exchanging()
+    assert not whole_capturable(e)
 
 
 def _failure(stderr: str) -> str:
@@ -73,8 +94,9 @@ def _tokens(B, S, seed):
     return torch.randint(0, CFG.vocab_size, (B, S + 1), generator=g).cuda()
 
 
-def _steps(model, batches, accum=1, graphed=False):
-    """Two optimizer steps; per step the loss and every gradient (cloned before zero_grad)."""
+def _steps(model, batches, accum=1, graphed=False, bias=False):
+    """Two optimizer steps; per step the loss and every gradient (cloned before zero_grad). bias: the
+    routers' bias update after each step too (the training loop's, from the step's load)."""
     from moefp8.graphs import prepare_grads
 
     opt, got = AdamW(model.named_parameters(), Config().optim), []
@@ -90,6 +112,9 @@ def _steps(model, batches, accum=1, graphed=False):
                     out.nonfinite.clone()))
         opt.step(1e-3)
         opt.zero_grad()
+        if bias:
+            for router, load_E in zip(model.routers(), out.load_LE):
+                router.update_bias(load_E)
     return got
 
 
@@ -110,6 +135,42 @@ def test_gpu_replayed_attention_equals_eager(recipe, accum):
         assert gw.keys() == gg.keys() and torch.equal(nw, ng)
         for n in gw:
             assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe, accum", [("fp8", 1), ("bf16", 1), ("fp8", 2)])
+def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum):
+    """train.cuda_graphs_mlp at EP = 1: every block, dense and MoE, replays one graph (attention, MLP or MoE
+    layer: its rows at their static bound). Two optimizer steps with the routers' bias update between: the
+    eager model's losses and gradients bit for bit, so the replays quantize the updated weights (the FP8
+    copies are made inside the captured forward) and read the updated bias; no eager block code runs."""
+    torch.backends.cuda.enable_flash_sdp(False)
+    B, S = 2, 128
+    batches = [[_tokens(B, S, 10 * s + i) for i in range(accum)] for s in range(2)]
+    want = _steps(Transformer(CFG, Recipe(recipe), seed=0).cuda(), batches, accum, bias=True)
+    m = Transformer(CFG, Recipe(recipe), seed=0).cuda()
+    assert graph_attention(m, B, S, mlp=True) == CFG.n_layers
+    assert all(b.graphed_whole is not None and b.graphed_attend is None for b in m.layers)
+    for b in m.layers:  # a replay calls none of the block's eager code
+        b.attend = b.whole_checked = None
+    got = _steps(m, batches, accum, graphed=True, bias=True)
+    for (lw, gw, nw), (lg, gg, ng) in zip(want, got):
+        assert all(torch.equal(a, b) for a, b in zip(lw, lg)), (lw, lg)
+        assert gw.keys() == gg.keys() and torch.equal(nw, ng)
+        for n in gw:
+            assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_whole_blocks_only_where_the_mlp_is_static():
+    """With the overlap (the MoE layer's schedule splits and exchanges) the MoE blocks keep their attention
+    graphs; the dense block is captured whole."""
+    from moefp8.overlap import OverlapPolicy
+
+    m = Transformer(CFG, Recipe("bf16"), seed=0, overlap=OverlapPolicy()).cuda()
+    assert graph_attention(m, 2, 128, mlp=True) == CFG.n_layers
+    assert [b.graphed_whole is not None for b in m.layers] == [not b.is_moe for b in m.layers]
+    assert all(b.graphed_attend is not None for b in m.layers if b.is_moe)
 
 
 @pytest.mark.gpu
