@@ -137,6 +137,9 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             sums[:2] += torch.stack([out.out, out.aux_loss]).detach()
             load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
             nonfinite_S = out.nonfinite if nonfinite_S is None else nonfinite_S | out.nonfinite
+            # the loss's autograd graph, gone before the next forward: its nodes (the parameters' AccumulateGrad
+            # among them) would live on into the next micro-batch's graph, made there on another stream
+            del out
         # stop requests ride on the loss's all-reduce: a signal to any rank, any rank's clock past the limit
         flags_host[0] = float(stop.requested is not None)
         flags_host[1] = float(bool(t.time_limit_s) and time.monotonic() - began > t.time_limit_s)
