@@ -131,11 +131,15 @@ class Block(nn.Module):
         a, h, m = self.attend(x, cos, sin)
         return h, m, _nonfinite(a)
 
+    def _mlp(self, h: Tensor, seq_len: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The MLP on its input h -> (output, aux_loss, load_E): the MoE layer's three, a dense MLP's output alone."""
+        return self.mlp(h, seq_len=seq_len) if self.is_moe else (self.mlp(h), None, None)
+
     def whole_checked(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
         """The block as its captured whole graph runs it (moefp8.graphs, train.cuda_graphs_mlp): -> (x + a + o,
         whether a holds a NaN/Inf, whether o does[, the MoE layer's load_E][, its aux_loss])."""
         a, h, m = self.attend(x, cos, sin)
-        o, aux, load = self.mlp(m, seq_len=x.shape[1]) if self.is_moe else (self.mlp(m), None, None)
+        o, aux, load = self._mlp(m, x.shape[1])
         return (h + o, _nonfinite(a), _nonfinite(o)) + ((load,) if load is not None else ()) + (
             (aux,) if aux is not None else ())
 
@@ -168,10 +172,7 @@ class Block(nn.Module):
             else:
                 a, x, h = self.attend(x, cos, sin)
             flags.append(_nonfinite(a))
-        if not self.is_moe:
-            o, aux, load = self.mlp(h), None, None
-        else:
-            o, aux, load = self.mlp(h, seq_len=x.shape[1])
+        o, aux, load = self._mlp(h, x.shape[1])
         flags.append(_nonfinite(o))
         return x + o, aux, load
 

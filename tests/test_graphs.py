@@ -118,6 +118,15 @@ def _steps(model, batches, accum=1, graphed=False, bias=False):
     return got
 
 
+def assert_same_steps(want, got):
+    """`_steps` of two models: the same losses, gradients and non-finite flags, bit for bit."""
+    for (lw, gw, nw), (lg, gg, ng) in zip(want, got):
+        assert all(torch.equal(a, b) for a, b in zip(lw, lg)), (lw, lg)
+        assert gw.keys() == gg.keys() and torch.equal(nw, ng)
+        for n in gw:
+            assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe, accum", [("fp8", 1), ("bf16", 1), ("fp8", 2)])
 def test_gpu_replayed_attention_equals_eager(recipe, accum):
@@ -130,11 +139,7 @@ def test_gpu_replayed_attention_equals_eager(recipe, accum):
     for b in m.layers:  # the eager attention must not run: a replay does not call it
         b.attend = None
     got = _steps(m, batches, accum, graphed=True)
-    for (lw, gw, nw), (lg, gg, ng) in zip(want, got):
-        assert all(torch.equal(a, b) for a, b in zip(lw, lg)), (lw, lg)
-        assert gw.keys() == gg.keys() and torch.equal(nw, ng)
-        for n in gw:
-            assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+    assert_same_steps(want, got)
 
 
 @pytest.mark.gpu
@@ -154,11 +159,7 @@ def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum):
     for b in m.layers:  # a replay calls none of the block's eager code
         b.attend = b.whole_checked = None
     got = _steps(m, batches, accum, graphed=True, bias=True)
-    for (lw, gw, nw), (lg, gg, ng) in zip(want, got):
-        assert all(torch.equal(a, b) for a, b in zip(lw, lg)), (lw, lg)
-        assert gw.keys() == gg.keys() and torch.equal(nw, ng)
-        for n in gw:
-            assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+    assert_same_steps(want, got)
 
 
 @pytest.mark.gpu
@@ -194,11 +195,7 @@ def test_gpu_overlap_replays_the_halves_graphs(recipe, overlap_only):
     for b in m.layers:  # the eager attention must not run: a replay does not call it
         b.attend = None
     got = _steps(m, batches, graphed=True)
-    for (lw, gw, nw), (lg, gg, ng) in zip(want, got):
-        assert all(torch.equal(a, b) for a, b in zip(lw, lg)), (lw, lg)
-        assert gw.keys() == gg.keys() and torch.equal(nw, ng)
-        for n in gw:
-            assert torch.equal(gw[n], gg[n]), (n, (gw[n] - gg[n]).abs().max().item())
+    assert_same_steps(want, got)
     for b, f in eager.items():
         b.attend = f
     def boom(*_):
