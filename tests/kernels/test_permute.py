@@ -343,10 +343,11 @@ def test_build_layout_gpu_vs_ref(T, K, E, kind):
         assert_same_layout(P.build_layout(x.cuda(), E), ref)
         assert_same_layout(P.build_layout(x.cuda(), E, counts=ref.counts), ref)  # an EP dispatch's counts: no read-back
         if kind != "noisy":  # EP = 1 (the router's ids): no read-back, no sync
+            xg = x.cuda()  # the copy from the host syncs; the layout must not
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                got = P.build_layout(x.cuda(), E, bound=True)
+                got = P.build_layout(xg, E, bound=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert_same_layout_bound(got, P.build_layout_ref(x, E, bound=True))
