@@ -237,26 +237,29 @@ def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_pa
     """`train.cuda_graphs=true` through the Hydra entry point: said at start, and with deterministic
     kernels the same losses and gradient norms as the eager run, step for step; on 2 GPUs (EP2: the replicated weights'
     gradients in the data-parallel buckets, whose `.grad` views the replayed backward adds into) too, and
-    with the two micro-batch overlap (the MoE blocks replay one graph per half)."""
+    with the two micro-batch overlap (the MoE blocks replay one graph per half). On one GPU also with
+    `train.cuda_graphs_mlp=true` (every block replayed whole; evaluation eager between)."""
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                                   "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2",
                                   f"dispatch.overlap={overlap}"] if gpus == 2 else ["-m", "moefp8.train"])
     runs = {}
-    for graphs in ("false", "true"):
+    for graphs in ("false", "true") + (("mlp",) if gpus == 1 else ()):
         out = tmp_path / graphs
         r = subprocess.run([*launch, "model=tiny", "train.device=cuda",
                             "train.micro_batch=4", "train.seq_len=128", "train.steps=4", "train.log_every=1",
                             "train.ckpt_every=0", "train.progress=false", "logger.mode=disabled",
                             "train.deterministic=true", "train.eval_every=2", "data.val_windows=8",
                             f"data.path={data_dir}", "data.max_bytes=2000000", f"train.out_dir={out}",
-                            f"train.cuda_graphs={graphs}"],
+                            f"train.cuda_graphs={graphs != 'false'}", f"train.cuda_graphs_mlp={graphs == 'mlp'}"],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, _failure(r.stderr)
-        said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs" + (
-            "; the MoE blocks' for the overlap's halves of 2 and 2 sequences" if overlap == "true" else "\n")
-        assert (said in r.stdout) == (graphs == "true"), r.stdout[-2000:]
+        said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs" + {
+            "mlp": "; 3 of them whole, with their MLP (train.cuda_graphs_mlp)\n",
+            "true": "; the MoE blocks' for the overlap's halves of 2 and 2 sequences" if overlap == "true" else "\n",
+            "false": "\n"}[graphs]
+        assert (said in r.stdout) == (graphs != "false"), r.stdout[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         runs[graphs] = [(x["loss"], x["grad_norm"], x.get("val_loss")) for x in rows]
-    assert len(runs["true"]) == 4 and runs["true"] == runs["false"]
+    assert len(runs["true"]) == 4 and all(runs[g] == runs["false"] for g in runs)
