@@ -10,8 +10,7 @@ h [M, 2I] = [gate | up]; a = silu(g) * u. With sig = 1 / (1 + exp(-g)):
 
 Each program covers 128 rows x 128 columns of one half (gate or up; one launch for both),
 which is one 1x128 group per row and one 128x1 group per column, so both quantizations finish in
-registers; with launch PAIR, 128 columns of both halves (g, u, da read and the sigmoid computed
-once for the two). Math in fp32 with exp(-g) as exp2 (`_sigmoid_denom`), IEEE division and no FMA
+registers. Math in fp32 with exp(-g) as exp2 (`_sigmoid_denom`), IEEE division and no FMA
 contraction, in the order the `_ref` twins use, so GPU results equal the references bit for bit.
 """
 
@@ -58,48 +57,13 @@ def _swiglu_grad_rows(h_ptr, hs_ptr, da_ptr, rows, offs_k, m_left, I, gate, stri
 
 
 @triton.jit
-def _swiglu_grad_pair_rows(h_ptr, hs_ptr, da_ptr, rows, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg,
-                           stride_dam, q_ptr, qs_ptr, stride_qm, stride_qsm, stride_qsg, POW2: tl.constexpr):
-    """Both halves of dh for rows `rows` of one 128-column group of I (`_swiglu_grad_rows` for the gate and
-    the up at once: g, u and da loaded and the sigmoid computed once); stores both row-wise
-    quantizations (dh's gate group at q_ptr, its up group I columns on) -> (dg, du) fp32."""
-    g = _dequant_rows(h_ptr, hs_ptr, rows, offs_k, m_left, stride_hm, stride_hsm)
-    u = _dequant_rows(h_ptr + I, hs_ptr + (I // 128) * stride_hsg, rows, offs_k, m_left, stride_hm, stride_hsm)
-    da = _load_rows(da_ptr, rows, offs_k, m_left, 128, stride_dam)
-    sig = _sigmoid(g)
-    dg = da * u * sig * (1.0 + g * (1.0 - sig))  # _swiglu_grad's expressions, in its order
-    du = da * (g * sig)
-    _quant_rows_store(dg, rows, offs_k, m_left, q_ptr, qs_ptr, stride_qm, stride_qsm, POW2)
-    _quant_rows_store(du, rows, offs_k, m_left, q_ptr + I, qs_ptr + (I // 128) * stride_qsg, stride_qm, stride_qsm,
-                      POW2)
-    return dg, du
-
-
-@triton.jit
 def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
                              stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                             stride_csm, POW2: tl.constexpr, PACK: tl.constexpr, PAIR: tl.constexpr):
+                             stride_csm, POW2: tl.constexpr, PACK: tl.constexpr):
     """One launch for both halves of dh [M, 2I]: programs 0..I/128-1 the gate's gradient, the next
     I/128 the up's. A program covers one 128x128 tile as four interleaved quarters (rows 4i + j,
     as the col-wise quant kernels): rows quantized as they are computed, columns at the end
-    (PACK: the transposed store moves 32-bit words, see _quant_cols4_store).
-    PAIR: I/128 programs, each both halves' tiles of its 128 columns of I (the loads of g, u, da and
-    the sigmoid once for both; eight quarters live until the column quantizations)."""
-    if PAIR:
-        _swiglu_bwd_quant_pair(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                               stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                               stride_csm, POW2, PACK)
-    else:
-        _swiglu_bwd_quant_half(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                               stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                               stride_csm, POW2, PACK)
-
-
-@triton.jit
-def _swiglu_bwd_quant_half(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                           stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                           stride_csm, POW2: tl.constexpr, PACK: tl.constexpr):
-    """`_swiglu_bwd_quant_kernel` without PAIR: program (c, m) -> dh's tile c of rows m, gate or up."""
+    (PACK: the transposed store moves 32-bit words, see _quant_cols4_store)."""
     col = tl.program_id(0)  # this tile's 128-column group in dh [M, 2I]
     pid_m = tl.program_id(1)
     G = I // 128
@@ -125,40 +89,6 @@ def _swiglu_bwd_quant_half(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, 
     _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, 128,
                        c_ptr + (col * 128).to(tl.int64) * stride_ck + m0,
                        cs_ptr + col * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2, PACK)
-
-
-@triton.jit
-def _swiglu_bwd_quant_pair(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                           stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                           stride_csm, POW2: tl.constexpr, PACK: tl.constexpr):
-    """`_swiglu_bwd_quant_kernel` with PAIR: program (k, m) -> dh's gate tile k and up tile G + k of rows m."""
-    pid_k = tl.program_id(0)  # this program's 128 columns of I
-    pid_m = tl.program_id(1)
-    G = I // 128
-    m0 = pid_m.to(tl.int64) * 128
-    r = 4 * tl.arange(0, 32)
-    offs_k = tl.arange(0, 128)
-    m_left = M - m0
-    h = h_ptr + m0 * stride_hm + pid_k * 128
-    hs = hs_ptr + m0 * stride_hsm + pid_k * stride_hsg
-    da = da_ptr + m0 * stride_dam + pid_k * 128
-    q = q_ptr + m0 * stride_qm + pid_k * 128
-    qs = qs_ptr + m0 * stride_qsm + pid_k * stride_qsg
-    g0, u0 = _swiglu_grad_pair_rows(h, hs, da, r, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg, stride_dam,
-                                    q, qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    g1, u1 = _swiglu_grad_pair_rows(h, hs, da, r + 1, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg,
-                                    stride_dam, q, qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    g2, u2 = _swiglu_grad_pair_rows(h, hs, da, r + 2, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg,
-                                    stride_dam, q, qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    g3, u3 = _swiglu_grad_pair_rows(h, hs, da, r + 3, offs_k, m_left, I, stride_hm, stride_hsm, stride_hsg,
-                                    stride_dam, q, qs, stride_qm, stride_qsm, stride_qsg, POW2)
-    for_gate = (pid_k * 128).to(tl.int64)
-    _quant_cols4_store(g0, g1, g2, g3, tl.arange(0, 32), offs_k, m_left, 128, c_ptr + for_gate * stride_ck + m0,
-                       cs_ptr + pid_k * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2, PACK)
-    for_up = ((G + pid_k) * 128).to(tl.int64)
-    _quant_cols4_store(u0, u1, u2, u3, tl.arange(0, 32), offs_k, m_left, 128, c_ptr + for_up * stride_ck + m0,
-                       cs_ptr + (G + pid_k) * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2,
-                       PACK)
 
 
 @triton.jit
@@ -213,12 +143,11 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
     cs = _scales(I2, triton.cdiv(M, TILE), dev, True)
     if M:
         da = da if da.stride(-1) == 1 else da.contiguous()
-        cfg = dict(launch or LAUNCH["swiglu_backward_quant"])
-        pair = cfg.setdefault("PAIR", False)
-        _swiglu_bwd_quant_kernel[(I2 // TILE // (2 if pair else 1), triton.cdiv(M, TILE))](
+        _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
             h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
             h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
-            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False, **cfg)
+            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False,
+            **(launch or LAUNCH["swiglu_backward_quant"]))
     return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
 
 
