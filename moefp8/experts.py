@@ -87,15 +87,16 @@ def _wgrad(dy_col: Fp8Tensor, x_col: Fp8Tensor, off: Tensor | None, off_host: li
 
 
 def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp8Tensor, scale_fmt: str,
-                    off_host: list | None = None, *, gemm: GemmPolicy, stats: ScaleStats):
+                    off_host: list | None = None, *, gemm: GemmPolicy, stats: ScaleStats, src_M: Tensor | None = None):
     """x8 "1x128" [M, H] -> (y [M, H] bf16, h8 "1x128" [M, 2I] the cache for backward, a8 "1x128"
     [M, I] fc2's input: y = fp8_grouped_gemm(a8, w2_8) again gives y bit for bit).
-    off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop)."""
+    off_host: the offsets on the host, if known (lets the GEMMs pick a per-expert cuBLAS loop).
+    src_M: the permutation's row sources (-1: padding), so that the statistics skip the padding rows."""
     with scope("fc1"):
         h = _mm(x8, w1_8, off, off_host, gemm)
     with scope("swiglu"):
         h8, a8 = swiglu_quant_cache(h, scale_fmt, colmajor_scale=True)
-        stats.record("act", a8)
+        stats.record("act", a8, src_M)
     with scope("fc2"):
         return _mm(a8, w2_8, off, off_host, gemm), h8, a8
 
@@ -103,12 +104,13 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
 def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None, w1: Tensor, w2: Tensor,
                      cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None,
                      dy_col: Fp8Tensor | None = None, dw_into: tuple | None = None, *, gemm: GemmPolicy,
-                     stats: ScaleStats):
+                     stats: ScaleStats, src_M: Tensor | None = None):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
     x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1"; dy_col: dy8's "128x1"
     copy if the caller made it (`quant_rowwise_colwise`), else requantized here. dw_into: grouped
     only, (dW1, dW2) of another micro-batch that these are added into (and returned): the two
-    micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies."""
+    micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies. src_M: as in
+    `fp8_mlp_forward`."""
     into1, into2 = dw_into if dw_into is not None and off is not None else (None, None)
     with scope("bwd_fc2"):
         da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host, gemm)
@@ -117,7 +119,7 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
         del dy_col
     with scope("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
-        stats.record("grad", dh8)
+        stats.record("grad", dh8, src_M)
     with scope("bwd_fc1"):
         dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host, gemm,
                      into1)

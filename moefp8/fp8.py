@@ -159,18 +159,21 @@ class ScaleStats:
         finally:
             self.on = on
 
-    def record(self, kind: str, q: Fp8Tensor) -> Fp8Tensor:
-        """Records q's scales (while `on`); returns q, so a call can wrap the quantization."""
+    def record(self, kind: str, q: Fp8Tensor, src_M: Tensor | None = None) -> Fp8Tensor:
+        """Records q's scales (while `on`); returns q, so a call can wrap the quantization. src_M: for
+        a "1x128" q [M, C] of permuted rows, the layout's `src_M` (-1 on padding rows): only the routed
+        rows' tiles count (the padding is zeros, or whatever a GEMM leaves past the last segment)."""
         if not self.on or q.scale.numel() == 0:
             return q
         s = q.scale.detach().float()
-        at_floor = s < 2 * AMAX_MIN / FP8_MAX
-        fin = torch.isfinite(s) & ~at_floor  # the mean and min are over the other tiles
+        ok = torch.ones_like(s, dtype=torch.bool) if src_M is None else (src_M >= 0)[:, None].expand_as(s)
+        at_floor = (s < 2 * AMAX_MIN / FP8_MAX) & ok
+        fin = torch.isfinite(s) & ~at_floor & ok  # the mean and min are over the other tiles
         l2 = torch.where(fin, s, torch.ones_like(s)).log2()
         # one row per tensor, made on the producer's stream (the overlap schedule quantizes on two):
         # nothing is accumulated across streams before `report` synchronizes
         self._rows.setdefault(kind, []).append(torch.stack([
-            torch.tensor(float(s.numel()), device=s.device), at_floor.sum().float(), l2.sum(), fin.sum().float(),
+            ok.sum().float(), at_floor.sum().float(), l2.sum(), fin.sum().float(),
             torch.where(fin, l2, torch.full_like(l2, 1e9)).min()]))
         return q
 

@@ -123,7 +123,7 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
         xp = permute_fp8(d.x, L, colmajor_scale=True) if fp8 else permute_rows(d.x, L)
     if fp8:
         y, h, a8 = fp8_mlp_forward(xp, L.offsets, layer.cache.get(w1, fmt), layer.cache.get(w2, fmt), fmt,
-                                   L.offsets_host, gemm=gemm, stats=layer.stats)
+                                   L.offsets_host, gemm=gemm, stats=layer.stats, src_M=L.src_M)
         # y for dw, or fc2's FP8 input (1 byte x I where y is 2 bytes x H) to recompute it from
         keep = (None, None) if not want_dw else (a8.data, a8.scale) if layer.recompute_out else (y, None)
         saved = Saved((d.x.data, d.x.scale), (h.data, h.scale), keep, d.topk_w, L, d.handle)
@@ -165,7 +165,7 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
             x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)
         dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
                                          want_dx=want_dx, off_host=L.offsets_host, dw_into=dw_into, gemm=gemm,
-                                         stats=layer.stats)
+                                         stats=layer.stats, src_M=L.src_M)
     else:
         with scope("bwd_dw"):
             dy, dw = combine_backward(dz, s.y[0], L, w_TK, want_dy=True)

@@ -319,10 +319,11 @@ def check_bound_layout_changes_no_bit(recipe, device, T, monkeypatch):
     """At EP = 1 the layer sizes its rows by the static bound (no read-back of the counts); the rows past the
     experts' segments are padding that the GEMMs write as zeros or skip. Against the exact layout (the
     read-back the layer made before): the output and every gradient bit for bit, in both recipes; with an
-    expert left empty and one taking most tokens, so the bound runs well past the segments."""
+    expert left empty and one taking most tokens, so the bound runs well past the segments. The FP8
+    statistics too: they count the routed rows' tiles only, not the padding of either layout."""
     import moefp8.moe_stages as S
 
-    res, rows, real = {}, {True: [], False: []}, S.build_layout
+    res, rows, real, stats = {}, {True: [], False: []}, S.build_layout, {}
     for bound in (True, False):
         def spy(idx, E_, counts=None, bound=False, _use=bound):  # the exact layout: the layer's bound switched off
             L = real(idx, E_, counts=counts, bound=bound and _use)
@@ -334,10 +335,16 @@ def check_bound_layout_changes_no_bit(recipe, device, T, monkeypatch):
         with torch.no_grad():
             m.router.bias[3] = -50.0  # expert 3 empty
             m.router.bias[5] = 50.0  # expert 5 in every token's top-2
+        m.stats.on = True
         res[bound] = run(m, T=T, device=device)
+        stats[bound] = m.stats.report()
     names = ["out", "dx", "dW1", "dW2", "d router", "d shared W1", "d shared W2"]
     for name, u, v in zip(names, res[True], res[False]):
         assert torch.isfinite(u).all() and torch.equal(u, v), name
+    assert stats[True] == stats[False] and (recipe == "bf16") == (stats[True] == {}), (stats[True], stats[False])
+    if recipe == "fp8":  # "act" tiles: x on the wire (T rows), the experts' a (the T x K routed pairs, no padding
+        # row), the shared MLP's x and a (T rows each)
+        assert stats[True]["fp8/act_tiles"] == T * (H // 128) + T * K * (I // 128) + T * (H // 128) + T * (I // 128)
     assert rows[True][0] == build_layout(torch.zeros(T, K, dtype=torch.long), E, bound=True).M > rows[False][0]
 
 
