@@ -23,6 +23,8 @@ policy (`moefp8.kernels.grouped_gemm.GemmPolicy`: which GEMM implementation runs
 statistics recorder (`moefp8.fp8.ScaleStats`) of the layer that calls them.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -32,6 +34,15 @@ from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm, fp8_groupe
 from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, requant_colwise, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 from moefp8.scope import scope
+
+
+class _Copy(NamedTuple):
+    """One weight's entry in a `WeightCache`."""
+    version: int  # the parameter's version counter when the copy was made
+    fmt: str  # "pow2" | "fp32" | "bf16"
+    low: "Fp8Tensor | Tensor"  # the FP8 "128x128" copy, or the BF16 cast
+    low_t: "Fp8Tensor | None"  # its transpose for dgrad (FP8), made with it or on the first request
+    captured: bool  # made during a CUDA graph capture
 
 
 class WeightCache:
@@ -47,23 +58,23 @@ class WeightCache:
     reads the forward graph's buffer, which every forward replay refills)."""
 
     def __init__(self):
-        self._store: dict[int, tuple] = {}
+        self._store: dict[int, _Copy] = {}
 
     def get(self, w: Tensor, scale_fmt: str, transposed: bool = False):
         key, ver = id(w), w._version
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
         hit = self._store.get(key)
-        if hit is None or hit[0] != ver or hit[1] != scale_fmt or (capturing and not hit[4]):
+        if hit is None or hit.version != ver or hit.fmt != scale_fmt or (capturing and not hit.captured):
             if scale_fmt == "bf16":
-                hit = (ver, scale_fmt, w.detach().to(torch.bfloat16), None, capturing)
+                hit = _Copy(ver, scale_fmt, w.detach().to(torch.bfloat16), None, capturing)
             elif (transposed or (w.requires_grad and torch.is_grad_enabled())) and w.shape[-2] % 128 == 0:
-                hit = (ver, scale_fmt, *quant_weight(w.detach(), scale_fmt, transposed=True), capturing)
+                hit = _Copy(ver, scale_fmt, *quant_weight(w.detach(), scale_fmt, transposed=True), capturing)
             else:
-                hit = (ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None, capturing)
-        if transposed and hit[3] is None:
-            hit = (*hit[:3], transpose_weight(hit[2]), hit[4])
+                hit = _Copy(ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None, capturing)
+        if transposed and hit.low_t is None:
+            hit = hit._replace(low_t=transpose_weight(hit.low))
         self._store[key] = hit
-        return hit[3] if transposed else hit[2]
+        return hit.low_t if transposed else hit.low
 
 
 # ----------------------------------------------------------------------------------------------
