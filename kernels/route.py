@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.kernels import use_triton
+from moefp8.kernels.pack import pairs_per_expert
 
 FLT_MAX = 3.4028234663852886e38  # the largest fp32; -FLT_MAX stands in for a NaN score (see route_select)
 
@@ -112,13 +113,5 @@ def route_select_ref(scores_TE: Tensor, bias_E: Tensor, topk: int, n_groups: int
         mask = torch.ones(T, n_groups, dtype=torch.bool, device=s.device).scatter_(1, keep, False)
         s = g.masked_fill(mask[:, :, None], float("-inf")).view(T, E)
     idx = s.sort(dim=-1, descending=True, stable=True).indices[:, :topk].contiguous()
-    return idx, expert_load(idx, E)
+    return idx, pairs_per_expert(idx, E)
 
-
-def expert_load(idx_TK: Tensor, n_experts: int) -> Tensor:
-    """Tokens per expert, int64 [E], from expert ids [T, K] in [0, E). A scatter-add of ones rather
-    than torch.bincount: bincount reads the ids' min and max on the host (a device sync in every
-    router call, which stalls the host's queueing of the rest of the step); integer adds are exact
-    in any order, so this is deterministic too."""
-    flat = idx_TK.reshape(-1)
-    return torch.zeros(n_experts, dtype=torch.int64, device=idx_TK.device).scatter_add_(0, flat, torch.ones_like(flat))
