@@ -54,8 +54,11 @@ class PermuteLayout:
     src_M:   int32 [M]     pair index t*K + k of each row; -1 for padding rows (and rows past offsets[E])
     offsets: int32 [E+1]   segment starts on the device, multiples of 128 (grouped GEMM contract)
     counts:  list[int]     tokens per expert, on the host; None for a layout built without reading them
-                           back (`build_layout(bound=True)`)
-    M:       int           rows including padding: offsets[E], or the static bound `rows_bound` past it
+                           back (`build_layout(bound=True)` or `cap=`)
+    M:       int           rows including padding: offsets[E], or the static bound `rows_bound` past it,
+                           or the given cap
+    overflow: int32 [1]    (`build_layout(cap=)` only, else None) 1 where the pairs needed more rows than M:
+                           the pairs past M then have no row (as if not routed here) and the layout is wrong
     """
 
     row_TK: Tensor
@@ -63,6 +66,7 @@ class PermuteLayout:
     offsets: Tensor
     counts: list | None
     M: int
+    overflow: Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -96,13 +100,14 @@ def _layout_count_kernel(idx_ptr, cnt_ptr, N, E, NB, BLOCK: tl.constexpr, E_CHUN
 
 
 @triton.jit
-def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, N, E, NB, M, BLOCK: tl.constexpr,
-                         E_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, over_ptr, N, E, NB, M,
+                         BLOCK: tl.constexpr, E_CHUNK: tl.constexpr, ALIGN: tl.constexpr):
     """Per block: each pair's row = offsets[e] + (pairs of e in earlier blocks) + (pairs of e
     earlier in this block). csum = the inclusive cumsum of cnt [E + 1, NB] over blocks, its last
     column the counts. Every program rebuilds offsets from the counts; program 0 stores them, and chunk c
     of experts writes its padding rows (-1) in program c % NB. M: the rows src has (from the host's
-    counts): nothing is written past them, whatever the device's counts say."""
+    counts, their static bound or a cap): nothing is written past them, whatever the device's counts say;
+    the offsets stored are clamped to M, and over[0] (program 0) says whether the counts needed more."""
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK)
     p = b * BLOCK + j
@@ -118,14 +123,15 @@ def _layout_place_kernel(idx_ptr, cnt_ptr, csum_ptr, row_ptr, src_ptr, off_ptr, 
         c = tl.load(csum_ptr + e_c * NB + NB - 1, mask=e_c < E, other=0)
         padded = (c + ALIGN - 1) // ALIGN * ALIGN
         start_c = run + tl.cumsum(padded, axis=0) - padded
-        tl.store(off_ptr + e_c, start_c, mask=(e_c < E) & (e_c * 0 + b == 0))  # tensor masks for the interpreter
+        tl.store(off_ptr + e_c, tl.minimum(start_c, M), mask=(e_c < E) & (e_c * 0 + b == 0))  # tensor masks: the interpreter
         seg += tl.sum(tl.where(e[:, None] == e_c[None, :], start_c[None, :], 0), axis=1)
         run += tl.sum(padded, axis=0)
         if (e0 // E_CHUNK) % NB == b:
             pad = (start_c + c)[:, None] + tl.arange(0, ALIGN)[None, :]
             tl.store(src_ptr + pad, -1, mask=(pad < (start_c + padded)[:, None]) & (pad < M))
     one = tl.arange(0, 1)
-    tl.store(off_ptr + E + one, run, mask=one * 0 + b == 0)
+    tl.store(off_ptr + E + one, tl.minimum(run, M), mask=one * 0 + b == 0)
+    tl.store(over_ptr + one, (run > M).to(tl.int32), mask=one * 0 + b == 0)
     dest = seg + before + rank
     ok = ok & (dest < M)  # (past M: a pair the given counts did not count; no row, so no later read past M)
     tl.store(row_ptr + p, tl.where(ok, dest, -1), mask=p < N)
@@ -200,7 +206,7 @@ def _combine_bwd_kernel(dz_ptr, s_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H,
 
 
 def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
-                 counts: list[int] | None = None, bound: bool = False) -> PermuteLayout:
+                 counts: list[int] | None = None, bound: bool = False, cap: int | None = None) -> PermuteLayout:
     """topk_idx_TK int [T, K], values in [0, E) or negative (not routed here) -> PermuteLayout.
 
     One host sync: the per-expert counts (and the number of ids >= E) in one read-back, which
@@ -213,41 +219,53 @@ def build_layout(topk_idx_TK: Tensor, num_experts: int, impl: str | None = None,
     bound: no read-back at all: M is the static `rows_bound(T * K, E)`, the rows past offsets[E]
     are padding (src -1; the m-grouped GEMMs write them as zeros, the k-grouped ones skip them) and
     `counts` is None. For ids known valid (the router's, at EP = 1): the Triton path does not check
-    them (an id >= E would get no row), the reference still raises."""
+    them (an id >= E would get no row), the reference still raises.
+    cap (a multiple of ALIGN): no read-back either, M = cap rows, which may be too few (an EP rank's
+    received pairs have no tight static bound): the pairs past them get no row, the offsets are
+    clamped to M and `overflow` (on the device) says so; the caller must then not use the result
+    (the training loop runs such a step again with exact layouts, dispatch.rows_factor). The ids are
+    taken as valid as with bound."""
     _check_topk_idx(topk_idx_TK)
     if counts is not None and len(counts) != num_experts:
         raise ValueError(f"build_layout: {len(counts)} counts for {num_experts} experts")
-    if bound and counts is not None:
-        raise ValueError("build_layout: counts and bound=True: the counts size the rows exactly, give one or the other")
+    sizing = [name for name, given in (("counts", counts is not None), ("bound=True", bound), ("cap", cap is not None))
+              if given]
+    if len(sizing) > 1:
+        raise ValueError(f"build_layout: {' and '.join(sizing)} each size the rows: give one")
+    if cap is not None and (not isinstance(cap, int) or cap < 0 or cap % ALIGN):
+        raise ValueError(f"build_layout: cap={cap!r}, expected a multiple of {ALIGN} rows >= 0")
     if not use_triton(topk_idx_TK, impl):
-        return build_layout_ref(topk_idx_TK, num_experts, counts, bound)
+        return build_layout_ref(topk_idx_TK, num_experts, counts, bound, cap)
     T, K = topk_idx_TK.shape
     E, N, dev = num_experts, T * K, topk_idx_TK.device
+    static = bound or cap is not None  # no read-back
     if N == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return PermuteLayout(empty.view(0, K), empty, torch.zeros(E + 1, dtype=torch.int32, device=dev),
-                             None if bound else [0] * E, 0)
+        return PermuteLayout(empty.view(0, K), torch.full((cap or 0,), -1, dtype=torch.int32, device=dev),
+                             torch.zeros(E + 1, dtype=torch.int32, device=dev), None if static else [0] * E, cap or 0,
+                             torch.zeros(1, dtype=torch.int32, device=dev) if cap is not None else None)
     flat = topk_idx_TK.contiguous().view(-1)
     BLOCK, E_CHUNK = 128, min(64, triton.next_power_of_2(max(E, 1)))
     NB = triton.cdiv(N, BLOCK)
     cnt_EB = torch.empty(E + 1, NB, dtype=torch.int32, device=dev)  # row E: ids >= E
     _layout_count_kernel[(NB,)](flat, cnt_EB, N, E, NB, BLOCK=BLOCK, E_CHUNK=E_CHUNK, num_warps=4)
     csum_EB = torch.cumsum(cnt_EB, 1, dtype=torch.int32)  # along the contiguous dim (the outer-dim scan took 0.44 ms)
-    if counts is None and not bound:
+    if counts is None and not static:
         *counts, n_bad = csum_EB[:, -1].tolist()  # the host sync
         if n_bad:
             bad = int(flat.max())
             raise ValueError(f"build_layout: topk_idx holds expert {bad}, but there are only {E} experts")
-    M = rows_bound(N, E) if bound else segment_offsets(counts)[-1]
+    M = cap if cap is not None else rows_bound(N, E) if bound else segment_offsets(counts)[-1]
     row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
-    # every row written (pairs and padding), but for the rows past offsets[E] that only the bound has
+    # every row written (pairs and padding), but for the rows past offsets[E] that only a static size has
     src_M = torch.empty(M, dtype=torch.int32, device=dev)
-    if bound:
+    if static:
         src_M.fill_(-1)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, N, E, NB, M, BLOCK=BLOCK,
+    over = torch.empty(1, dtype=torch.int32, device=dev)
+    _layout_place_kernel[(NB,)](flat, cnt_EB, csum_EB, row_TK, src_M, offsets, over, N, E, NB, M, BLOCK=BLOCK,
                                 E_CHUNK=E_CHUNK, ALIGN=ALIGN, num_warps=4)
-    return PermuteLayout(row_TK, src_M, offsets, counts, M)
+    return PermuteLayout(row_TK, src_M, offsets, None if static else counts, M, over if cap is not None else None)
 
 
 def _check_topk_idx(topk_idx_TK: Tensor) -> None:
@@ -361,10 +379,11 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
 
 
 def build_layout_ref(topk_idx_TK: Tensor, num_experts: int, given: list[int] | None = None,
-                     bound: bool = False) -> PermuteLayout:
+                     bound: bool = False, cap: int | None = None) -> PermuteLayout:
     """bincount, a stable sort, scatters: ~60 small ops and 3-4 host syncs on a GPU. given: the
     counts the caller expects (`build_layout`'s counts): a ValueError where the ids disagree.
-    bound: `build_layout`'s (rows up to `rows_bound`, padding past offsets[E], no counts kept)."""
+    bound: `build_layout`'s (rows up to `rows_bound`, padding past offsets[E], no counts kept).
+    cap: `build_layout`'s (M = cap rows; the pairs past them dropped, offsets clamped, `overflow`)."""
     _check_topk_idx(topk_idx_TK)
     dev = topk_idx_TK.device
     T, K = topk_idx_TK.shape
@@ -386,13 +405,19 @@ def build_layout_ref(topk_idx_TK: Tensor, num_experts: int, given: list[int] | N
     e_sorted = key[order]
     start = torch.cumsum(counts_dev, 0) - counts_dev  # unpadded segment starts
     dest = offsets.long()[e_sorted] + torch.arange(n, device=dev) - start[e_sorted]
+    overflow = None
+    if cap is not None:
+        overflow = torch.tensor([int(M > cap)], dtype=torch.int32, device=dev)
+        keep = dest < cap
+        order, dest, M, counts = order[keep], dest[keep], cap, None
+        offsets = offsets.clamp(max=cap)
     row_TK = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
     row_TK[order] = dest.int()
     if bound:
         M, counts = rows_bound(T * K, num_experts), None
     src_M = torch.full((M,), -1, dtype=torch.int32, device=dev)
     src_M[dest] = order.int()
-    return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M)
+    return PermuteLayout(row_TK.view(T, K), src_M, offsets, counts, M, overflow)
 
 
 def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None, *,

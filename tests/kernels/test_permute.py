@@ -92,8 +92,41 @@ def check_bound(B: P.PermuteLayout, exact: P.PermuteLayout, T: int, K: int, E: i
 def test_build_layout_bound(T, K, E, kind):
     idx = routing(T, K, E, kind)
     check_bound(P.build_layout(idx, E, bound=True), P.build_layout(idx, E), T, K, E)
-    with pytest.raises(ValueError, match="counts and bound=True"):
+    with pytest.raises(ValueError, match="counts and bound=True each size the rows"):
         P.build_layout(idx, E, counts=[0] * E, bound=True)
+
+
+def check_cap(C: P.PermuteLayout, exact: P.PermuteLayout, cap: int) -> None:
+    """A capped layout against the exact one: where the pairs fit, the same layout with padding past
+    offsets[E] (as the bound's) and no overflow; where they do not, the overflow flag, the offsets clamped,
+    the pairs within the cap at their exact rows and those past it without a row."""
+    assert C.counts is None and C.M == cap == C.src_M.numel() and C.overflow.shape == (1,)
+    fits = exact.M <= cap
+    assert int(C.overflow) == (not fits)
+    assert torch.equal(C.offsets.cpu(), exact.offsets.cpu().clamp(max=cap))
+    rows = exact.row_TK.cpu()
+    assert torch.equal(C.row_TK.cpu(), torch.where(rows < cap, rows, -1))
+    src = C.src_M.cpu()
+    n = min(cap, exact.M)
+    assert torch.equal(src[:n], exact.src_M.cpu()[:n]) and torch.all(src[n:] == -1)
+
+
+CAP_CASES = [(200, 4, 8, "random"), (300, 8, 256, "skewed"), (1000, 4, 8, "one_expert"), (77, 5, 6, "unrouted"),
+             (0, 8, 8, "random")]
+
+
+@pytest.mark.parametrize("T,K,E,kind", CAP_CASES)
+def test_build_layout_cap(T, K, E, kind):
+    idx = routing(T, K, E, kind)
+    exact = P.build_layout(idx, E)
+    for cap in (0, 128, exact.M - 128, exact.M, exact.M + 256, P.rows_bound(T * K, E)):
+        if cap >= 0:
+            check_cap(P.build_layout(idx, E, cap=cap), exact, cap)
+    for bad in (100, -128, 128.0):
+        with pytest.raises(ValueError, match=f"cap={bad!r}, expected a multiple of 128"):
+            P.build_layout(idx, E, cap=bad)
+    with pytest.raises(ValueError, match="bound=True and cap each size the rows"):
+        P.build_layout(idx, E, bound=True, cap=128)
 
 
 def test_rows_bound_holds_every_layout():
@@ -303,6 +336,19 @@ def test_build_layout_interpreter_with_counts(T, K, E, kind):
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,kind", CAP_CASES)
+def test_build_layout_interpreter_cap(T, K, E, kind):
+    """The Triton path's cap equals the reference's, short of the pairs and past them."""
+    idx = routing(T, K, E, kind, seed=T + E)
+    exact = P.build_layout_ref(idx, E)
+    for cap in sorted({0, 128, max(exact.M - 128, 0), exact.M, exact.M + 256}):
+        got, want = P.build_layout(idx, E, impl="triton", cap=cap), P.build_layout_ref(idx, E, cap=cap)
+        assert_same_layout_bound(got, want)
+        assert torch.equal(got.overflow.cpu(), want.overflow.cpu())
+        check_cap(got, exact, cap)
+
+
+@pytest.mark.interp
 @pytest.mark.parametrize("T,K,E,kind", LAYOUT_CASES)
 def test_build_layout_interpreter_bound(T, K, E, kind):
     """No read-back: the kernels size nothing from the counts, and write every row up to the bound."""
@@ -346,11 +392,15 @@ def test_build_layout_gpu_vs_ref(T, K, E, kind):
             xg = x.cuda()  # the copy from the host syncs; the layout must not
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
+            caps = sorted({max(ref.M - 128, 0), ref.M + 256})  # short of the pairs, and past them
             try:
                 got = P.build_layout(xg, E, bound=True)
+                capped = [P.build_layout(xg, E, cap=c) for c in caps]
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert_same_layout_bound(got, P.build_layout_ref(x, E, bound=True))
+            for c, L in zip(caps, capped):
+                check_cap(L, ref, c)
     with pytest.raises(ValueError, match=f"holds expert {E + 5}, but there are only {E} experts"):
         P.build_layout(torch.cat([idx, torch.tensor([[E + 5] * K])]).cuda(), E)
 
