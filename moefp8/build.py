@@ -79,7 +79,8 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
     return Transformer.build(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, device=device, seed=t.seed,
                              overlap=overlap_policy(cfg) if d.overlap is True else None,
                              gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
-                             recompute=tuple(t.recompute), loss_chunk=t.loss_chunk)
+                             recompute=tuple(t.recompute), loss_chunk=t.loss_chunk,
+                             rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0)
 
 
 def overlap_policy(cfg: Config) -> OverlapPolicy:

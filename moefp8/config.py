@@ -108,6 +108,11 @@ class DispatchConfig:
     # capacity mode: the most tokens a rank passes to one dispatch; 0: train.micro_batch * train.seq_len
     # (with overlap: the larger micro-batch's tokens)
     capacity: int = 0
+    # EP > 1, where the dispatch brings no per-expert counts (the capacity mode): size each rank's permuted
+    # rows for this factor of the balanced load instead of reading the counts back (one host sync per MoE
+    # layer and micro-batch); a step where a rank's pairs need more runs again with exact layouts, said on
+    # the console (moefp8.moe_stages.RowCap). 0: off (the read-back)
+    rows_factor: float = 0.0
     # all_to_all: "collective" (torch.distributed: NCCL kernels / gloo) or "copy_engine" (NVLink peer
     # copies, no SMs taken: one host, GPUs, the capacity mode only)
     transport: str = "collective"
@@ -279,6 +284,12 @@ def validate(cfg: Config) -> None:
         _one_of("recipe.bf16_linears entry", name, DENSE_LINEARS)
     for name in t.recompute:
         _one_of("train.recompute entry", name, RECOMPUTE)
+    if not (isinstance(d.rows_factor, (int, float)) and 0 <= d.rows_factor < 1e6):  # inf / nan fail too
+        raise ValueError(f"dispatch.rows_factor={d.rows_factor!r}: expected 0 (off) or a factor > 0 of the balanced "
+                         f"load, e.g. 1.5")
+    if d.rows_factor and 0 < d.rows_factor < 1:
+        raise ValueError(f"dispatch.rows_factor={d.rows_factor!r}: below 1 every step would overflow and run twice; "
+                         f"use >= 1 (1.5: room for 50% over the balanced load) or 0 (off)")
     if t.cuda_graphs_mlp and not t.cuda_graphs:
         raise ValueError("train.cuda_graphs_mlp=true: captures the blocks' MLPs beside their attention; set "
                          "train.cuda_graphs=true too, or train.cuda_graphs_mlp=false")

@@ -21,7 +21,7 @@ from moefp8.fp8 import TILE, ScaleStats
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.megablocks_experts import MegablocksExperts
 from moefp8.mlp import MLP
-from moefp8.moe_stages import RoutedExperts
+from moefp8.moe_stages import RoutedExperts, RowCap
 from moefp8.overlap import OverlappedMoE, OverlapPolicy
 from moefp8.recipe import Recipe
 from moefp8.router import Router
@@ -47,12 +47,15 @@ class MoELayer(nn.Module):
     gemm: the `GemmPolicy` its GEMMs run with. stats: the `ScaleStats` its quantizations report
     to (the model's; None: one of its own, off). recompute_out: FP8 recipe, keep fc2's FP8 input
     instead of the experts' BF16 output y and recompute y in the backward (for the routing weights'
-    gradient; train.recompute=[expert_out]): less memory, one more fc2 GEMM; the same bits."""
+    gradient; train.recompute=[expert_out]): less memory, one more fc2 GEMM; the same bits.
+    row_cap: the `moe_stages.RowCap` its layouts follow under EP (the model's, dispatch.rows_factor;
+    None: off)."""
 
     def __init__(self, hidden: int, inter: int, n_experts: int, topk: int, n_shared: int = 1,
                  recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  overlap: OverlapPolicy | None = None, gemm: GemmPolicy = GemmPolicy(),
-                 stats: ScaleStats | None = None, recompute_out: bool = False, **router_kwargs):
+                 stats: ScaleStats | None = None, recompute_out: bool = False, row_cap: RowCap | None = None,
+                 **router_kwargs):
         super().__init__()
         if recipe.fp8:
             for name, v in (("hidden", hidden), ("expert intermediate size", inter)):
@@ -73,6 +76,7 @@ class MoELayer(nn.Module):
         self.hidden, self.inter, self.n_experts, self.topk = hidden, inter, n_experts, topk
         self.recipe, self.overlap, self.gemm, self.recompute_out = recipe, overlap, gemm, recompute_out
         self.stats = stats if stats is not None else ScaleStats()
+        self.row_cap = row_cap if row_cap is not None else RowCap()
         self.w1 = nn.Parameter(torch.randn(E_local, 2 * inter, hidden) * hidden**-0.5)
         self.w2 = nn.Parameter(torch.randn(E_local, hidden, inter) * inter**-0.5)
         self.shared = MLP(hidden, n_shared * inter, recipe.fp8, recipe.scale_fmt, self.stats, gemm) if n_shared else None

@@ -22,6 +22,7 @@ scale statistics) and, where it multiplies, the `GemmPolicy` the schedule runs i
 Stages marked (comm) only communicate or do small bookkeeping.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -32,9 +33,48 @@ from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
-                                    unpermute_combine)
+                                    rows_bound, unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.scope import scope
+
+
+class RowCap:
+    """dispatch.rows_factor: an EP rank's permuted rows sized without reading its counts back.
+
+    Where a dispatch brings no per-expert counts (the all_to_all capacity mode) the layout reads them
+    back to size its rows: one host sync per MoE layer and micro-batch. With a factor f > 0 it takes
+    instead rows_bound(f x T x K, E_l) rows (T: this rank's tokens; T x K pairs is what a rank receives
+    on balanced routing) and no read-back (`build_layout(cap=)`); a rank whose pairs need more sets an
+    overflow flag on the device, and that layer's result is wrong. The flags ride on the training
+    loop's one host sync per step (`take`), and a step where any rank overflowed runs again with exact
+    layouts: no token is ever dropped. Only while `on` (the training loop's steps, which check the flags;
+    not its evaluation, nor a step's second run); EP = 1 keeps its bound (`build_layout(bound=True)`).
+    One per model, shared by its MoE layers; factor 0: off."""
+
+    def __init__(self, factor: float = 0.0):
+        if not isinstance(factor, (int, float)) or not 0 <= factor < 1e6:
+            raise ValueError(f"dispatch.rows_factor={factor!r}: expected 0 (off) or a factor > 0 of the balanced "
+                             f"load, e.g. 1.5")
+        self.factor, self.on = float(factor), False
+        self._overflowed: Tensor | None = None  # int32 [1]: a running sum (no list growing where nobody takes)
+
+    def rows(self, n_tokens: int, topk: int, n_experts: int) -> int | None:
+        """The rows for a layout of a dispatch of this rank's n_tokens at top-k over n_experts local
+        experts; None: the exact layout (no factor, or not `on`)."""
+        if not self.factor or not self.on:
+            return None
+        return rows_bound(math.ceil(self.factor * n_tokens * topk), n_experts)
+
+    def note(self, overflow: Tensor) -> None:
+        self._overflowed = overflow if self._overflowed is None else self._overflowed + overflow
+
+    def take(self) -> Tensor | None:
+        """The layouts that overflowed since the last take (int32 [1], on the device; None: no capped
+        layout); forgets them."""
+        got, self._overflowed = self._overflowed, None
+        if got is not None and got.is_cuda:  # made on the layout stream under the overlap: read on the caller's
+            got.record_stream(torch.cuda.current_stream(got.device))
+        return got
 
 
 class Saved(NamedTuple):
@@ -108,11 +148,18 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, ev
 def fwd_layout(layer, d) -> PermuteLayout:
     """(comm) the permutation of the received rows among the local experts; one host sync (the counts),
     none where the dispatch brought them (`Dispatched.counts`) nor at EP = 1, where the rows are the
-    router's T x K pairs and take their static bound (`build_layout(bound=True)`): no sync in the layer."""
+    router's T x K pairs and take their static bound (`build_layout(bound=True)`): no sync in the layer;
+    nor with dispatch.rows_factor (`RowCap`: the rows capped, an overflow flag for the training loop)."""
     with scope("layout"):
-        disp = layer.dispatcher
-        return build_layout(d.topk_idx, disp.num_local_experts, counts=d.counts,
-                            bound=d.counts is None and not disp.communicates)
+        disp, E_l = layer.dispatcher, layer.dispatcher.num_local_experts
+        n_tokens = getattr(d.handle, "num_tokens", None)
+        cap = (layer.row_cap.rows(n_tokens, d.topk_idx.shape[1], E_l)
+               if d.counts is None and disp.communicates and n_tokens is not None else None)
+        if cap is not None:
+            L = build_layout(d.topk_idx, E_l, cap=cap)
+            layer.row_cap.note(L.overflow)
+            return L
+        return build_layout(d.topk_idx, E_l, counts=d.counts, bound=d.counts is None and not disp.communicates)
 
 
 def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool,

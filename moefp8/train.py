@@ -116,22 +116,22 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     keep_grads = grads is None and t.grad_accum > 1 and any(b.graphed_attend or b.graphed_whole for b in model.layers)
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
-    for step in range(start, t.steps):
-        at[0] = step
-        t0 = time.perf_counter()
-        lr = lr_at(step, o, t.steps)
-        sums = torch.zeros(4, device=device)  # [loss, aux loss, signalled, past the time limit]
+    mean = grads.grad_scale if grads else 1.0  # (the gradients hold sums over the ranks: this makes them the mean)
+    retried = 0  # steps run again (dispatch.rows_factor)
+
+    def forward_backward(batches, stats_on: bool, capped: bool):
+        """The step's micro-batches forward and backward, the gradients reduced over the ranks, and the
+        one host sync: -> (loss sum, aux sum, signalled, past the time limit, capped layouts that overflowed
+        on any rank, grad norm), load_LE, nonfinite_S, gnorm, load_host. capped: the MoE layouts under EP
+        sized by dispatch.rows_factor (model.row_cap), or exact."""
+        sums = torch.zeros(5, device=device)  # [loss, aux loss, signalled, past the time limit, overflowed]
         load_LE = nonfinite_S = None
-        if auto:
-            auto.begin_step()
-        model.scale_stats.on = (model.recipe.fp8 and t.fp8_stats_every > 0
-                                and ((step + 1) % t.fp8_stats_every == 0 or step == start))
+        model.scale_stats.on, model.row_cap.on = stats_on, capped
         if keep_grads:
             prepare_grads(model)
-        for i in range(t.grad_accum):
+        for i, (x, y) in enumerate(batches):
             if grads:
                 grads.arm(last=i == t.grad_accum - 1)
-            x, y = loader.next()
             out = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             ((out.out + out.aux_loss) / t.grad_accum).backward()
             sums[:2] += torch.stack([out.out, out.aux_loss]).detach()
@@ -144,20 +144,42 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         flags_host[0] = float(stop.requested is not None)
         flags_host[1] = float(bool(t.time_limit_s) and time.monotonic() - began > t.time_limit_s)
         # (pinned, copied without a host sync; the previous step's read below has finished its last copy)
-        sums[2:] = flags_host.to(device, non_blocking=True)
+        sums[2:4] = flags_host.to(device, non_blocking=True)
+        overflowed = model.row_cap.take()  # dispatch.rows_factor: the capped layouts that were too small
+        if overflowed is not None:
+            sums[4:] = overflowed
         if grads:  # gradients of the mean loss over all ranks' tokens
             grads.finish()
             par.all_reduce_(sums)
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
-        model.scale_stats.on = False
-        # the gradients hold sums over the ranks (grads.grad_scale: 1 / world makes them the mean); the norm is
-        # the mean's, and the update applies the mean and the clipping as it reads them (clip_scale)
-        mean = grads.grad_scale if grads else 1.0
+        model.scale_stats.on = model.row_cap.on = False
+        # the norm is the mean's, and the update applies the mean and the clipping as it reads them (clip_scale)
         gnorm = grad_norm(replicated_params, sharded_params, par.ep_group, mean)
         # the expert loads ride on the same sync (a pinned copy queued before it): per-layer statistics
         # read on the host, not five device syncs per MoE layer
         load_host = load_LE.to("cpu", non_blocking=True) if load_LE.is_cuda else load_LE
-        loss_s, aux_s, signalled, time_up, gn = torch.cat([sums, gnorm.view(1)]).tolist()  # one host sync
+        return torch.cat([sums, gnorm.view(1)]).tolist(), load_LE, nonfinite_S, gnorm, load_host  # one host sync
+
+    for step in range(start, t.steps):
+        at[0] = step
+        t0 = time.perf_counter()
+        lr = lr_at(step, o, t.steps)
+        if auto:
+            auto.begin_step()
+        stats_on = (model.recipe.fp8 and t.fp8_stats_every > 0
+                    and ((step + 1) % t.fp8_stats_every == 0 or step == start))
+        batches = [loader.next() for _ in range(t.grad_accum)]
+        got = forward_backward(batches, stats_on, capped=True)
+        if got[0][4]:  # a capped layout overflowed on some rank (the same figure everywhere): the step again, exact
+            retried += 1
+            if retried & (retried - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... time
+                console.print(f"step {step + 1}: {int(got[0][4])} MoE layout(s) needed more rows than "
+                              f"dispatch.rows_factor={cfg.dispatch.rows_factor:g} gives; the step ran again with exact "
+                              f"layouts ({retried} step(s) so far; raise the factor if this is frequent)")
+            zero_grad()
+            model.scale_stats.report()  # the first run's statistics: dropped
+            got = forward_backward(batches, stats_on, capped=False)
+        (loss_s, aux_s, signalled, time_up, _, gn), load_LE, nonfinite_S, gnorm, load_host = got
         model.dispatcher.flush_checks()  # the dispatches' input checks that did not wait (all done by now)
         loss, aux = loss_s / world / t.grad_accum, aux_s / world / t.grad_accum
         stopping = stop.requested or ("a signal to another rank" if signalled else None)

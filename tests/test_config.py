@@ -57,6 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
      "dispatch.gemm_sm_reserve=8: SMs left free while an overlapped layer runs; set dispatch.overlap=true or auto"),
     (["train.cuda_graphs_mlp=true"], "train.cuda_graphs_mlp=true: captures the blocks' MLPs beside their attention; "
                                      "set train.cuda_graphs=true too"),
+    (["dispatch.rows_factor=0.5"], "dispatch.rows_factor=0.5: below 1 every step would overflow and run twice; use >= 1"),
+    (["dispatch.rows_factor=-1"], "dispatch.rows_factor=-1.0: expected 0 (off) or a factor > 0 of the balanced load"),
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),

@@ -91,9 +91,14 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
         if grads is not None:
             grads.arm(last=True)
         inp, tgt = fixed if loader is None else (t_.to(device, non_blocking=True) for t_ in loader.next())
+        model.row_cap.on = True  # dispatch.rows_factor: the loop's capped layouts (it checks their flags; see below)
         out = model(inp, tgt)
         (out.out + out.aux_loss).backward()
+        model.row_cap.on = False
         load_LE = step.load_LE = out.load_LE  # (the last step's, summed over ranks: how even the routing was)
+        over = model.row_cap.take()  # dispatch.rows_factor: capped layouts that were too small (the loop would redo)
+        if over is not None:
+            step.overflowed = over if step.overflowed is None else step.overflowed + over
         if grads is not None:
             grads.finish()
             torch.distributed.all_reduce(load_LE)
@@ -104,6 +109,7 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
         grads.zero_grad() if grads is not None else opt.zero_grad()
         for router, load_E in zip(model.routers(), load_LE):
             router.update_bias(load_E)
+    step.overflowed = None
     return step
 
 
@@ -342,7 +348,9 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     loads = [load_stats(load_E) for load_E in step.load_LE.cpu()]  # random tokens route unevenly: shown beside
     balance = {"load_max_over_mean": statistics.mean(r["load_max_over_mean"] for r in loads) if loads else 0.0,
-               "experts_empty": sum(r["experts_empty"] for r in loads)}
+               "experts_empty": sum(r["experts_empty"] for r in loads),
+               # dispatch.rows_factor: this rank's capped layouts that overflowed (the loop runs such steps again)
+               "rows_overflowed": int(step.overflowed) if step.overflowed is not None else None}
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     memory = memory_profile(step, device, args.top) if args.memory and device.type == "cuda" else None
     dev = "cuda" if device.type == "cuda" else "cpu"
@@ -409,7 +417,9 @@ def report(r: dict) -> None:
           f"{r['tokens_per_s']:,.0f} tokens/s{every}, {r['tflops']:.1f} TFLOP/s{sol}; kernels "
           f"{r['kernels_ms_per_step']:.1f} ms/step, host enqueue {r['host_ms']:.1f} ms/step{ops}{mem}; routing: "
           f"max/mean expert load {r['routing']['load_max_over_mean']:.2f} (layer mean), "
-          f"{r['routing']['experts_empty']} empty experts")
+          f"{r['routing']['experts_empty']} empty experts"
+          + (f"; {r['routing']['rows_overflowed']} capped layouts overflowed (dispatch.rows_factor: the training loop "
+             f"would have run those steps again)" if r['routing'].get('rows_overflowed') else ""))
     if r.get("timeline"):
         t = r["timeline"]
         print(f"  GPU timeline, ms/step: span {t['span_ms']:.1f}, a kernel running {t['busy_ms']:.1f}, a kernel other "
