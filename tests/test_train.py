@@ -241,20 +241,16 @@ def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
         assert abs(x["loss"] - y["loss"]) < 2e-3
 
 
-def test_rows_factor_runs_overflowed_steps_again_and_changes_no_bit(data_dir, tmp_path):
-    """dispatch.rows_factor at EP2 (2 gloo processes; the capacity-mode dispatch, which brings no per-expert
-    counts): each rank's layouts take factor x the balanced load's rows, no read-back. At 1.0 the fresh
-    router's skew overflows some (1024 tokens a rank, 4 experts each): those steps run again with exact
-    layouts (said on the console), and every
-    step's loss and grad norm equals the read-back's (factor 0) bit for bit; at 2.0 (the most one of 2 ranks can
-    receive: every pair) nothing overflows, the same figures."""
+def rows_factor_runs(data_dir, tmp_path, *extra) -> tuple[dict, dict]:
+    """dispatch.rows_factor at EP2 (capacity-mode dispatch), factors 0 / 1.0 / 2.0 plain and 0 / 1.0 overlapped:
+    -> ({run: [(loss, grad norm)] per step}, {run: the steps said to have run again})."""
     runs, said = {}, {}
     for f in ("0", "1.0", "2.0", "0 overlap", "1.0 overlap"):  # and under the two micro-batch overlap (a cap per half)
         factor, overlap = f.split()[0], "overlap" in f
         out = tmp_path / f.replace(" ", "_")
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "dispatch.mode=capacity",
-                            f"dispatch.rows_factor={factor}", f"dispatch.overlap={overlap}",
+                            f"dispatch.rows_factor={factor}", f"dispatch.overlap={overlap}", *extra,
                             *base(data_dir, out, **{"train.steps": 3, "train.ckpt_every": 0, "train.log_every": 1,
                                                     "train.seq_len": 256})],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -263,7 +259,28 @@ def test_rows_factor_runs_overflowed_steps_again_and_changes_no_bit(data_dir, tm
         said[f] = re.findall(r"step (\d+): \d+ MoE layout\(s\) needed more rows than dispatch.rows_factor", r.stdout)
     assert len(runs["0"]) == 3 and runs["1.0"] == runs["0"] == runs["2.0"], runs
     assert runs["1.0 overlap"] == runs["0 overlap"], runs
-    assert said["1.0"] and said["1.0 overlap"] and not said["0"] and not said["2.0"] and not said["0 overlap"], said
+    assert not said["0"] and not said["2.0"] and not said["0 overlap"], said
+    return runs, said
+
+
+def test_rows_factor_runs_overflowed_steps_again_and_changes_no_bit(data_dir, tmp_path):
+    """dispatch.rows_factor at EP2 (2 gloo processes; the capacity-mode dispatch, which brings no per-expert
+    counts): each rank's layouts take factor x the balanced load's rows, no read-back. At 1.0 the fresh
+    router's skew overflows some (1024 tokens a rank, 4 experts each): those steps run again with exact
+    layouts (said on the console), and every step's loss and grad norm equals the read-back's (factor 0) bit for
+    bit, plain and overlapped; at 2.0 (the most one of 2 ranks can receive: every pair) nothing overflows, the
+    same figures."""
+    _, said = rows_factor_runs(data_dir, tmp_path)
+    assert said["1.0"] and said["1.0 overlap"], said
+
+
+@pytest.mark.gpu
+def test_gpu_rows_factor_changes_no_bit(data_dir, tmp_path):
+    """The same on 2 GPUs (NCCL, the Triton layout kernels, deterministic kernels): bit for bit the read-back's
+    losses and grad norms, whether or not the fresh router overflowed the cap there (said or not)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    rows_factor_runs(data_dir, tmp_path, "model=tiny", "train.device=cuda", "train.deterministic=true")
 
 
 def test_held_out_loss_under_ep_and_overlap(data_dir, tmp_path):
