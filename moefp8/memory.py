@@ -78,13 +78,15 @@ def activation_bytes_per_token(cfg: Config) -> dict[str, float]:
     # MoE: its norm's input, the router's x (BF16), routing (ids, weights, layout), the dispatched
     # rows, and per routed slot h (2I, FP8 or BF16) and y (BF16, H) for the routing-weight gradient,
     # or with train.recompute=[expert_out] (FP8) the fc2 input (I) that y is recomputed from; shared
-    # experts as a dense MLP of n_shared x I
+    # experts as a dense MLP of n_shared x I. With dispatch.rows_factor under EP the permuted tensors have
+    # factor x the balanced pairs' rows (moe_stages.RowCap), used or not
     rows = distinct_ranks(m.n_experts, K, cfg.dispatch.ep_size)
+    capped = cfg.dispatch.rows_factor if cfg.dispatch.ep_size > 1 and cfg.dispatch.rows_factor else 1.0
     routing = K * (8 + 4 + 4 + 4)
     y_or_a8 = q8 * I if fp8 and "expert_out" in cfg.train.recompute else 2 * H
     slot = (q8 if fp8 else 2) * 2 * I + y_or_a8
     shared = mlp(fp8, m.n_shared * I, x_bf16=0) if m.n_shared else 0.0  # BF16 x: the router's (counted)
-    moe = 2 * H + 2 * H + routing + rows * low * H + K * slot + shared
+    moe = 2 * H + 2 * H + routing + rows * low * H + capped * K * slot + shared
     return {"attention": attn, "dense_mlp": dense, "moe_mlp": moe}
 
 

@@ -178,6 +178,20 @@ def test_expert_out_recompute_lowers_the_fp8_plan_only():
         assert a["moe_mlp"] - b["moe_mlp"] == pytest.approx(less) and a["attention"] == b["attention"]
 
 
+def test_rows_factor_counts_the_capped_rows_under_ep():
+    """dispatch.rows_factor: the permuted tensors saved per routed slot (h, y) have factor x the balanced rows;
+    at EP = 1 (the bound layout) the factor is unused and nothing changes."""
+    over = ["experiment=v2_lite_ep4"]
+    a = activation_bytes_per_token(load_config(over))
+    b = activation_bytes_per_token(load_config([*over, "dispatch.rows_factor=1.5"]))
+    m = load_config(over).model
+    slot = (1 + 4 / 128) * 2 * m.moe_inter + 2 * m.hidden  # FP8 h with its scales, BF16 y
+    assert b["moe_mlp"] - a["moe_mlp"] == pytest.approx(0.5 * m.topk * slot) and a["attention"] == b["attention"]
+    one = ["experiment=moe3b_gpu"]
+    assert activation_bytes_per_token(load_config([*one, "dispatch.rows_factor=1.5"])) == \
+        activation_bytes_per_token(load_config(one))
+
+
 def test_graphs_of_both_kinds_count_the_moe_attention_again():
     """train.cuda_graphs with dispatch.overlap=auto under EP: the MoE blocks' attention captured whole and
     per half, both sets of saved activations held by the graphs' pool; one kind alone adds nothing."""
