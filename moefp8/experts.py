@@ -45,6 +45,11 @@ class _Copy(NamedTuple):
     captured: bool  # made during a CUDA graph capture
 
 
+def _capturing(w: Tensor) -> bool:
+    """Whether w's device stream is capturing a CUDA graph (moefp8.graphs)."""
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class WeightCache:
     """Low-precision copies of weights, made again only when the parameter changed: keyed on (id,
     version counter), so the micro-batches of one step share them. fmt "pow2"/"fp32": the FP8
@@ -55,16 +60,18 @@ class WeightCache:
     Under a CUDA graph capture (moefp8.graphs) a copy made outside it is made again inside: the
     replays then quantize the weight as it is at each replay (the version check runs only at the
     capture). A copy made during the capture is reused by the rest of it (the backward's graph
-    reads the forward graph's buffer, which every forward replay refills)."""
+    reads the forward graph's buffer, which every forward replay refills), and by nothing outside
+    it: a capture runs no kernel, so until a replay fills it that buffer holds whatever its memory
+    held (the eager step after the capture, the weights unchanged, read it before this rule)."""
 
     def __init__(self):
         self._store: dict[int, _Copy] = {}
 
     def get(self, w: Tensor, scale_fmt: str, transposed: bool = False):
         key, ver = id(w), w._version
-        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = _capturing(w)
         hit = self._store.get(key)
-        if hit is None or hit.version != ver or hit.fmt != scale_fmt or (capturing and not hit.captured):
+        if hit is None or hit.version != ver or hit.fmt != scale_fmt or capturing != hit.captured:
             if scale_fmt == "bf16":
                 hit = _Copy(ver, scale_fmt, w.detach().to(torch.bfloat16), None, capturing)
             elif (transposed or (w.requires_grad and torch.is_grad_enabled())) and w.shape[-2] % 128 == 0:

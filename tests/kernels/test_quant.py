@@ -641,3 +641,23 @@ def test_weight_cache_makes_both_copies_in_one_pass(monkeypatch):
         assert calls[-1] == ("quant", False)
         cache.get(w, "pow2", transposed=True)
         assert calls[-1] == ("transpose",)
+
+
+def test_weight_cache_keeps_a_captured_copy_inside_the_capture(monkeypatch):
+    """A copy made during a CUDA graph capture holds no values until the graph replays: the rest of the capture
+    reuses it, the eager code after it (the weights unchanged) makes its own; and a copy made before a capture is
+    made again inside it. (The capture faked: CPU.)"""
+    from moefp8 import experts as X
+
+    capturing = [False]
+    monkeypatch.setattr(X, "_capturing", lambda w: capturing[0])
+    w = torch.nn.Parameter(torch.randn(2, 256, 128))
+    cache = X.WeightCache()
+    eager = cache.get(w, "pow2")
+    capturing[0] = True
+    inside = cache.get(w, "pow2")
+    assert inside is not eager and cache.get(w, "pow2") is inside and cache.get(w, "pow2", transposed=True) is not None
+    capturing[0] = False
+    after = cache.get(w, "pow2")
+    assert after is not inside and cache.get(w, "pow2") is after
+    assert_fp8_equal(after, eager, exact=True)
