@@ -11,8 +11,9 @@ The interface (`Dispatcher`, two methods and what the MoE layer and the overlap 
 * ``combine(y, handle) -> out``: sums the rows a rank computed for each token back on the token's
   own rank, in BF16. It is also the backward of ``dispatch``.
 * what it was built for (``num_experts``, ``num_local_experts``, ``scale_fmt``, ``communicates``),
-  where the next combine's input may be written (``combine_buffer``), and the stream its exchanges
-  run on (``exchange_stream``, ``packs_on_caller_stream``). Every backend implements all of it.
+  where the next combine's input may be written (``combine_buffer``), the stream its exchanges
+  run on (``exchange_stream``, ``packs_on_caller_stream``), and whether a CUDA graph can hold its
+  exchanges (``static_exchange``). Every backend implements all of it.
 
 Backends: ``local`` (EP=1, no communication, `local.py`); ``all_to_all`` (torch.distributed
 all_to_all_single, `all_to_all.py`; an "exact" mode that exchanges counts first and a
@@ -69,6 +70,12 @@ class Dispatcher(Protocol):
         """Whether a dispatch of CUDA tensors with top-k `topk`, with `exchange_stream` set,
         quantizes and packs on the caller's stream and only exchanges and unpacks on
         `exchange_stream` (else all of it belongs on one stream)."""
+        ...
+
+    def static_exchange(self, topk: int) -> bool:
+        """Whether a dispatch of CUDA tensors with top-k `topk`, and the combine and the backward's
+        dispatch through its handle, run with sizes known on the host and no host sync: then a CUDA graph
+        can hold them (moefp8.graphs, whole blocks under EP)."""
         ...
 
     def flush_checks(self) -> None:

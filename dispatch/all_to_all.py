@@ -137,7 +137,12 @@ class _Headers:
     def __init__(self, hdr_RW: Tensor, raise_bad, kind: tuple = ()):
         self.raise_bad, self.done, self.event, self.kind = raise_bad, False, None, kind
         self.queued = False  # left for the dispatcher's flush_checks
-        if hdr_RW.is_cuda:
+        if hdr_RW.is_cuda and torch.cuda.is_current_stream_capturing():
+            # in a CUDA graph (moefp8.graphs: whole blocks under EP) no pinned copy can be made, and a replay
+            # runs no Python to read one: the replays' inputs go unchecked. Every exchange's first of each kind
+            # was checked before (the capture's eager warm-up), and the eager steps check theirs as ever.
+            self.done, self.host = True, None
+        elif hdr_RW.is_cuda:
             self.host = torch.empty(hdr_RW.shape, dtype=hdr_RW.dtype, pin_memory=True)
             self.host.copy_(hdr_RW, non_blocking=True)
             self.event = torch.cuda.Event()
@@ -306,6 +311,12 @@ class AllToAllDispatcher:
         """The capacity mode packs on the caller's stream and exchanges and unpacks on
         `exchange_stream`; the exact mode runs wholly on it (its count exchange comes first)."""
         return self.mode_for(topk, True) == "capacity"
+
+    def static_exchange(self, topk: int) -> bool:
+        """The capacity mode over NCCL: fixed blocks, no count exchange, its headers read without a
+        sync (and not at all inside a CUDA graph, `_Headers`). The copy engines' transport claims
+        send slots and waits for its peers' pulls on the host: not in a graph."""
+        return self.mode_for(topk, True) == "capacity" and self.transport == "collective"
 
     # ------------------------------------------------------------------------------------------
 

@@ -149,6 +149,9 @@ class DeepEPDispatcher:
     def packs_on_caller_stream(self, topk: int) -> bool:
         return False
 
+    def static_exchange(self, topk: int) -> bool:
+        return False  # its dispatch reads the received counts on the host
+
     def flush_checks(self) -> None:
         """Nothing deferred: DeepEP's dispatch checks its inputs itself."""
 

@@ -119,6 +119,9 @@ class HierarchicalDispatcher:
     def packs_on_caller_stream(self, topk: int) -> bool:
         return False
 
+    def static_exchange(self, topk: int) -> bool:
+        return False  # its stages run the exact mode (a count exchange and its host sync)
+
     def flush_checks(self) -> None:
         """Its two stages run the exact mode: nothing deferred (delegated all the same)."""
         self.a.flush_checks()

@@ -44,5 +44,8 @@ class LocalDispatcher:
     def packs_on_caller_stream(self, topk: int) -> bool:
         return False
 
+    def static_exchange(self, topk: int) -> bool:
+        return True  # nothing travels
+
     def flush_checks(self) -> None:
         """Nothing deferred."""

@@ -17,9 +17,15 @@ two halves of the micro-batch), the MoE blocks also capture one graph per half a
 block replays them (`graph_attention(halves=...)`).
 
 With train.cuda_graphs_mlp a block whose MLP has static shapes is captured whole instead (`_Whole`:
-attention, MLP or MoE layer, residual adds): a dense block always; a MoE block where its layer exchanges no
-rows (EP = 1: the layout sizes its rows by their static bound, `kernels.permute.rows_bound`, and nothing
-reads a count back), in the plain schedule. Its FP8 weight copies are made inside the captured forward
+attention, MLP or MoE layer, residual adds): a dense block always; a MoE block in the plain schedule
+where nothing in its layer reads a count back: at EP = 1 (the layout sizes its rows by their static
+bound, `kernels.permute.rows_bound`), and under EP where the exchanges have fixed sizes (the all_to_all
+capacity mode over NCCL, `Dispatcher.static_exchange`: the graph holds its collectives) and the layouts
+are capped (dispatch.rows_factor, `moe_stages.RowCap`). Such a block replays only while the cap is on
+(the training loop's steps): a step run again with exact layouts, after a capped one overflowed, runs
+it eagerly. Its replays return the layouts' overflow flags as an output, which the block hands to the
+`RowCap` (`Block.whole_checked`), and do not check the dispatch inputs (`_Headers` in
+dispatch/all_to_all.py: the eager steps do). Its FP8 weight copies are made inside the captured forward
 (`experts.WeightCache` under a capture), so every replay quantizes the weights as they are then. The
 router's bias is updated in place outside the graph, which reads it where it lives.
 
@@ -53,13 +59,16 @@ class _Whole(nn.Module):
 
 
 def whole_capturable(block) -> bool:
-    """Whether a block's MLP can be captured with its attention: a dense MLP, or a MoE layer that exchanges
-    no rows (EP = 1: its layout takes the static bound, nothing syncs the host), in the plain schedule, with
-    moefp8's experts (megablocks' dMoE sizes its buffers from the routing on the host)."""
+    """Whether a block's MLP can be captured with its attention: a dense MLP, or a MoE layer in the plain
+    schedule with moefp8's experts (megablocks' dMoE sizes its buffers from the routing on the host) where
+    nothing syncs the host: one that exchanges no rows (EP = 1: its layout takes the static bound), or
+    one whose exchanges have fixed sizes and whose layouts are capped (dispatch.rows_factor)."""
     if not block.is_moe:
         return True
     moe = block.mlp
-    return not moe.dispatcher.communicates and moe.overlap is None and moe.megablocks is None
+    if moe.overlap is not None or moe.megablocks is not None:
+        return False
+    return not moe.dispatcher.communicates or (moe.row_cap.factor > 0 and moe.dispatcher.static_exchange(moe.topk))
 
 
 class _Attend(nn.Module):
@@ -99,6 +108,9 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     whole = [mlp and which is None and whole_capturable(b) for b, which, _ in units]
     sample = tuple((torch.randn(n, seq_len, model.cfg.hidden, device=dev, dtype=torch.bfloat16,
                                 requires_grad=True), cos, sin) for _, _, n in units)
+    # whole MoE blocks under EP are captured with their layouts capped (the steps that replay them); the
+    # warm-ups' overflow flags are no step's
+    capped, model.row_cap.on = model.row_cap.on, True
     # No garbage collection during the capture: freeing an earlier model's graphs (cudaGraphExecDestroy)
     # while a capture is underway invalidates it ("operation failed due to a previous error during
     # capture"; torch's graph context no longer collects first). Collect now, none until it is done.
@@ -112,6 +124,8 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     finally:
         if collecting:
             gc.enable()
+        model.row_cap.on = capped
+        model.row_cap.take()
     for (b, which, n), g, w in zip(units, graphed, whole):
         entry = (g, (n, seq_len, model.cfg.hidden))
         if w:
@@ -142,6 +156,8 @@ def replays(block, x: Tensor, half: int | None = None, whole: bool = False) -> b
     the whole block (attention and MLP, train.cuda_graphs_mlp). The graphs were captured for an input
     that requires grad, with autograd on."""
     g = block.graphed_whole if whole else block.graphed_attend if half is None else block.graphed_halves[half]
+    if whole and g is not None and block.is_moe and block.mlp.dispatcher.communicates and not block.mlp.row_cap.on:
+        return False  # captured with capped layouts (EP): exact ones run eagerly
     return (g is not None and torch.is_grad_enabled() and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16
             and x.requires_grad and not block.stats.on)
 

@@ -105,6 +105,7 @@ class Block(nn.Module):
         self.stats, self.recompute_attention = stats, recompute_attention
         self.graphed_attend = None  # (the captured attend, its input shape): moefp8.graphs.graph_attention
         self.graphed_whole = None  # the same for the whole block (train.cuda_graphs_mlp)
+        self.whole_outputs = ()  # the names of whole_checked's optional outputs, as captured
         self.graphed_halves = (None, None)  # the same for the overlap's micro-batches A and B (MoE blocks)
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, recipe, stats, gemm)
@@ -139,11 +140,16 @@ class Block(nn.Module):
 
     def whole_checked(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
         """The block as its captured whole graph runs it (moefp8.graphs, train.cuda_graphs_mlp): -> (x + a + o,
-        whether a holds a NaN/Inf, whether o does[, the MoE layer's load_E][, its aux_loss])."""
+        whether a holds a NaN/Inf, whether o does, then those of the MoE layer's load_E, aux_loss and its capped
+        layouts' overflow flags (dispatch.rows_factor under EP) that it has, named in `whole_outputs`)."""
         a, h, m = self.attend(x, cos, sin)
+        cap = self.mlp.row_cap if self.is_moe else None
+        prior = cap.swap(None) if cap is not None else None  # this block's flags alone, returned
         o, aux, load = self._mlp(m, x.shape[1])
-        return (h + o, _nonfinite(a), _nonfinite(o)) + ((load,) if load is not None else ()) + (
-            (aux,) if aux is not None else ())
+        over = cap.swap(prior) if cap is not None else None
+        extra = {"load": load, "aux": aux, "overflow": over}
+        self.whole_outputs = tuple(k for k, v in extra.items() if v is not None)
+        return (h + o, _nonfinite(a), _nonfinite(o)) + tuple(extra[k] for k in self.whole_outputs)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, flags: list, handoff: Handoff | None = None):
         """x [B, S, H] bf16 -> (out bf16, aux_loss | None, load_E | None); appends to `flags` one
@@ -161,8 +167,10 @@ class Block(nn.Module):
         if replays(self, x, whole=True):  # train.cuda_graphs_mlp: the captured block (moefp8.graphs)
             out, nf_attn, nf_mlp, *rest = self.graphed_whole[0](x, cos, sin)
             flags += [nf_attn, nf_mlp]
-            load = rest.pop(0) if self.is_moe else None
-            return out, rest[0] if rest else None, load
+            got = dict(zip(self.whole_outputs, rest))
+            if "overflow" in got:  # (the graph's own buffer, which its next replay overwrites)
+                self.mlp.row_cap.note(got["overflow"].clone())
+            return out, got.get("aux"), got.get("load")
         if replays(self, x):  # train.cuda_graphs: the captured attention (moefp8.graphs)
             x, h, nf = self.graphed_attend[0](x, cos, sin)
             flags.append(nf)

@@ -49,6 +49,8 @@ class RowCap:
     loop's one host sync per step (`take`), and a step where any rank overflowed runs again with exact
     layouts: no token is ever dropped. Only while `on` (the training loop's steps, which check the flags;
     not its evaluation, nor a step's second run); EP = 1 keeps its bound (`build_layout(bound=True)`).
+    With no read-back left in the layer, a MoE block under EP can replay one CUDA graph whole
+    (train.cuda_graphs_mlp, moefp8.graphs) while `on`.
     One per model, shared by its MoE layers; factor 0: off."""
 
     def __init__(self, factor: float = 0.0):
@@ -67,6 +69,12 @@ class RowCap:
 
     def note(self, overflow: Tensor) -> None:
         self._overflowed = overflow if self._overflowed is None else self._overflowed + overflow
+
+    def swap(self, got: Tensor | None) -> Tensor | None:
+        """Sets the running sum to `got` and returns what it was: a block captured whole in a CUDA graph
+        returns its own layouts' flags as an output (`Block.whole_checked`), which its replays `note`."""
+        old, self._overflowed = self._overflowed, got
+        return old
 
     def take(self) -> Tensor | None:
         """The layouts that overflowed since the last take (int32 [1], on the device; None: no capped

@@ -66,8 +66,11 @@ def test_capture_plan_and_the_halves_replay_check():
 
 def test_whole_capturable_blocks():
     """train.cuda_graphs_mlp captures a block whole where its MLP's shapes are static: dense MLPs, and MoE
-    layers that exchange no rows in the plain schedule with moefp8's experts."""
+    layers in the plain schedule with moefp8's experts that exchange no rows, or whose exchanges have fixed
+    sizes and whose layouts are capped (dispatch.rows_factor); such a block under EP replays only while the
+    cap is on (exact layouts run eagerly)."""
     from moefp8.graphs import whole_capturable
+    from moefp8.moe_stages import RowCap
     from moefp8.overlap import OverlapPolicy
 
     assert all(whole_capturable(b) for b in Transformer(CFG, Recipe("bf16")).layers)
@@ -77,9 +80,36 @@ def test_whole_capturable_blocks():
     class Exchanging:
         communicates = True
 
+        def __init__(self, static):
+            self.static = static
+
+        def static_exchange(self, topk):
+            return self.static
+
     e = Transformer(CFG, Recipe("bf16")).layers[1]
-    e.mlp.dispatcher = Exchanging()
+    e.mlp.dispatcher = Exchanging(False)
     assert not whole_capturable(e)
+    e.mlp.dispatcher = Exchanging(True)
+    assert not whole_capturable(e)  # no cap: the layout reads its counts back
+    e.mlp.row_cap = RowCap(1.5)
+    assert whole_capturable(e)
+    x = torch.randn(3, 8, CFG.hidden, dtype=torch.bfloat16, requires_grad=True)
+    e.graphed_whole = (None, (3, 8, CFG.hidden))
+    assert not replays(e, x, whole=True)
+    e.mlp.row_cap.on = True
+    assert replays(e, x, whole=True)
+
+
+def test_row_cap_swap_returns_a_scope_of_flags():
+    """`RowCap.swap`: a whole block's own layouts' flags (its graph's output), the running sum around it kept."""
+    from moefp8.moe_stages import RowCap
+
+    cap = RowCap(1.0)
+    cap.note(torch.tensor([1], dtype=torch.int32))
+    prior = cap.swap(None)
+    cap.note(torch.tensor([2], dtype=torch.int32))
+    mine = cap.swap(prior)
+    assert mine.tolist() == [2] and cap.take().tolist() == [1] and cap.take() is None
 
 
 def _failure(stderr: str) -> str:
@@ -246,20 +276,45 @@ def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_pa
                                   f"dispatch.overlap={overlap}"] if gpus == 2 else ["-m", "moefp8.train"])
     runs = {}
     for graphs in ("false", "true") + (("mlp",) if gpus == 1 else ()):
-        out = tmp_path / graphs
-        r = subprocess.run([*launch, "model=tiny", "train.device=cuda",
-                            "train.micro_batch=4", "train.seq_len=128", "train.steps=4", "train.log_every=1",
-                            "train.ckpt_every=0", "train.progress=false", "logger.mode=disabled",
-                            "train.deterministic=true", "train.eval_every=2", "data.val_windows=8",
-                            f"data.path={data_dir}", "data.max_bytes=2000000", f"train.out_dir={out}",
-                            f"train.cuda_graphs={graphs != 'false'}", f"train.cuda_graphs_mlp={graphs == 'mlp'}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, _failure(r.stderr)
+        stdout, runs[graphs] = _hydra_run(launch, data_dir, tmp_path / graphs, f"train.cuda_graphs={graphs != 'false'}",
+                                          f"train.cuda_graphs_mlp={graphs == 'mlp'}")
         said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs" + {
             "mlp": "; 3 of them whole, with their MLP (train.cuda_graphs_mlp)\n",
             "true": "; the MoE blocks' for the overlap's halves of 2 and 2 sequences" if overlap == "true" else "\n",
             "false": "\n"}[graphs]
-        assert (said in r.stdout) == (graphs != "false"), r.stdout[-2000:]
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[graphs] = [(x["loss"], x["grad_norm"], x.get("val_loss")) for x in rows]
+        assert (said in stdout) == (graphs != "false"), stdout[-2000:]
     assert len(runs["true"]) == 4 and all(runs[g] == runs["false"] for g in runs)
+
+
+def _hydra_run(launch: list, data_dir, out, *overrides) -> tuple[str, list]:
+    """4 steps of the tiny model through the Hydra entry point (deterministic kernels, the held-out loss every
+    2) -> (its stdout, [(loss, grad norm, held-out loss)] per step)."""
+    r = subprocess.run([*launch, "model=tiny", "train.device=cuda",
+                        "train.micro_batch=4", "train.seq_len=128", "train.steps=4", "train.log_every=1",
+                        "train.ckpt_every=0", "train.progress=false", "logger.mode=disabled",
+                        "train.deterministic=true", "train.eval_every=2", "data.val_windows=8",
+                        f"data.path={data_dir}", "data.max_bytes=2000000", f"train.out_dir={out}", *overrides],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, _failure(r.stderr)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return r.stdout, [(x["loss"], x["grad_norm"], x.get("val_loss")) for x in rows]
+
+
+@pytest.mark.gpu
+def test_gpu_whole_blocks_under_ep_repeat_the_eager_losses(data_dir, tmp_path):
+    """EP2 on 2 GPUs (the all_to_all capacity mode over NCCL): with dispatch.rows_factor the MoE blocks replay
+    whole graphs that hold the exchanges (train.cuda_graphs_mlp), said at start, and give the eager run's losses,
+    gradient norms and held-out losses bit for bit; at a factor the fresh router overflows, the steps run again
+    eagerly with exact layouts, the same figures; without a factor the MoE blocks stay eager, said why."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+              "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "dispatch.mode=capacity"]
+    graphs = ("train.cuda_graphs=true", "train.cuda_graphs_mlp=true")
+    _, want = _hydra_run(launch, data_dir, tmp_path / "eager", "dispatch.rows_factor=2.0")
+    said, whole = _hydra_run(launch, data_dir, tmp_path / "whole", "dispatch.rows_factor=2.0", *graphs)
+    assert "blocks replays CUDA graphs; 3 of them whole, with their MLP (train.cuda_graphs_mlp)\n" in said, said
+    _, tight = _hydra_run(launch, data_dir, tmp_path / "tight", "dispatch.rows_factor=1.0", *graphs)
+    said0, uncapped = _hydra_run(launch, data_dir, tmp_path / "uncapped", *graphs)
+    assert "; the MoE blocks under EP whole only with dispatch.rows_factor > 0" in said0, said0
+    assert len(want) == 4 and whole == want and tight == want and uncapped == want

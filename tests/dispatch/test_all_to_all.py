@@ -608,7 +608,8 @@ def test_every_backend_implements_the_dispatcher_protocol():
 
     methods = [n for n, v in vars(Dispatcher).items() if callable(v) and not n.startswith("_")
                and n not in vars(Protocol)]
-    assert {"dispatch", "combine", "combine_buffer", "packs_on_caller_stream", "flush_checks"} <= set(methods)
+    assert {"dispatch", "combine", "combine_buffer", "packs_on_caller_stream", "static_exchange",
+            "flush_checks"} <= set(methods)
     for cls in (AllToAllDispatcher, DeepEPDispatcher, HierarchicalDispatcher, LocalDispatcher):
         missing = [n for n in methods if not callable(getattr(cls, n, None))]
         assert not missing, (cls.__name__, missing)
