@@ -162,6 +162,16 @@ def replays(block, x: Tensor, half: int | None = None, whole: bool = False) -> b
             and x.requires_grad and not block.stats.on)
 
 
+def release(model) -> None:
+    """Frees the model's CUDA graphs (their blocks hold them in reference cycles, which only a collection
+    frees). Before the process group ends: a graph that holds NCCL collectives (whole MoE blocks under EP)
+    must go before its communicator, or destroying the group waits forever (the EP2 runs of session 49)."""
+    for b in model.layers:
+        b.graphed_attend = b.graphed_whole = None
+        b.graphed_halves = (None, None)
+    gc.collect()
+
+
 def prepare_grads(model) -> None:
     """Zero `.grad` for the graphed blocks' parameters that have none (see the module docstring: one
     process with gradient accumulation)."""

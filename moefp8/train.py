@@ -29,7 +29,7 @@ from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, ope
 from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
-from moefp8.graphs import prepare_grads
+from moefp8.graphs import prepare_grads, release
 from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, out_of_memory, plan
@@ -102,6 +102,8 @@ def _train(cfg: Config, par: Parallel, device: torch.device, console: Console, s
             used = ((torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory)
                     if device.type == "cuda" else (None, None))
             raise out_of_memory(cfg, par.world, at[0] + 1, par.rank, *used, log.last_load) from None
+        finally:
+            release(model)  # the CUDA graphs before the process group: those that hold its collectives
 
 
 def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, start, at) -> dict:

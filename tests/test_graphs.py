@@ -100,6 +100,34 @@ def test_whole_capturable_blocks():
     assert replays(e, x, whole=True)
 
 
+def test_release_frees_the_graphs_held_in_cycles():
+    """`graphs.release` (the training loop's, before the process group ends): the blocks' graphs, which hold
+    their blocks (a reference cycle), are freed then, not at some later collection."""
+    import gc
+    import weakref
+
+    from moefp8.graphs import release
+
+    class Graphed:  # as make_graphed_callables' result holds the module that holds the block
+        def __init__(self, block):
+            self.block = block
+
+    m = Transformer(CFG, Recipe("bf16"))
+    gc.disable()
+    try:
+        refs = []
+        for b in m.layers:
+            b.graphed_attend, b.graphed_whole = (Graphed(b), None), (Graphed(b), None)
+            b.graphed_halves = ((Graphed(b), None), (Graphed(b), None))
+            refs += [weakref.ref(b.graphed_attend[0]), weakref.ref(b.graphed_whole[0]),
+                     *(weakref.ref(h[0]) for h in b.graphed_halves)]
+        release(m)
+        assert all(r() is None for r in refs)
+        assert all(b.graphed_whole is None and b.graphed_halves == (None, None) for b in m.layers)
+    finally:
+        gc.enable()
+
+
 def test_row_cap_swap_returns_a_scope_of_flags():
     """`RowCap.swap`: a whole block's own layouts' flags (its graph's output), the running sum around it kept."""
     from moefp8.moe_stages import RowCap
