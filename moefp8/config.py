@@ -191,8 +191,9 @@ class TrainConfig:
     # fewer host launches per layer; blocks in `recompute` and evaluation run eagerly. GPU only
     cuda_graphs: bool = False
     # with cuda_graphs: each block's MLP too (a dense MLP; a MoE layer where it exchanges no rows, EP = 1,
-    # its permuted rows at their static bound): the whole block replays one graph. Blocks whose MoE layer
-    # communicates (EP > 1) keep the attention's graph only
+    # its permuted rows at their static bound; under EP one whose exchanges have fixed sizes, the all_to_all
+    # capacity mode over NCCL, and whose layouts are capped, dispatch.rows_factor > 0): the whole block
+    # replays one graph (the exchanges' collectives in it). Other MoE blocks keep the attention's graph only
     cuda_graphs_mlp: bool = False
     ckpt_every: int = 50  # a checkpoint every N steps and at the end; 0: only at the end
     # checkpoints kept in the run dir: the newest keep_last (0: all), plus any you pin by creating a
