@@ -344,5 +344,5 @@ def test_gpu_whole_blocks_under_ep_repeat_the_eager_losses(data_dir, tmp_path):
     assert "blocks replays CUDA graphs; 3 of them whole, with their MLP (train.cuda_graphs_mlp)\n" in said, said
     _, tight = _hydra_run(launch, data_dir, tmp_path / "tight", "dispatch.rows_factor=1.0", *graphs)
     said0, uncapped = _hydra_run(launch, data_dir, tmp_path / "uncapped", *graphs)
-    assert "; the MoE blocks under EP whole only with dispatch.rows_factor > 0" in said0, said0
+    assert "; the MoE blocks under EP whole only with dispatch.rows_factor > 0, dispatch.overlap=false" in said0, said0
     assert len(want) == 4 and whole == want and tight == want and uncapped == want
