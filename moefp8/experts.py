@@ -54,7 +54,8 @@ class WeightCache:
     """Low-precision copies of weights, made again only when the parameter changed: keyed on (id,
     version counter), so the micro-batches of one step share them. fmt "pow2"/"fp32": the FP8
     "128x128" quantization and its transpose for dgrad (both in one pass where the backward will
-    want it: a weight that requires grad, under autograd; else the transpose on request); "bf16":
+    want it: a weight that requires grad, whatever the grad mode, since the layers ask from inside
+    their autograd Functions' forwards, where it is off; else the transpose on request); "bf16":
     a BF16 cast.
 
     Under a CUDA graph capture (moefp8.graphs) a copy made outside it is made again inside: the
@@ -74,7 +75,7 @@ class WeightCache:
         if hit is None or hit.version != ver or hit.fmt != scale_fmt or capturing != hit.captured:
             if scale_fmt == "bf16":
                 hit = _Copy(ver, scale_fmt, w.detach().to(torch.bfloat16), None, capturing)
-            elif (transposed or (w.requires_grad and torch.is_grad_enabled())) and w.shape[-2] % 128 == 0:
+            elif (transposed or w.requires_grad) and w.shape[-2] % 128 == 0:
                 hit = _Copy(ver, scale_fmt, *quant_weight(w.detach(), scale_fmt, transposed=True), capturing)
             else:
                 hit = _Copy(ver, scale_fmt, quant_weight(w.detach(), scale_fmt), None, capturing)
