@@ -51,7 +51,14 @@ class RowCap:
     not its evaluation, nor a step's second run); EP = 1 keeps its bound (`build_layout(bound=True)`).
     With no read-back left in the layer, a MoE block under EP can replay one CUDA graph whole
     (train.cuda_graphs_mlp, moefp8.graphs) while `on`.
-    One per model, shared by its MoE layers; factor 0: off."""
+    One per model, shared by its MoE layers; factor 0: off.
+
+    Backoff (`ready` / `fit`): a fresh router's collapsed routing overflows the cap step after step until
+    the bias balances the load, and each such step would run twice. After a step that overflowed, the
+    next `wait` steps run exact layouts at once (one run each); `wait` doubles with each overflow in a
+    row, up to MAX_WAIT, and is back to 1 after a capped step that fit."""
+
+    MAX_WAIT = 64
 
     def __init__(self, factor: float = 0.0):
         if not isinstance(factor, (int, float)) or not 0 <= factor < 1e6:
@@ -59,6 +66,24 @@ class RowCap:
                              f"load, e.g. 1.5")
         self.factor, self.on = float(factor), False
         self._overflowed: Tensor | None = None  # int32 [1]: a running sum (no list growing where nobody takes)
+        self._wait, self._skip = 1, 0  # the backoff: steps to skip after the next overflow, steps left to skip
+
+    def ready(self) -> bool:
+        """Whether the next training step tries the capped layouts (False: it runs exact ones, the backoff
+        after an overflow; every rank gets the same answer, as every rank sees the same overflow sum)."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
+
+    def fit(self, overflowed: bool) -> int:
+        """After a capped step: whether its layouts overflowed on any rank -> how many steps from now run
+        exact layouts without trying the cap (0 after a step that fit)."""
+        if not overflowed:
+            self._wait = 1
+            return 0
+        self._skip, self._wait = self._wait, min(2 * self._wait, self.MAX_WAIT)
+        return self._skip
 
     def rows(self, n_tokens: int, topk: int, n_experts: int) -> int | None:
         """The rows for a layout of a dispatch of this rank's n_tokens at top-k over n_experts local

@@ -171,13 +171,16 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         stats_on = (model.recipe.fp8 and t.fp8_stats_every > 0
                     and ((step + 1) % t.fp8_stats_every == 0 or step == start))
         batches = [loader.next() for _ in range(t.grad_accum)]
-        got = forward_backward(batches, stats_on, capped=True)
+        capped = model.row_cap.ready()  # dispatch.rows_factor, unless backing off after an overflow
+        got = forward_backward(batches, stats_on, capped=capped)
+        skip = model.row_cap.fit(bool(got[0][4])) if capped and model.row_cap.factor else 0
         if got[0][4]:  # a capped layout overflowed on some rank (the same figure everywhere): the step again, exact
             retried += 1
             if retried & (retried - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... time
                 console.print(f"step {step + 1}: {int(got[0][4])} MoE layout(s) needed more rows than "
                               f"dispatch.rows_factor={cfg.dispatch.rows_factor:g} gives; the step ran again with exact "
-                              f"layouts ({retried} step(s) so far; raise the factor if this is frequent)")
+                              f"layouts, and the next {skip} run exact ones at once ({retried} step(s) run again so "
+                              f"far; raise the factor if this is frequent)")
             zero_grad()
             model.scale_stats.report()  # the first run's statistics: dropped
             got = forward_backward(batches, stats_on, capped=False)

@@ -272,6 +272,32 @@ def test_rows_factor_runs_overflowed_steps_again_and_changes_no_bit(data_dir, tm
     same figures."""
     _, said = rows_factor_runs(data_dir, tmp_path)
     assert said["1.0"] and said["1.0 overlap"], said
+    # the backoff: the step after an overflow runs exact layouts at once (never tried capped, so never said)
+    assert said["1.0"][0] == "1" and "2" not in said["1.0"] and "2" not in said["1.0 overlap"], said
+
+
+def test_row_cap_backs_off_after_overflows():
+    """`RowCap.ready` / `fit`: after a capped step that overflowed, the next 1, 2, 4, ... (at most MAX_WAIT) steps
+    run exact layouts without trying the cap; a capped step that fits resets the wait to 1."""
+    from moefp8.moe_stages import RowCap
+    cap = RowCap(1.25)
+
+    def run(overflows):  # -> which steps tried the cap
+        tried = []
+        for step, over in enumerate(overflows):
+            if cap.ready():
+                tried.append(step)
+                cap.fit(over)
+        return tried
+
+    assert run([False] * 3) == [0, 1, 2]
+    # overflow at every try: waits 1, 2, 4 between the tries
+    assert run([True] * 12) == [0, 2, 5, 10]
+    cap = RowCap(1.25)
+    assert run([True, False, False, True, True, True]) == [0, 2, 3, 5]  # the fit at step 2 reset the wait to 1
+    cap = RowCap(1.25)
+    waits = [cap.fit(True) for _ in range(10)]
+    assert waits == [1, 2, 4, 8, 16, 32, 64, 64, 64, 64] and RowCap.MAX_WAIT == 64
 
 
 @pytest.mark.gpu
