@@ -6,7 +6,7 @@
 * forward: x [.., K] bf16 -> "1x128" FP8; W (fp32 master or bf16) -> "128x128" FP8; fprop GEMM
   -> BF16. Saved for backward: x col-wise ("128x1", requantized from the row-wise FP8 values by
   the same kernel, `quant_rowwise_colwise`: 1 byte per element instead of the bf16 input) and
-  the FP8 weight (for dgrad).
+  the FP8 weight's transpose for dgrad, made in the weight's quantization pass (`quant_weight(transposed=True)`).
 * backward: dY -> "1x128" FP8 -> dgrad GEMM (BF16 dX) and, in the same pass, -> "128x1" ->
   wgrad GEMM with the saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor
   (Megatron style), the wgrad accumulates into it inside the GEMM and the weight gets no ``.grad``.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moefp8.fp8 import TILE, Fp8Tensor, ScaleStats
-from moefp8.kernels.gemm import fp8_gemm, fp8_gemm_dgrad
+from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight
 from moefp8.recipe import Recipe
@@ -58,12 +58,12 @@ class Fp8LinearFunction(torch.autograd.Function):
             raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
         x2 = x.reshape(-1, K)
         x8, xc = quant_operand(x2, scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
-        w8 = quant_weight(weight, scale_fmt)
+        # the dgrad's Wᵀ from the same pass over the weight (no transpose kernel in the backward)
+        w8, w8t = quant_weight(weight, scale_fmt, transposed=True) if ctx.needs_input_grad[0] else \
+            (quant_weight(weight, scale_fmt), None)
         y = fp8_gemm(x8, w8, policy=gemm)
-        if weight.requires_grad:
-            ctx.save_for_backward(xc.data, xc.scale, w8.data, w8.scale)
-        else:
-            ctx.save_for_backward(None, None, w8.data, w8.scale)
+        wt = (w8t.data, w8t.scale) if w8t is not None else (None, None)
+        ctx.save_for_backward(*((xc.data, xc.scale) if weight.requires_grad else (None, None)), *wt)
         ctx.scale_fmt, ctx.stats, ctx.gemm = scale_fmt, stats, gemm
         ctx.x_shape = x.shape
         ctx.w_dtype, ctx.main_grad = weight.dtype, _wgrad_target(weight)
@@ -71,15 +71,16 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        xc_data, xc_scale, w_data, w_scale = ctx.saved_tensors
-        N, K = w_data.shape
+        xc_data, xc_scale, wt_data, wt_scale = ctx.saved_tensors
+        N = dy.shape[-1]
         dy2 = dy.reshape(-1, N)
         if dy2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             dy2 = dy2.float()
         dy8, dy_col = quant_operand(dy2, ctx.scale_fmt, colwise=ctx.needs_input_grad[1], kind="grad", stats=ctx.stats)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_gemm_dgrad(dy8, Fp8Tensor(w_data, w_scale, "128x128"), policy=ctx.gemm).reshape(ctx.x_shape)
+            # dX = dY · W = dY · (Wᵀ)ᵀ: the fprop GEMM on the transposed copy (fp8_gemm_dgrad's own path)
+            dx = fp8_gemm(dy8, Fp8Tensor(wt_data, wt_scale, "128x128"), policy=ctx.gemm).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             x_col = Fp8Tensor(xc_data, xc_scale, "128x1")
             if ctx.main_grad is not None:

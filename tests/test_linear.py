@@ -60,6 +60,29 @@ def test_fp8_linear_main_grad_accumulates():
     assert rel_err(lin.weight.main_grad, expect) < TOL
 
 
+def test_fp8_linear_dgrad_is_the_fp8_product(device="cpu"):
+    """dX is dY's "1x128" FP8 times the weight's "128x128" FP8 (fp8_gemm_dgrad's arithmetic) bit for bit: the
+    backward multiplies by the transposed copy made in the forward's weight pass (N != K: a swapped axis fails).
+    A frozen input (no dX wanted) and a frozen weight (no dW) each still run."""
+    from moefp8.kernels.gemm import fp8_gemm_dgrad
+    from moefp8.kernels.quant import quant_rowwise, quant_weight
+
+    torch.manual_seed(1)
+    lin = Fp8Linear(256, 384, device=device)
+    x = torch.randn(200, 256, device=device).bfloat16().requires_grad_(True)
+    dy = torch.randn(200, 384, device=device).bfloat16()
+    lin(x).backward(dy)
+    want = fp8_gemm_dgrad(quant_rowwise(dy, colmajor_scale=True), quant_weight(lin.weight.detach()))
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, want)
+    lin.weight.grad = None
+    lin(x.detach()).backward(dy)  # weight only
+    assert lin.weight.grad is not None
+    lin.weight.requires_grad_(False)
+    x.grad = None
+    lin(x).backward(dy)  # input only
+    assert torch.equal(x.grad, want)
+
+
 def test_fp8_linear_errors():
     with pytest.raises(ValueError, match="divisible by 128"):
         Fp8Linear(100, 128)
@@ -72,3 +95,4 @@ def test_fp8_linear_errors():
 def test_gpu_fp8_linear():
     test_fp8_linear_vs_bf16(4096, 2048, 7168, torch.float32, device="cuda")
     test_fp8_linear_vs_bf16(200, 7168, 4096, torch.float32, device="cuda")
+    test_fp8_linear_dgrad_is_the_fp8_product(device="cuda")
