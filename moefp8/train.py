@@ -173,7 +173,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         batches = [loader.next() for _ in range(t.grad_accum)]
         capped = model.row_cap.ready()  # dispatch.rows_factor, unless backing off after an overflow
         got = forward_backward(batches, stats_on, capped=capped)
-        skip = model.row_cap.fit(bool(got[0][4])) if capped and model.row_cap.factor else 0
+        skip = model.row_cap.fit(bool(got[0][4])) if capped else 0  # (factor 0: never overflows, skips 0)
         if got[0][4]:  # a capped layout overflowed on some rank (the same figure everywhere): the step again, exact
             retried += 1
             if retried & (retried - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... time
