@@ -14,6 +14,7 @@ DeepSeek-V3's L_bal = alpha * sum_i f_i * P_i per sequence, averaged over sequen
 from forward (no hidden state).
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -81,20 +82,88 @@ class Router(nn.Module):
 
 
 class _Logits(torch.autograd.Function):
-    """x · Wᵀ computed in fp32 (or fp64) that saves x as it came (bf16), not its fp32 copy."""
+    """x · Wᵀ computed in fp32 (or fp64) that saves x as it came (bf16), not its fp32 copy.
+
+    On a GPU with BF16 x and fp32 W the three products run on BF16 tensor cores with fp32
+    accumulation (`bf16x3_mm`), at fp32-GEMM accuracy: cuBLAS's fp32 GEMMs run on the CUDA cores
+    (~20 TFLOP/s) and x's fp32 copy costs a pass each way."""
 
     @staticmethod
     def forward(ctx, x, w, dt):
         ctx.save_for_backward(x, w)
         ctx.dt = dt
+        if _bf16x3_applies(x, w, dt):
+            return logits_bf16x3(x, w)
         return F.linear(x.to(dt), w.to(dt))
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
+        if _bf16x3_applies(x, w, ctx.dt):
+            dx, dw = logits_backward_bf16x3(g, x, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            return dx, dw, None
         dx = (g @ w.to(ctx.dt)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = (g.t() @ x.to(ctx.dt)).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The router's GEMMs on BF16 tensor cores at fp32 accuracy. An fp32 value v splits exactly into
+# three BF16 parts, v = v1 + v2 + v3 (8 significant bits each, RNE: v1 = bf16(v), v2 = bf16(v - v1),
+# v3 = v - v1 - v2, which has <= 8 bits left); x is BF16 already, so every product x · v_i is exact
+# in the fp32 accumulator and x · W = sum_i x · W_i is an fp32 GEMM up to the order of its
+# additions. One cuBLAS call per product: the parts stacked along N (forward, dW) or K (dx).
+
+
+def bf16x3(v: Tensor, dim: int) -> Tensor:
+    """fp32 v -> its three BF16 parts concatenated along `dim` (v1 | v2 | v3, sum exactly v for
+    finite v above ~1e-36: fp32 and BF16 share the exponent range)."""
+    v1 = v.to(torch.bfloat16)
+    r = v - v1.float()
+    v2 = r.to(torch.bfloat16)
+    return torch.cat([v1, v2, (r - v2.float()).to(torch.bfloat16)], dim)
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """BF16 a · b with the fp32 accumulator as the output (no BF16 rounding of the result); on the
+    CPU (tests) an fp32 matmul of the same exact products."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
+
+
+@functools.cache
+def _has_mm_out_dtype(index: int) -> bool:
+    """torch.mm(..., out_dtype=fp32) for BF16 inputs on this GPU (torch >= 2.8 on CUDA)."""
+    try:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device=f"cuda:{index}")
+        return _mm_f32(a, a).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _bf16x3_applies(x: Tensor, w: Tensor, dt) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float32 and dt == torch.float32
+            and _has_mm_out_dtype(x.device.index or 0))
+
+
+def logits_bf16x3(x_TH: Tensor, w_EH: Tensor) -> Tensor:
+    """x [T, H] bf16 · W [E, H]ᵀ fp32 -> [T, E] fp32 (one GEMM of N = 3E, then the parts' sum)."""
+    E = w_EH.shape[0]
+    return _mm_f32(x_TH, bf16x3(w_EH, 0).t()).view(-1, 3, E).sum(1)
+
+
+def logits_backward_bf16x3(g_TE: Tensor, x_TH: Tensor, w_EH: Tensor, want_dx: bool, want_dw: bool):
+    """-> (dx [T, H] bf16 = g · W, dW [E, H] fp32 = gᵀ · x). dW exact products (g in three parts,
+    x BF16); dx drops the parts' cross terms below 2^-16 of the result (g1·W3, g2·W2, g2·W3, g3·W*),
+    far under its BF16 rounding: A = [g1 | g2 | g1], B = [W1; W1; W2]."""
+    E = w_EH.shape[0]
+    g3 = bf16x3(g_TE.float().contiguous(), 1)  # [T, 3E]
+    dx = dw = None
+    if want_dw:
+        dw = _mm_f32(g3.t(), x_TH).view(3, E, -1).sum(0)
+    if want_dx:
+        w3 = bf16x3(w_EH, 0)  # [3E, H]
+        dx = torch.mm(torch.cat([g3[:, :2 * E], g3[:, :E]], 1), torch.cat([w3[:E], w3[:2 * E]], 0))
+    return dx, dw
 
 
 def seq_aux_loss(scores_TE: Tensor, idx_TK: Tensor, n_experts: int, topk: int, seq_len: int) -> Tensor:

@@ -137,3 +137,79 @@ def test_config_errors(kwargs, msg):
 def test_load_stats():
     st = load_stats(torch.tensor([4, 0, 2, 2]))
     assert st == {"load_max_over_mean": 2.0, "load_min": 0, "load_max": 4, "experts_empty": 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# The router's GEMMs as three BF16 products (router.logits_bf16x3): fp32 accuracy
+
+
+def _values_with_outliers(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 21, shape, generator=g).float())
+    v.view(-1)[::7] = 0.0
+    v.view(-1)[1] = 3.0e38
+    v.view(-1)[2] = -1.0e-30
+    return v
+
+
+def test_bf16x3_parts_sum_exactly():
+    from moefp8.router import bf16x3
+    v = _values_with_outliers((37, 96), 0)
+    parts = bf16x3(v, 0)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3 * 37, 96)
+    p = parts.double().view(3, 37, 96)
+    assert torch.equal(p[0] + p[1] + p[2], v.double())
+    # the first part alone is v rounded to BF16: the other two carry what it lost (a check that can fail)
+    assert not torch.equal(p[0], v.double())
+
+
+def _normalized_err(got, want, scale):
+    return float(((got.double() - want) / scale.clamp_min(1e-300)).abs().max())
+
+
+@pytest.mark.parametrize("T", [1, 67, 256])
+def test_logits_bf16x3_forward_and_backward_at_fp32_accuracy(T):
+    """Against fp64 on the same inputs, error normalized by sum |x_k w_k| (so cancellation does not
+    inflate it): logits and dW within 2^-20 (an fp32 GEMM of H = 512 terms: <= ~H * 2^-24 worst
+    case, far less typically), dx within BF16's rounding (2^-8: it is returned in BF16)."""
+    from moefp8.router import logits_backward_bf16x3, logits_bf16x3
+    torch.manual_seed(T)
+    H, E = 512, 16
+    x = (torch.randn(T, H) * 3).to(torch.bfloat16)
+    x[0, :5] = 0
+    w = torch.randn(E, H) * H**-0.5
+    w[3] *= 1000.0  # an outlier expert row
+    g = torch.randn(T, E) * torch.exp2(torch.randint(-8, 9, (T, E)).float())
+    xd, wd, gd = x.double(), w.double(), g.double()
+    logits = logits_bf16x3(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (T, E)
+    assert _normalized_err(logits, xd @ wd.t(), xd.abs() @ wd.abs().t()) < 2**-20
+    dx, dw = logits_backward_bf16x3(g, x, w, True, True)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert _normalized_err(dw, gd.t() @ xd, gd.abs().t() @ xd.abs()) < 2**-20
+    assert _normalized_err(dx, gd @ wd, gd.abs() @ wd.abs()) < 2**-8
+    # a BF16-rounded W alone (one part) misses the forward bound: the test can fail
+    w1 = w.to(torch.bfloat16).double()
+    assert _normalized_err((xd @ w1.t()).float(), xd @ wd.t(), xd.abs() @ wd.abs().t()) > 2**-20
+
+
+@pytest.mark.gpu
+def test_gpu_router_logits_on_bf16_tensor_cores_match_fp32():
+    """On a GPU the router's GEMMs take the three-product path (torch.mm with an fp32 output): the
+    logits and both gradients agree with the fp32 GEMMs within fp32 accumulation error."""
+    from moefp8.router import _bf16x3_applies, _Logits
+    torch.manual_seed(0)
+    T, H, E = 4099, 2048, 64
+    x = (torch.randn(T, H, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, H, device="cuda") * H**-0.5).requires_grad_()
+    assert _bf16x3_applies(x, w, torch.float32)
+    g = torch.randn(T, E, device="cuda")
+    out = _Logits.apply(x, w, torch.float32)
+    out.backward(g)
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    assert torch.isfinite(out).all()
+    assert _normalized_err(out, xd @ wd.t(), xd.abs() @ wd.abs().t()) < 2**-18
+    assert _normalized_err(w.grad, gd.t() @ xd, gd.abs().t() @ xd.abs()) < 2**-18
+    assert _normalized_err(x.grad, gd @ wd, gd.abs() @ wd.abs()) < 2**-8
+    ref = torch.nn.functional.linear(x.detach().float(), w.detach())  # cuBLAS fp32, the former path
+    assert _normalized_err(out, ref.double(), xd.abs() @ wd.abs().t()) < 2**-18
