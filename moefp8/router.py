@@ -90,18 +90,19 @@ class _Logits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, dt):
-        ctx.save_for_backward(x, w)
         ctx.dt = dt
         if _bf16x3_applies(x, w, dt):
-            return logits_bf16x3(x, w)
+            w3 = bf16x3(w, 0)
+            ctx.save_for_backward(x, w, w3)
+            return logits_bf16x3(x, w3)
+        ctx.save_for_backward(x, w, None)
         return F.linear(x.to(dt), w.to(dt))
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        if _bf16x3_applies(x, w, ctx.dt):
-            dx, dw = logits_backward_bf16x3(g, x, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-            return dx, dw, None
+        x, w, w3 = ctx.saved_tensors
+        if w3 is not None:
+            return *logits_backward_bf16x3(g, x, w3, ctx.needs_input_grad[0], ctx.needs_input_grad[1]), None
         dx = (g @ w.to(ctx.dt)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = (g.t() @ x.to(ctx.dt)).to(w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
@@ -145,23 +146,23 @@ def _bf16x3_applies(x: Tensor, w: Tensor, dt) -> bool:
             and _has_mm_out_dtype(x.device.index or 0))
 
 
-def logits_bf16x3(x_TH: Tensor, w_EH: Tensor) -> Tensor:
-    """x [T, H] bf16 · W [E, H]ᵀ fp32 -> [T, E] fp32 (one GEMM of N = 3E, then the parts' sum)."""
-    E = w_EH.shape[0]
-    return _mm_f32(x_TH, bf16x3(w_EH, 0).t()).view(-1, 3, E).sum(1)
+def logits_bf16x3(x_TH: Tensor, w3: Tensor) -> Tensor:
+    """x [T, H] bf16 · Wᵀ -> [T, E] fp32, W given as its parts w3 = bf16x3(W [E, H], 0) (one GEMM
+    of N = 3E, then the parts' sum)."""
+    return _mm_f32(x_TH, w3.t()).view(x_TH.shape[0], 3, -1).sum(1)
 
 
-def logits_backward_bf16x3(g_TE: Tensor, x_TH: Tensor, w_EH: Tensor, want_dx: bool, want_dw: bool):
-    """-> (dx [T, H] bf16 = g · W, dW [E, H] fp32 = gᵀ · x). dW exact products (g in three parts,
-    x BF16); dx drops the parts' cross terms below 2^-16 of the result (g1·W3, g2·W2, g2·W3, g3·W*),
-    far under its BF16 rounding: A = [g1 | g2 | g1], B = [W1; W1; W2]."""
-    E = w_EH.shape[0]
+def logits_backward_bf16x3(g_TE: Tensor, x_TH: Tensor, w3: Tensor, want_dx: bool, want_dw: bool):
+    """-> (dx [T, H] bf16 = g · W, dW [E, H] fp32 = gᵀ · x), W as its parts w3 [3E, H]. dW: exact
+    products (g in three parts, x BF16). dx drops the parts' cross terms below 2^-16 of the
+    result (g1·W3, g2·W2, g2·W3, g3·W*), far under its BF16 rounding: A = [g1 | g2 | g1],
+    B = [W1; W1; W2]."""
+    E = w3.shape[0] // 3
     g3 = bf16x3(g_TE.float().contiguous(), 1)  # [T, 3E]
     dx = dw = None
     if want_dw:
         dw = _mm_f32(g3.t(), x_TH).view(3, E, -1).sum(0)
     if want_dx:
-        w3 = bf16x3(w_EH, 0)  # [3E, H]
         dx = torch.mm(torch.cat([g3[:, :2 * E], g3[:, :E]], 1), torch.cat([w3[:E], w3[:2 * E]], 0))
     return dx, dw
 

@@ -172,7 +172,7 @@ def test_logits_bf16x3_forward_and_backward_at_fp32_accuracy(T):
     """Against fp64 on the same inputs, error normalized by sum |x_k w_k| (so cancellation does not
     inflate it): logits and dW within 2^-20 (an fp32 GEMM of H = 512 terms: <= ~H * 2^-24 worst
     case, far less typically), dx within BF16's rounding (2^-8: it is returned in BF16)."""
-    from moefp8.router import logits_backward_bf16x3, logits_bf16x3
+    from moefp8.router import bf16x3, logits_backward_bf16x3, logits_bf16x3
     torch.manual_seed(T)
     H, E = 512, 16
     x = (torch.randn(T, H) * 3).to(torch.bfloat16)
@@ -181,10 +181,10 @@ def test_logits_bf16x3_forward_and_backward_at_fp32_accuracy(T):
     w[3] *= 1000.0  # an outlier expert row
     g = torch.randn(T, E) * torch.exp2(torch.randint(-8, 9, (T, E)).float())
     xd, wd, gd = x.double(), w.double(), g.double()
-    logits = logits_bf16x3(x, w)
+    logits = logits_bf16x3(x, bf16x3(w, 0))
     assert logits.dtype == torch.float32 and logits.shape == (T, E)
     assert _normalized_err(logits, xd @ wd.t(), xd.abs() @ wd.abs().t()) < 2**-20
-    dx, dw = logits_backward_bf16x3(g, x, w, True, True)
+    dx, dw = logits_backward_bf16x3(g, x, bf16x3(w, 0), True, True)
     assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
     assert _normalized_err(dw, gd.t() @ xd, gd.abs().t() @ xd.abs()) < 2**-20
     assert _normalized_err(dx, gd @ wd, gd.abs() @ wd.abs()) < 2**-8
