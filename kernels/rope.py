@@ -63,11 +63,10 @@ def _launch(x_BSnd: Tensor, cos: Tensor, sin: Tensor, out_BSnd: Tensor, inverse:
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BSnd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        B, S, nh, hd = x_BSnd.shape
-        out = torch.empty(B, nh, S, hd, dtype=x_BSnd.dtype, device=x_BSnd.device)
-        _launch(x_BSnd, cos, sin, out.transpose(1, 2), inverse=False)
+        out = torch.empty(x_BSnd.shape, dtype=x_BSnd.dtype, device=x_BSnd.device)
+        _launch(x_BSnd, cos, sin, out, inverse=False)
         ctx.save_for_backward(cos, sin)
-        return out
+        return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -91,7 +90,7 @@ def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
 
 def rope(x_BSnd: Tensor, cos: Tensor, sin: Tensor, impl: str | None = None) -> Tensor:
     """x [B, S, nh, hd] (e.g. a slice of the [B, S, 3, nh, hd] qkv projection), cos/sin [S, hd/2]
-    fp32 -> rotated [B, nh, S, hd] contiguous, x's dtype; differentiable. head_dim a power of two
+    fp32 -> rotated [B, nh, S, hd] (a view of a [B, S, nh, hd] buffer: heads-last, the memory layout SDPA then keeps for its output), x's dtype; differentiable. head_dim a power of two
     on the Triton path."""
     _check(x_BSnd, cos, sin)
     if not use_triton(x_BSnd, impl):

@@ -42,8 +42,12 @@ def check_vs_ref(device, dtype, exact):
         x1 = x_all[:, :, which].detach().requires_grad_()
         x2 = x_all[:, :, which].detach().requires_grad_()
         y1, y2 = R.rope(x1, cos, sin, impl="triton"), R.rope_ref(x2, cos, sin)
-        assert y1.shape == (B, nh, S, hd) and y1.is_contiguous() and y1.dtype == dtype
+        # heads-last memory ([B, S, nh, hd] buffer), so SDPA's output comes back in it and the attention's
+        # o.transpose(1, 2).reshape(B, S, -1) is a view, not a copy
+        assert y1.shape == (B, nh, S, hd) and y1.transpose(1, 2).is_contiguous() and y1.dtype == dtype
         dy = torch.randn(y2.shape, generator=torch.Generator().manual_seed(which)).to(dtype).to(device)
+        if which:  # the gradient as SDPA gives it for heads-last q/k (heads-last too): no copy in the backward
+            dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
         y1.backward(dy)
         y2.backward(dy)
         assert not torch.isnan(y1).any() and not torch.isnan(x1.grad).any()
