@@ -4,8 +4,7 @@ h [M, 2I] = [gate | up]; a = silu(g) * u. With sig = 1 / (1 + exp(-g)):
   dg = da * u * sig * (1 + g * (1 - sig)),   du = da * (g * sig).
 
 * `swiglu_backward_quant(h8, da)`: h8 the cached "1x128" FP8 h, da [M, I] bf16 -> dh as "1x128"
-  FP8 [M, 2I] (fc1 dgrad) and "128x1" FP8 (data [2I, M], fc1 wgrad), in one pass over h and da
-  (on Hopper the Gluon twin of this module's kernel, `moefp8.kernels.swiglu_gl`, the same bits).
+  FP8 [M, 2I] (fc1 dgrad) and "128x1" FP8 (data [2I, M], fc1 wgrad), in one pass over h and da.
 * `swiglu_bf16(h)`, `swiglu_backward_bf16(h, da)`: the BF16 recipe's fused kernels (its
   like-for-like baseline would otherwise pay for several unfused elementwise passes).
 
@@ -21,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
-from moefp8.kernels import swiglu_gl, use_triton
+from moefp8.kernels import use_triton
 from moefp8.kernels.quant import (LAUNCH, _dequant_rows, _load_rows, _packs, _quant_cols4_store, _quant_rows_store,
                                   _scales, _sigmoid_denom, _swiglu, quant_colwise_ref, quant_rowwise_ref,
                                   sigmoid_denom_ref, swiglu_ref)
@@ -135,19 +134,14 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
     if da.shape != (M, I2 // 2):
         raise ValueError(f"swiglu_backward_quant: da has shape {tuple(da.shape)}, expected ({M}, {I2 // 2})")
     pow2 = check_scale_fmt(scale_fmt)
-    dev = h8.data.device
-    gluon = impl == "gluon" or (impl is None and launch is None and swiglu_gl.available(dev))
-    if impl == "gluon" and not swiglu_gl.available(dev):
-        raise ValueError("swiglu_backward_quant: impl='gluon' needs Triton's Gluon and a Hopper (sm_90) GPU")
-    if not gluon and not use_triton(h8.data, impl):
+    if not use_triton(h8.data, impl):
         return swiglu_backward_quant_ref(h8, da, scale_fmt, colmajor_scale=colmajor_scale)
+    dev = h8.data.device
     q = torch.empty(M, I2, dtype=FP8_DTYPE, device=dev)
     qs = _scales(M, I2 // TILE, dev, colmajor_scale)
     c = torch.empty(I2, M, dtype=FP8_DTYPE, device=dev)
     cs = _scales(I2, triton.cdiv(M, TILE), dev, True)
-    if M and gluon:
-        swiglu_gl.launch(h8.data, h8.scale, da if da.stride(-1) == 1 else da.contiguous(), q, qs, c, cs, pow2)
-    elif M:
+    if M:
         da = da if da.stride(-1) == 1 else da.contiguous()
         _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
             h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
