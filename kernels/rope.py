@@ -2,6 +2,7 @@
 projection's output and writes the rotated heads in the layout attention wants.
 
     rope(x_BSnd, cos, sin) -> [B, nh, S, hd]      x [B, S, nh, hd] any strides (hd contiguous)
+    rope_qkv(qkv_BS3nd, cos, sin) -> q, k, v       the attention's q, k rotated, v; d(qkv) in one buffer
 
 Pairs (x[2i], x[2i+1]) rotate by angle[s, i]: (a cos - b sin, a sin + b cos), math in fp32, the
 result in x's dtype. The backward is the inverse rotation of the gradient (angle -> -angle),
@@ -79,6 +80,32 @@ class _Rope(torch.autograd.Function):
         return dx, None, None
 
 
+class _RopeQKV(torch.autograd.Function):
+    """qkv [B, S, 3, nh, hd] -> (rope(q), rope(k), v); the backward writes d(qkv) whole: the inverse
+    rotations straight into its q and k slots and dv copied into the third, where autograd's
+    backward of unbind stacked three separate gradients (a full extra pass over d(qkv))."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor):
+        B, S, _, nh, hd = qkv.shape
+        qk = torch.empty(2, B, S, nh, hd, dtype=qkv.dtype, device=qkv.device)
+        _launch(qkv[:, :, 0], cos, sin, qk[0], inverse=False)
+        _launch(qkv[:, :, 1], cos, sin, qk[1], inverse=False)
+        ctx.save_for_backward(cos, sin)
+        return qk[0].transpose(1, 2), qk[1].transpose(1, 2), qkv[:, :, 2]
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        cos, sin = ctx.saved_tensors
+        B, nh, S, hd = dq.shape
+        dqkv = torch.empty(B, S, 3, nh, hd, dtype=dq.dtype, device=dq.device)
+        for i, d in ((0, dq), (1, dk)):
+            d = d.transpose(1, 2)  # [B, S, nh, hd] view
+            _launch(d if d.stride(-1) == 1 else d.contiguous(), cos, sin, dqkv[:, :, i], inverse=True)
+        dqkv[:, :, 2].copy_(dv)
+        return dqkv, None, None
+
+
 def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"rope: expected x [B, S, n_heads, head_dim] with an even head_dim, got {tuple(x.shape)}")
@@ -103,6 +130,24 @@ def rope(x_BSnd: Tensor, cos: Tensor, sin: Tensor, impl: str | None = None) -> T
     return _Rope.apply(x_BSnd, cos.float().contiguous(), sin.float().contiguous())
 
 
+def rope_qkv(qkv_BS3nd: Tensor, cos: Tensor, sin: Tensor, impl: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention projection's output [B, S, 3, nh, hd] -> (rope(q), rope(k), v): q and k as
+    `rope` gives them ([B, nh, S, hd] views of heads-last buffers), v the [B, S, nh, hd] view of its
+    slice; differentiable, with d(qkv) written in one buffer (no stack of three gradients)."""
+    if qkv_BS3nd.dim() != 5 or qkv_BS3nd.shape[2] != 3:
+        raise ValueError(f"rope_qkv: expected qkv [B, S, 3, n_heads, head_dim], got {tuple(qkv_BS3nd.shape)}")
+    q, k, v = qkv_BS3nd.unbind(2)
+    _check(q, cos, sin)
+    if not use_triton(q, impl):
+        return rope_ref(q, cos, sin), rope_ref(k, cos, sin), v
+    hd = q.shape[-1]
+    if hd & (hd - 1):
+        raise ValueError(f"rope: the Triton kernel needs a power-of-two head_dim, got {hd}")
+    if qkv_BS3nd.stride(-1) != 1:
+        qkv_BS3nd = qkv_BS3nd.contiguous()
+    return _RopeQKV.apply(qkv_BS3nd, cos.float().contiguous(), sin.float().contiguous())
+
+
 def rope_ref(x_BSnd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The same rotation composed of torch ops (fp32 math), [B, nh, S, hd] in x's dtype."""
     x32 = x_BSnd.transpose(1, 2).float().unflatten(-1, (-1, 2))
@@ -117,4 +162,4 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple
     return ang.cos(), ang.sin()
 
 
-__all__ = ["rope", "rope_ref", "rope_tables"]
+__all__ = ["rope", "rope_qkv", "rope_ref", "rope_tables"]

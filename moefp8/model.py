@@ -35,7 +35,7 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.fp8 import ScaleStats
 from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
-from moefp8.kernels.rope import rope, rope_tables
+from moefp8.kernels.rope import rope_qkv, rope_tables
 from moefp8.linear import make_linear
 from moefp8.loss import linear_cross_entropy
 from moefp8.mlp import MLP
@@ -81,12 +81,11 @@ class Attention(nn.Module):
 
     def forward(self, x_BSH: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x_BSH.shape
-        # unbind, not three qkv[:, :, i]: its backward stacks the three gradients in one kernel, where each
-        # select's backward zero-fills a full-size d(qkv) and autograd adds the three (~1 ms per layer at
-        # 32 x 1024 tokens of the small model)
-        q, k, v = self.wqkv(x_BSH).view(B, S, 3, self.n_heads, self.head_dim).unbind(2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)  # fused: [B, nh, S, hd]
-        v = v.transpose(1, 2)
+        # one function for the three, not three qkv[:, :, i]: each select's backward would zero-fill a
+        # full-size d(qkv) and autograd add the three (~1 ms per layer at 32 x 1024 tokens of the small
+        # model); unbind's backward stacked them in one more pass, which rope_qkv writes in place
+        q, k, v = rope_qkv(self.wqkv(x_BSH).view(B, S, 3, self.n_heads, self.head_dim), cos, sin)
+        v = v.transpose(1, 2)  # q, k, v: [B, nh, S, hd] views of heads-last memory
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, S, hd] bf16
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 

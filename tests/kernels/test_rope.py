@@ -60,20 +60,46 @@ def check_vs_ref(device, dtype, exact):
             assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * tol + 1e-30)
 
 
+def check_qkv(device, dtype):
+    """rope_qkv against rope on each slice and autograd's unbind: the same q, k, v and, bit for bit,
+    the same d(qkv) (the same inverse-rotation kernel, dv copied), written in one buffer."""
+    B, S, nh, hd = 2, 70, 3, 64
+    cos, sin = R.rope_tables(S, hd, 10000.0, device)
+    x1 = qkv(B, S, nh, hd, dtype, seed=3, device=device).requires_grad_()
+    x2 = x1.detach().clone().requires_grad_()
+    q1, k1, v1 = R.rope_qkv(x1, cos, sin, impl="triton")
+    q2, k2, v2 = x2.unbind(2)
+    q2, k2 = R.rope(q2, cos, sin, impl="triton"), R.rope(k2, cos, sin, impl="triton")
+    for a, b in ((q1, q2), (k1, k2), (v1, v2)):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert q1.transpose(1, 2).is_contiguous() and k1.transpose(1, 2).is_contiguous()
+    g = torch.Generator().manual_seed(5)
+    dq, dk, dv = (torch.randn(t.shape, generator=g).to(dtype).to(device) for t in (q1, k1, v1))
+    dq = dq.transpose(1, 2).contiguous().transpose(1, 2)  # heads-last, as SDPA returns it
+    torch.autograd.backward((q1, k1, v1), (dq, dk, dv))
+    torch.autograd.backward((q2, k2, v2), (dq, dk, dv))
+    assert x1.grad.is_contiguous() and torch.equal(x1.grad, x2.grad)
+    assert torch.equal(x1.grad[:, :, 2], dv)  # the v slot: dv as it came
+
+
 @pytest.mark.interp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_interpreter_vs_ref(dtype):
     check_vs_ref("cpu", dtype, exact=False)
+    check_qkv("cpu", dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_gpu_vs_ref(dtype):
     check_vs_ref("cuda", dtype, exact=True)
+    check_qkv("cuda", dtype)
 
 
 def test_errors():
     cos, sin = R.rope_tables(8, 64, 10000.0)
+    with pytest.raises(ValueError, match=r"rope_qkv: expected qkv \[B, S, 3, n_heads, head_dim\], got \(1, 8, 2, 2, 64\)"):
+        R.rope_qkv(torch.zeros(1, 8, 2, 2, 64), cos, sin)
     with pytest.raises(ValueError, match=r"cos/sin must be \[S, head_dim/2\] = \[8, 32\], got \[8, 16\]"):
         R.rope(torch.zeros(1, 8, 2, 64), cos[:, :16], sin[:, :16])
     with pytest.raises(ValueError, match="even head_dim"):
