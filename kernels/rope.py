@@ -115,19 +115,23 @@ def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
                          f"and {list(sin.shape)}")
 
 
+def _tables(hd: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin as the kernel reads them (fp32, contiguous); its power-of-two head_dim checked."""
+    if hd & (hd - 1):
+        raise ValueError(f"rope: the Triton kernel needs a power-of-two head_dim, got {hd}")
+    return cos.float().contiguous(), sin.float().contiguous()
+
+
 def rope(x_BSnd: Tensor, cos: Tensor, sin: Tensor, impl: str | None = None) -> Tensor:
     """x [B, S, nh, hd] (e.g. a slice of the [B, S, 3, nh, hd] qkv projection), cos/sin [S, hd/2]
-    fp32 -> rotated [B, nh, S, hd] (a view of a [B, S, nh, hd] buffer: heads-last, the memory layout SDPA then keeps for its output), x's dtype; differentiable. head_dim a power of two
-    on the Triton path."""
+    fp32 -> rotated [B, nh, S, hd] in x's dtype, a view of a [B, S, nh, hd] buffer (heads-last: the
+    memory layout SDPA then keeps for its output); differentiable. head_dim a power of two on the
+    Triton path."""
     _check(x_BSnd, cos, sin)
     if not use_triton(x_BSnd, impl):
         return rope_ref(x_BSnd, cos, sin)
-    hd = x_BSnd.shape[-1]
-    if hd & (hd - 1):
-        raise ValueError(f"rope: the Triton kernel needs a power-of-two head_dim, got {hd}")
-    if x_BSnd.stride(-1) != 1:
-        x_BSnd = x_BSnd.contiguous()
-    return _Rope.apply(x_BSnd, cos.float().contiguous(), sin.float().contiguous())
+    cos, sin = _tables(x_BSnd.shape[-1], cos, sin)
+    return _Rope.apply(x_BSnd if x_BSnd.stride(-1) == 1 else x_BSnd.contiguous(), cos, sin)
 
 
 def rope_qkv(qkv_BS3nd: Tensor, cos: Tensor, sin: Tensor, impl: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -140,12 +144,8 @@ def rope_qkv(qkv_BS3nd: Tensor, cos: Tensor, sin: Tensor, impl: str | None = Non
     _check(q, cos, sin)
     if not use_triton(q, impl):
         return rope_ref(q, cos, sin), rope_ref(k, cos, sin), v
-    hd = q.shape[-1]
-    if hd & (hd - 1):
-        raise ValueError(f"rope: the Triton kernel needs a power-of-two head_dim, got {hd}")
-    if qkv_BS3nd.stride(-1) != 1:
-        qkv_BS3nd = qkv_BS3nd.contiguous()
-    return _RopeQKV.apply(qkv_BS3nd, cos.float().contiguous(), sin.float().contiguous())
+    cos, sin = _tables(q.shape[-1], cos, sin)
+    return _RopeQKV.apply(qkv_BS3nd if qkv_BS3nd.stride(-1) == 1 else qkv_BS3nd.contiguous(), cos, sin)
 
 
 def rope_ref(x_BSnd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
