@@ -164,7 +164,7 @@ def test_bf16x3_parts_sum_exactly():
 
 
 def _normalized_err(got, want, scale):
-    return float(((got.double() - want) / scale.clamp_min(1e-300)).abs().max())
+    return float(((got.detach().double() - want) / scale.clamp_min(1e-300)).abs().max())
 
 
 @pytest.mark.parametrize("T", [1, 67, 256])
@@ -213,3 +213,27 @@ def test_gpu_router_logits_on_bf16_tensor_cores_match_fp32():
     assert _normalized_err(x.grad, gd @ wd, gd.abs() @ wd.abs()) < 2**-8
     ref = torch.nn.functional.linear(x.detach().float(), w.detach())  # cuBLAS fp32, the former path
     assert _normalized_err(out, ref.double(), xd.abs() @ wd.abs().t()) < 2**-18
+
+
+def test_logits_function_takes_the_bf16x3_path_end_to_end(monkeypatch):
+    """The autograd wiring of the GPU path (the forward's parts saved for the backward), run on the CPU with
+    the path forced: the logits and both gradients at fp32 accuracy; a router on it gives the same routes."""
+    import moefp8.router as R
+    monkeypatch.setattr(R, "_bf16x3_applies", lambda x, w, dt: x.dtype == torch.bfloat16 and dt == torch.float32)
+    torch.manual_seed(1)
+    x = (torch.randn(33, 256) * 2).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(8, 256) * 0.06).requires_grad_()
+    g = torch.randn(33, 8)
+    out = R._Logits.apply(x, w, torch.float32)
+    out.backward(g)
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    assert _normalized_err(out.detach(), xd @ wd.t(), xd.abs() @ wd.abs().t()) < 2**-20
+    assert _normalized_err(w.grad, gd.t() @ xd, gd.abs().t() @ xd.abs()) < 2**-20
+    assert x.grad.dtype == torch.bfloat16 and _normalized_err(x.grad, gd @ wd, gd.abs() @ wd.abs()) < 2**-8
+    r = Router(256, 8, 2)
+    xs = torch.randn(40, 256).to(torch.bfloat16)
+    got = r(xs)
+    monkeypatch.setattr(R, "_bf16x3_applies", lambda x, w, dt: False)
+    want = r(xs)
+    assert torch.equal(got.topk_idx_TK, want.topk_idx_TK)
+    torch.testing.assert_close(got.topk_w_TK, want.topk_w_TK, rtol=1e-5, atol=0)
