@@ -113,7 +113,7 @@ class _Logits(torch.autograd.Function):
 # three BF16 parts, v = v1 + v2 + v3 (8 significant bits each, RNE: v1 = bf16(v), v2 = bf16(v - v1),
 # v3 = v - v1 - v2, which has <= 8 bits left); x is BF16 already, so every product x · v_i is exact
 # in the fp32 accumulator and x · W = sum_i x · W_i is an fp32 GEMM up to the order of its
-# additions. One cuBLAS call per product: the parts stacked along N (forward, dW) or K (dx).
+# additions. One cuBLAS call per product: the parts stacked along N (forward), M (dW) or K (dx).
 
 
 def bf16x3(v: Tensor, dim: int) -> Tensor:
