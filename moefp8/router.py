@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefp8.kernels import device_index
 from moefp8.kernels.route import route_select
 
 
@@ -143,7 +144,7 @@ def _has_mm_out_dtype(index: int) -> bool:
 
 def _bf16x3_applies(x: Tensor, w: Tensor, dt) -> bool:
     return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.float32 and dt == torch.float32
-            and _has_mm_out_dtype(x.device.index or 0))
+            and _has_mm_out_dtype(device_index(x.device)))
 
 
 def logits_bf16x3(x_TH: Tensor, w3: Tensor) -> Tensor:
