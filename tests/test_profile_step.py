@@ -68,6 +68,23 @@ def test_profile_step_under_torchrun_with_ep(tmp_path):
     assert all(row["routing"]["load_max_over_mean"] >= 1 for row in rows)
 
 
+def test_profile_step_counts_capped_overflows_of_the_timed_steps_apart(tmp_path):
+    """dispatch.rows_factor at EP2 (gloo, capacity mode) with a factor a fresh router overflows: the warm-up's
+    overflows are reported apart from the timed steps' (which the figures are of)."""
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "tools/profile_step.py", "model=tiny", "train.device=cpu", "train.micro_batch=4",
+                        "train.seq_len=256", "dispatch=all_to_all", "dispatch.ep_size=2", "dispatch.mode=capacity",
+                        "dispatch.rows_factor=1.0", "--recipes", "fp8", "--warmup", "2", "--steps", "1",
+                        "--profile-steps", "0", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    routing = row["routing"]
+    assert routing["rows_overflowed_warmup"] >= 1 and 0 <= routing["rows_overflowed"] <= routing["rows_overflowed_warmup"]
+    assert f"; {routing['rows_overflowed_warmup']} in the warm-up" in r.stdout
+
+
 def test_live_at_peak_replays_the_allocator_trace():
     """--memory's replay: the peak of the step's own live bytes and who allocated what was live
     there (a block freed before the peak does not count; one freed after it does)."""

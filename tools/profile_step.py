@@ -334,6 +334,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     for _ in range(args.warmup):
         step()
     sync(device)
+    warm_over, step.overflowed = step.overflowed, None  # dispatch.rows_factor: the timed steps' own count below
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
@@ -349,8 +350,10 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     loads = [load_stats(load_E) for load_E in step.load_LE.cpu()]  # random tokens route unevenly: shown beside
     balance = {"load_max_over_mean": statistics.mean(r["load_max_over_mean"] for r in loads) if loads else 0.0,
                "experts_empty": sum(r["experts_empty"] for r in loads),
-               # dispatch.rows_factor: this rank's capped layouts that overflowed (the loop runs such steps again)
-               "rows_overflowed": int(step.overflowed) if step.overflowed is not None else None}
+               # dispatch.rows_factor: this rank's capped layouts that overflowed in the timed steps (the loop runs
+               # such steps again), and in the warm-up (and dispatch.overlap=auto's trials: a fresh router's skew)
+               "rows_overflowed": int(step.overflowed) if step.overflowed is not None else None,
+               "rows_overflowed_warmup": int(warm_over) if warm_over is not None else None}
     host_top = host_profile(step, device, args.top) if args.host_profile else None
     memory = memory_profile(step, device, args.top) if args.memory and device.type == "cuda" else None
     dev = "cuda" if device.type == "cuda" else "cpu"
@@ -419,7 +422,9 @@ def report(r: dict) -> None:
           f"max/mean expert load {r['routing']['load_max_over_mean']:.2f} (layer mean), "
           f"{r['routing']['experts_empty']} empty experts"
           + (f"; {r['routing']['rows_overflowed']} capped layouts overflowed (dispatch.rows_factor: the training loop "
-             f"would have run those steps again)" if r['routing'].get('rows_overflowed') else ""))
+             f"would have run those steps again)" if r['routing'].get('rows_overflowed') else "")
+          + (f"; {r['routing']['rows_overflowed_warmup']} in the warm-up" if r['routing'].get('rows_overflowed_warmup')
+             else ""))
     if r.get("timeline"):
         t = r["timeline"]
         print(f"  GPU timeline, ms/step: span {t['span_ms']:.1f}, a kernel running {t['busy_ms']:.1f}, a kernel other "
