@@ -118,12 +118,17 @@ class _Logits(torch.autograd.Function):
 
 
 def bf16x3(v: Tensor, dim: int) -> Tensor:
-    """fp32 v -> its three BF16 parts concatenated along `dim` (v1 | v2 | v3, sum exactly v for
-    finite v above ~1e-36: fp32 and BF16 share the exponent range)."""
-    v1 = v.to(torch.bfloat16)
-    r = v - v1.float()
-    v2 = r.to(torch.bfloat16)
-    return torch.cat([v1, v2, (r - v2.float()).to(torch.bfloat16)], dim)
+    """fp32 v (2-D) -> its three BF16 parts concatenated along `dim` (v1 | v2 | v3, sum exactly v for
+    finite v above ~1e-36: fp32 and BF16 share the exponent range). Five kernels, written in place."""
+    a, b = v.shape
+    out = torch.empty((3, a, b) if dim == 0 else (a, 3, b), dtype=torch.bfloat16, device=v.device)
+    part = out.unbind(0 if dim == 0 else 1)
+    part[0].copy_(v)  # RNE
+    r = v - part[0]  # exact (fp32)
+    part[1].copy_(r)
+    r.sub_(part[1])  # exact: what is left has <= 8 significant bits
+    part[2].copy_(r)
+    return out.view(3 * a, b) if dim == 0 else out.view(a, 3 * b)
 
 
 def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
