@@ -71,13 +71,15 @@ class _Rope(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        cos, sin = ctx.saved_tensors
-        d = dout.transpose(1, 2)  # [B, S, nh, hd] view
-        if d.stride(-1) != 1:
-            d = d.contiguous()
-        dx = torch.empty(d.shape, dtype=dout.dtype, device=dout.device)
-        _launch(d, cos, sin, dx, inverse=True)
+        dx = torch.empty(dout.transpose(1, 2).shape, dtype=dout.dtype, device=dout.device)
+        _rotate_back(dout, *ctx.saved_tensors, dx)
         return dx, None, None
+
+
+def _rotate_back(dout_BnSd: Tensor, cos: Tensor, sin: Tensor, out_BSnd: Tensor) -> None:
+    """The backward of a rotation: dout [B, nh, S, hd] (any strides) rotated back into out [B, S, nh, hd]."""
+    d = dout_BnSd.transpose(1, 2)  # [B, S, nh, hd] view
+    _launch(d if d.stride(-1) == 1 else d.contiguous(), cos, sin, out_BSnd, inverse=True)
 
 
 class _RopeQKV(torch.autograd.Function):
@@ -96,12 +98,10 @@ class _RopeQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
-        cos, sin = ctx.saved_tensors
         B, nh, S, hd = dq.shape
         dqkv = torch.empty(B, S, 3, nh, hd, dtype=dq.dtype, device=dq.device)
-        for i, d in ((0, dq), (1, dk)):
-            d = d.transpose(1, 2)  # [B, S, nh, hd] view
-            _launch(d if d.stride(-1) == 1 else d.contiguous(), cos, sin, dqkv[:, :, i], inverse=True)
+        _rotate_back(dq, *ctx.saved_tensors, dqkv[:, :, 0])
+        _rotate_back(dk, *ctx.saved_tensors, dqkv[:, :, 1])
         dqkv[:, :, 2].copy_(dv)
         return dqkv, None, None
 

@@ -86,7 +86,7 @@ class _Logits(torch.autograd.Function):
     """x · Wᵀ computed in fp32 (or fp64) that saves x as it came (bf16), not its fp32 copy.
 
     On a GPU with BF16 x and fp32 W the three products run on BF16 tensor cores with fp32
-    accumulation (`bf16x3_mm`), at fp32-GEMM accuracy: cuBLAS's fp32 GEMMs run on the CUDA cores
+    accumulation (`logits_bf16x3`), at fp32-GEMM accuracy: cuBLAS's fp32 GEMMs run on the CUDA cores
     (~20 TFLOP/s) and x's fp32 copy costs a pass each way."""
 
     @staticmethod
