@@ -583,7 +583,8 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and table
     "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8, STAGES=4, PROGS_PER_SM=2, maxnreg=168),
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
     "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
-    "swiglu_backward_quant": dict(num_warps=8),  # 128x128 tiles (kernels/swiglu.py)
+    "swiglu_backward_quant": dict(BLOCK_M=16, num_warps=4),  # its row kernel (kernels/swiglu.py); the col-wise
+                                                             # copy takes "requant_colwise"
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
     # strips kernel: (32 / (BLOCK_K / 4)) * num_warps <= 32 threads along the rows, BLOCK_K <= 128;
     # 32 / 4 the fastest of seven configs on an H100 (bench/notes/quant.md, session 30)

@@ -1,17 +1,24 @@
-"""SwiGLU backward (FP8 recipe, fused with both quantizations) and the BF16 recipe's SwiGLU.
+"""SwiGLU backward (FP8 recipe, fused with its quantization) and the BF16 recipe's SwiGLU.
 
 h [M, 2I] = [gate | up]; a = silu(g) * u. With sig = 1 / (1 + exp(-g)):
   dg = da * u * sig * (1 + g * (1 - sig)),   du = da * (g * sig).
 
 * `swiglu_backward_quant(h8, da)`: h8 the cached "1x128" FP8 h, da [M, I] bf16 -> dh as "1x128"
-  FP8 [M, 2I] (fc1 dgrad) and "128x1" FP8 (data [2I, M], fc1 wgrad), in one pass over h and da.
+  FP8 [M, 2I] (fc1 dgrad) in one pass over h and da, and its "128x1" copy (data [2I, M], fc1
+  wgrad) requantized from those codes by `requant_colwise`.
 * `swiglu_bf16(h)`, `swiglu_backward_bf16(h, da)`: the BF16 recipe's fused kernels (its
   like-for-like baseline would otherwise pay for several unfused elementwise passes).
 
-Each program covers 128 rows x 128 columns of one half (gate or up; one launch for both),
-which is one 1x128 group per row and one 128x1 group per column, so both quantizations finish in
-registers. Math in fp32 with exp(-g) as exp2 (`_sigmoid_denom`), IEEE division and no FMA
-contraction, in the order the `_ref` twins use, so GPU results equal the references bit for bit.
+Why two kernels and not one: a kernel making both copies must hold a 128 x 128 tile of dh until
+its column amaxes are known. Held in fp32 registers (the kernel until session 52) it ran at 25%
+occupancy, latency-bound; held in shared memory (a Gluon try) it lost to bank conflicts
+(bench/notes/quant.md, sessions 50-52). The row kernel streams; the requant costs one more read of
+the 1-byte codes. With power-of-two scales the "128x1" codes equal those of a direct col-wise
+quantization of dh except where a value is subnormal in one of the two (E4M3 keeps its 4
+significant bits through a power-of-two rescale).
+
+Math in fp32 with exp(-g) as exp2 (`_sigmoid_denom`), IEEE division and no FMA contraction, in the
+order the `_ref` twins use, so GPU results equal the references bit for bit.
 """
 
 import torch
@@ -21,9 +28,9 @@ from torch import Tensor
 
 from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import use_triton
-from moefp8.kernels.quant import (LAUNCH, _dequant_rows, _load_rows, _packs, _quant_cols4_store, _quant_rows_store,
-                                  _scales, _sigmoid_denom, _swiglu, quant_colwise_ref, quant_rowwise_ref,
-                                  sigmoid_denom_ref, swiglu_ref)
+from moefp8.kernels.quant import (LAUNCH, _dequant_rows, _load_rows, _quant_rows_store, _scales, _sigmoid_denom,
+                                  _swiglu, quant_rowwise_ref, requant_colwise, requant_colwise_ref, sigmoid_denom_ref,
+                                  swiglu_ref)
 
 
 @triton.jit
@@ -40,55 +47,26 @@ def _swiglu_grad(g, u, da, GATE: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_grad_rows(h_ptr, hs_ptr, da_ptr, rows, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg,
-                      stride_dam, q_ptr, qs_ptr, stride_qm, stride_qsm, POW2: tl.constexpr):
-    """dh for rows `rows` of one 128-column tile (fp32 [len(rows), 128]; pointers at the tile's
-    origin: h's gate columns and their scale group, da, dh's "1x128" codes and scales); stores its
-    row-wise quantization. Masked rows load 0 and give dh = 0, out of both amaxes."""
-    g = _dequant_rows(h_ptr, hs_ptr, rows, offs_k, m_left, stride_hm, stride_hsm)
-    u = _dequant_rows(h_ptr + I, hs_ptr + (I // 128) * stride_hsg, rows, offs_k, m_left, stride_hm, stride_hsm)
-    da = _load_rows(da_ptr, rows, offs_k, m_left, 128, stride_dam)
-    if gate:
-        d = _swiglu_grad(g, u, da, True)
-    else:
-        d = _swiglu_grad(g, u, da, False)
-    _quant_rows_store(d, rows, offs_k, m_left, q_ptr, qs_ptr, stride_qm, stride_qsm, POW2)
-    return d
-
-
-@triton.jit
-def _swiglu_bwd_quant_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, c_ptr, cs_ptr, M, I, stride_hm, stride_hsm,
-                             stride_hsg, stride_dam, stride_qm, stride_qsm, stride_qsg, stride_ck, stride_csk,
-                             stride_csm, POW2: tl.constexpr, PACK: tl.constexpr):
-    """One launch for both halves of dh [M, 2I]: programs 0..I/128-1 the gate's gradient, the next
-    I/128 the up's. A program covers one 128x128 tile as four interleaved quarters (rows 4i + j,
-    as the col-wise quant kernels): rows quantized as they are computed, columns at the end
-    (PACK: the transposed store moves 32-bit words, see _quant_cols4_store)."""
-    col = tl.program_id(0)  # this tile's 128-column group in dh [M, 2I]
-    pid_m = tl.program_id(1)
-    G = I // 128
-    gate = col < G
-    pid_k = col - tl.where(gate, 0, G)  # the 128 columns of h's gate (and up) halves this tile reads
-    m0 = pid_m.to(tl.int64) * 128
-    r = 4 * tl.arange(0, 32)
+def _swiglu_bwd_rows_kernel(h_ptr, hs_ptr, da_ptr, q_ptr, qs_ptr, M, I, stride_hm, stride_hsm, stride_hsg,
+                            stride_dam, stride_qm, stride_qsm, stride_qsg, POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """BLOCK_M rows x one 128-column group of I: both halves of dh (the gate's gradient at column
+    c, the up's at I + c) from one load of g, u and da, each quantized "1x128" as it is computed."""
+    pid_g = tl.program_id(0)
+    m0 = tl.program_id(1).to(tl.int64) * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, 128)
     m_left = M - m0
-    h = h_ptr + m0 * stride_hm + pid_k * 128
-    hs = hs_ptr + m0 * stride_hsm + pid_k * stride_hsg
-    da = da_ptr + m0 * stride_dam + pid_k * 128
-    q = q_ptr + m0 * stride_qm + col * 128
-    qs = qs_ptr + m0 * stride_qsm + col * stride_qsg
-    d0 = _swiglu_grad_rows(h, hs, da, r, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
-                           q, qs, stride_qm, stride_qsm, POW2)
-    d1 = _swiglu_grad_rows(h, hs, da, r + 1, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
-                           q, qs, stride_qm, stride_qsm, POW2)
-    d2 = _swiglu_grad_rows(h, hs, da, r + 2, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
-                           q, qs, stride_qm, stride_qsm, POW2)
-    d3 = _swiglu_grad_rows(h, hs, da, r + 3, offs_k, m_left, I, gate, stride_hm, stride_hsm, stride_hsg, stride_dam,
-                           q, qs, stride_qm, stride_qsm, POW2)
-    _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, 128,
-                       c_ptr + (col * 128).to(tl.int64) * stride_ck + m0,
-                       cs_ptr + col * 128 * stride_csk + pid_m * stride_csm, stride_ck, stride_csk, POW2, PACK)
+    h = h_ptr + m0 * stride_hm + pid_g * 128
+    hs = hs_ptr + m0 * stride_hsm + pid_g * stride_hsg
+    g = _dequant_rows(h, hs, offs_m, offs_k, m_left, stride_hm, stride_hsm)
+    u = _dequant_rows(h + I, hs + (I // 128) * stride_hsg, offs_m, offs_k, m_left, stride_hm, stride_hsm)
+    da = _load_rows(da_ptr + m0 * stride_dam + pid_g * 128, offs_m, offs_k, m_left, 128, stride_dam)
+    q = q_ptr + m0 * stride_qm + pid_g * 128
+    qs = qs_ptr + m0 * stride_qsm + pid_g * stride_qsg
+    # the sigmoid of both calls is one computation (pure ops of the same g: the compiler shares them)
+    _quant_rows_store(_swiglu_grad(g, u, da, True), offs_m, offs_k, m_left, q, qs, stride_qm, stride_qsm, POW2)
+    _quant_rows_store(_swiglu_grad(g, u, da, False), offs_m, offs_k, m_left, q + I, qs + (I // 128) * stride_qsg,
+                      stride_qm, stride_qsm, POW2)
 
 
 @triton.jit
@@ -124,9 +102,10 @@ def _check_h(name: str, h_cols: int) -> None:
 
 def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
                           colmajor_scale: bool = False, launch: dict | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
-    """h8 "1x128" [M, 2I], da [M, I] -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M]); the
-    "1x128" scales column-major with colmajor_scale (fc1's dgrad operand). launch: replaces
-    quant.LAUNCH["swiglu_backward_quant"] for this call."""
+    """h8 "1x128" [M, 2I], da [M, I] bf16 -> (dh "1x128" [M, 2I], dh "128x1": data [2I, M]); the
+    "1x128" scales column-major with colmajor_scale (fc1's dgrad operand). The "128x1" copy is
+    requantized from the "1x128" codes (`requant_colwise`, as the recipe's other wgrad operands).
+    launch: replaces quant.LAUNCH["swiglu_backward_quant"] (the row kernel's) for this call."""
     if not isinstance(h8, Fp8Tensor) or h8.layout != "1x128" or h8.data.dim() != 2:
         raise ValueError("swiglu_backward_quant: expected h8 as an Fp8Tensor [M, 2I] with layout '1x128'")
     M, I2 = h8.data.shape
@@ -139,16 +118,14 @@ def swiglu_backward_quant(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", im
     dev = h8.data.device
     q = torch.empty(M, I2, dtype=FP8_DTYPE, device=dev)
     qs = _scales(M, I2 // TILE, dev, colmajor_scale)
-    c = torch.empty(I2, M, dtype=FP8_DTYPE, device=dev)
-    cs = _scales(I2, triton.cdiv(M, TILE), dev, True)
     if M:
         da = da if da.stride(-1) == 1 else da.contiguous()
-        _swiglu_bwd_quant_kernel[(I2 // TILE, triton.cdiv(M, TILE))](
-            h8.data, h8.scale, da, q, qs, c, cs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0),
-            h8.scale.stride(1), da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), c.stride(0), cs.stride(0),
-            cs.stride(1), POW2=pow2, PACK=_packs(M), enable_fp_fusion=False,
-            **(launch or LAUNCH["swiglu_backward_quant"]))
-    return Fp8Tensor(q, qs, "1x128"), Fp8Tensor(c, cs, "128x1")
+        cfg = launch or LAUNCH["swiglu_backward_quant"]
+        _swiglu_bwd_rows_kernel[(I2 // (2 * TILE), triton.cdiv(M, cfg["BLOCK_M"]))](
+            h8.data, h8.scale, da, q, qs, M, I2 // 2, h8.data.stride(0), h8.scale.stride(0), h8.scale.stride(1),
+            da.stride(0), q.stride(0), qs.stride(0), qs.stride(1), POW2=pow2, enable_fp_fusion=False, **cfg)
+    row = Fp8Tensor(q, qs, "1x128")
+    return row, requant_colwise(row, scale_fmt, impl)
 
 
 def swiglu_bf16(h: Tensor, impl: str | None = None) -> Tensor:
@@ -196,5 +173,6 @@ def swiglu_backward_ref(h: Tensor, da: Tensor) -> Tensor:
 
 def swiglu_backward_quant_ref(h8: Fp8Tensor, da: Tensor, scale_fmt: str = "pow2", *,
                               colmajor_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
-    dh = swiglu_backward_ref(h8.dequantize(torch.float32), da)
-    return quant_rowwise_ref(dh, scale_fmt, colmajor_scale=colmajor_scale), quant_colwise_ref(dh, scale_fmt)
+    row = quant_rowwise_ref(swiglu_backward_ref(h8.dequantize(torch.float32), da), scale_fmt,
+                            colmajor_scale=colmajor_scale)
+    return row, requant_colwise_ref(row, scale_fmt)

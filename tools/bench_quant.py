@@ -42,7 +42,7 @@ SWEEP = {
                                      for k, w, g in itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16))
                                      if 128 // k * w <= 32],
     "rowwise_colwise": [dict(num_warps=w) for w in (4, 8, 16)],
-    "swiglu_backward_quant": [dict(num_warps=w) for w in (4, 8, 16)],
+    "swiglu_backward_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32), (2, 4, 8))],
 }
 LAUNCH_KEY = {"swiglu_quant_cache": "swiglu_quant"}  # kernels sharing another's launch config
 
