@@ -419,37 +419,6 @@ def _requant_colwise_kernel(q_ptr, s_ptr, o_ptr, os_ptr, M, K, stride_qm, stride
 
 
 @triton.jit
-def _quant_rowwise_colwise_kernel(x_ptr, q_ptr, s_ptr, c_ptr, cs_ptr, M, K, stride_xm, stride_qm, stride_sm,
-                                  stride_sg, stride_ck, stride_csk, stride_csg, POW2: tl.constexpr,
-                                  PACK: tl.constexpr):
-    """One 128x128 tile: its 128 row groups quantized "1x128" (stored), dequantized in registers,
-    and its 128 column groups requantized "128x1" (stored transposed): quant_rowwise followed by
-    requant_colwise, x read once. Rows as four interleaved quarters (rows 4i + j), as the col-wise
-    kernels."""
-    pid_g = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    m0 = pid_m.to(tl.int64) * 128
-    k0 = pid_g * 128
-    r = 4 * tl.arange(0, 32)
-    offs_k = tl.arange(0, 128)
-    m_left = M - m0
-    x = x_ptr + m0 * stride_xm + k0
-    q = q_ptr + m0 * stride_qm + k0
-    s = s_ptr + m0 * stride_sm + pid_g * stride_sg
-    d0 = _quant_rows_store(_load_rows(x, r, offs_k, m_left, 128, stride_xm), r, offs_k, m_left, q, s,
-                             stride_qm, stride_sm, POW2)
-    d1 = _quant_rows_store(_load_rows(x, r + 1, offs_k, m_left, 128, stride_xm), r + 1, offs_k, m_left, q, s,
-                             stride_qm, stride_sm, POW2)
-    d2 = _quant_rows_store(_load_rows(x, r + 2, offs_k, m_left, 128, stride_xm), r + 2, offs_k, m_left, q, s,
-                             stride_qm, stride_sm, POW2)
-    d3 = _quant_rows_store(_load_rows(x, r + 3, offs_k, m_left, 128, stride_xm), r + 3, offs_k, m_left, q, s,
-                             stride_qm, stride_sm, POW2)
-    _quant_cols4_store(d0, d1, d2, d3, tl.arange(0, 32), offs_k, m_left, K - k0,
-                       c_ptr + k0.to(tl.int64) * stride_ck + m0, cs_ptr + k0 * stride_csk + pid_m * stride_csg,
-                       stride_ck, stride_csk, POW2, PACK)
-
-
-@triton.jit
 def _swiglu_quant_kernel(h_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, M, I, stride_hm, stride_qm, stride_sm, stride_sg,
                          stride_hqm, stride_hsm, stride_hsg, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                          STORE_H: tl.constexpr):
@@ -582,7 +551,6 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and table
     # let two 4-warp programs share an SM (bench/notes/quant.md, session 13)
     "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8, STAGES=4, PROGS_PER_SM=2, maxnreg=168),
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
-    "rowwise_colwise": dict(num_warps=4),  # 128x128 tiles; --sweep of 4/8/16 warps (H200, 3adfddc)
     "swiglu_backward_quant": dict(BLOCK_M=16, num_warps=4),  # its row kernel (kernels/swiglu.py); the col-wise
                                                              # copy takes "requant_colwise"
     "swiglu_quant": dict(BLOCK_M=8, num_warps=2),
@@ -747,35 +715,18 @@ def requant_colwise(q: Fp8Tensor, scale_fmt: str = "pow2", impl: str | None = No
     return Fp8Tensor(out, out_s, "128x1")
 
 
-def quant_rowwise_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,
-                          launch: dict | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
-    """x [M, K] -> ("1x128" [M, K] with column-major scales, "128x1" [K, M] data) in one pass, equal
-    to ``r = quant_rowwise(x, colmajor_scale=True)`` and ``requant_colwise(r)``: the col-wise copy is
-    made from the row-wise FP8 values (the recipe's backward requantization), x is read once and
-    the row-wise codes are not read back. For a linear layer's input (fprop + wgrad operands) and
-    its output gradient (dgrad + wgrad)."""
+def quant_rowwise_colwise(x: Tensor, scale_fmt: str = "pow2", impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """x [M, K] -> ("1x128" [M, K] with column-major scales, "128x1" [K, M] data): ``r =
+    quant_rowwise(x, colmajor_scale=True)`` and ``requant_colwise(r)``, the col-wise copy made from
+    the row-wise FP8 values (the recipe's backward requantization). For a linear layer's input
+    (fprop + wgrad operands) and its output gradient (dgrad + wgrad). Two kernels: the fused one
+    (x read once, the codes not read back) held a 128 x 128 tile in registers and took 1.06-1.09x
+    their time at every 3B shape (one H200, bench/notes/quant.md session 52)."""
     _check_input("quant_rowwise_colwise", x)
     if x.dim() != 2:
         raise ValueError(f"quant_rowwise_colwise: expected x [M, K], got shape {tuple(x.shape)}")
-    pow2 = check_scale_fmt(scale_fmt)
-    if not use_triton(x, impl):
-        return quant_rowwise_colwise_ref(x, scale_fmt)
-    M, K = x.shape
-    if M == 1:  # the transposed output's row stride would be 1 (see quant_colwise): two kernels
-        r = quant_rowwise(x, scale_fmt, impl, colmajor_scale=True)
-        return r, requant_colwise(r, scale_fmt, impl)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
-    s = _scales(M, K // TILE, x.device, True)
-    c = torch.empty(K, M, dtype=FP8_DTYPE, device=x.device)
-    cs = _scales(K, triton.cdiv(M, TILE), x.device, True)
-    if M:
-        grid = (K // TILE, triton.cdiv(M, TILE))
-        _quant_rowwise_colwise_kernel[grid](x, q, s, c, cs, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                            c.stride(0), cs.stride(0), cs.stride(1), POW2=pow2, PACK=_packs(M),
-                                            **(launch or LAUNCH["rowwise_colwise"]))
-    return Fp8Tensor(q, s, "1x128"), Fp8Tensor(c, cs, "128x1")
+    r = quant_rowwise(x, scale_fmt, impl, colmajor_scale=True)
+    return r, requant_colwise(r, scale_fmt, impl)
 
 
 def swiglu_quant(h: Tensor, scale_fmt: str = "pow2", impl: str | None = None, *,

@@ -4,8 +4,8 @@
 `Fp8Linear` computes y = x · Wᵀ with the DeepSeek-V3 recipe:
 
 * forward: x [.., K] bf16 -> "1x128" FP8; W (fp32 master or bf16) -> "128x128" FP8; fprop GEMM
-  -> BF16. Saved for backward: x col-wise ("128x1", requantized from the row-wise FP8 values by
-  the same kernel, `quant_rowwise_colwise`: 1 byte per element instead of the bf16 input) and
+  -> BF16. Saved for backward: x col-wise ("128x1", requantized from the row-wise FP8 values,
+  `quant_rowwise_colwise`: 1 byte per element instead of the bf16 input) and
   the FP8 weight's transpose for dgrad, made in the weight's quantization pass (`quant_weight(transposed=True)`).
 * backward: dY -> "1x128" FP8 -> dgrad GEMM (BF16 dX) and, in the same pass, -> "128x1" ->
   wgrad GEMM with the saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor

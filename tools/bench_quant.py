@@ -7,8 +7,8 @@ kernel must read and write once (data and scales), the device-to-device copy ban
 the same run (1 GiB: the speed-of-light for a memory-bound kernel) and their ratio, and the ratio
 to a copy of the kernel's own byte count; also the PyTorch reference's
 time on the same device, and whether the kernel's output equals the reference bit for bit. The
-fused pairs (quant_rowwise_colwise, swiglu_quant_cache) also report the two single kernels they
-replace, timed in the same run (`unfused_ms`).
+fused pair swiglu_quant_cache also reports the two single kernels it replaces, timed in the same
+run (`unfused_ms`).
 
     python tools/bench_quant.py                       # default shapes, saves bench/results/quant-<device>.json
     python tools/bench_quant.py --sweep               # also times alternative launch configs first
@@ -41,7 +41,6 @@ SWEEP = {
     "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w, GROUP_K=g)
                                      for k, w, g in itertools.product((16, 32, 64), (2, 4, 8), (4, 8, 16))
                                      if 128 // k * w <= 32],
-    "rowwise_colwise": [dict(num_warps=w) for w in (4, 8, 16)],
     "swiglu_backward_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32), (2, 4, 8))],
 }
 LAUNCH_KEY = {"swiglu_quant_cache": "swiglu_quant"}  # kernels sharing another's launch config
@@ -78,7 +77,8 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
         "swiglu_quant": (x, Q.swiglu_quant, Q.swiglu_quant_ref, nbytes(x) + half_row),
         "dequant_swiglu_quant_colwise": (x8c, Q.dequant_swiglu_quant_colwise, Q.dequant_swiglu_quant_colwise_ref,
                                          fp8_bytes(x8) + half_col),
-        "rowwise_colwise": (x, Q.quant_rowwise_colwise, Q.quant_rowwise_colwise_ref, nbytes(x) + out_row + out_col),
+        "rowwise_colwise": (x, lambda x, f="pow2", launch=None: Q.quant_rowwise_colwise(x, f),  # its two kernels'
+                            Q.quant_rowwise_colwise_ref, nbytes(x) + out_row + out_col),             # configs
         "swiglu_quant_cache": (x, lambda h, f="pow2", launch=None: Q.swiglu_quant_cache(h, f, colmajor_scale=True,
                                                                                          launch=launch),
                                lambda h, f="pow2": Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
@@ -92,8 +92,6 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
 
 # what a fused pair replaces: the single kernels, run back to back (L: the launch configs in use)
 UNFUSED = {
-    "rowwise_colwise": lambda x, f, L: Q.requant_colwise(Q.quant_rowwise(x, f, colmajor_scale=True, launch=L["rowwise"]),
-                                                         f, launch=L["requant_colwise"]),
     "swiglu_quant_cache": lambda h, f, L: (Q.quant_rowwise(h, f, launch=L["rowwise"]),
                                            Q.swiglu_quant(h, f, colmajor_scale=True, launch=L["swiglu_quant"])),
 }

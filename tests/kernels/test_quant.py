@@ -389,9 +389,8 @@ def test_triton_interpreter_colwise_program_order(monkeypatch, K):
                      exact=False)
 
 
-# quant_rowwise_colwise = quant_rowwise(colmajor_scale) then requant_colwise, in one kernel. Under
-# the interpreter its bytes equal the two Triton kernels' exactly (same casts, same order), and the
-# reference within the interpreter's cast bugs; on a GPU, bit for bit.
+# quant_rowwise_colwise = quant_rowwise(colmajor_scale) then requant_colwise. Under the interpreter
+# the reference within the interpreter's cast bugs; on a GPU, bit for bit.
 
 
 def check_rowwise_colwise(x: torch.Tensor, fmt: str, exact: bool) -> None:
