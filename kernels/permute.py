@@ -11,6 +11,8 @@ to a multiple of 128 rows, the grouped GEMMs' block).
 * `permute_fp8(x8_TH, layout)`: gathers FP8 rows and their scales into the layout; padding
   rows are zeros with scale 1 (`permute_rows`: the same for rows of any dtype, no scales). Optionally multiplies each row's scales by a per-(token, slot)
   factor (the routing weight in the backward pass: the gradient stays FP8).
+* `permute_requant_colwise(x8_TH, layout)`: the permuted rows' "128x1" copy straight from the
+  unpermuted "1x128" rows (the fc1 wgrad operand), without writing the permuted row-wise copy.
 * `unpermute_combine(y_MH, layout, w_TK)`: out[t] = sum_k w[t, k] * y[row[t, k]] in fp32 ->
   BF16; `combine_backward` gives dw exactly (fp32 dot of dout and y) and, if asked, dy in BF16.
 
@@ -24,9 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, col_major
-from moefp8.kernels import use_triton
-from moefp8.kernels.quant import _scales
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt, col_major
+from moefp8.kernels import num_sms, use_triton
+from moefp8.kernels.quant import (LAUNCH, _colwise_program, _quant_words4_store, _scales, _unpack_e4m3x4,
+                                  requant_colwise, requant_colwise_ref)
 
 ALIGN = 128  # expert segments start at multiples of the grouped GEMMs' row block
 
@@ -156,6 +159,49 @@ def _permute_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x
         if HAS_W:
             s = s * tl.load(w_ptr + tl.where(ok, src, 0) + offs_g * 0, mask=g_ok, other=1.0)
         tl.store(os_ptr + m.to(tl.int64) * stride_os + offs_g * stride_osg, s, mask=offs_g < G)
+
+
+@triton.jit
+def _gather_words(x_ptr, s_ptr, src_ptr, rows, M, K, w_off, s_off, offs_w, stride_xw, stride_st):
+    """Words [len(rows), BLOCK_K/4] (int32, four e4m3 codes each) of the permuted rows `rows` and their
+    row-wise scales, gathered from the unpermuted rows; padding rows (src -1) and rows past M read code
+    0 with scale 0: value 0, which leaves every amax alone."""
+    src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
+    ok = src >= 0
+    t = tl.where(ok, src // K, 0).to(tl.int64)
+    w = tl.load(x_ptr + t[:, None] * stride_xw + w_off + offs_w[None, :], mask=ok[:, None], other=0)
+    return w, tl.load(s_ptr + t * stride_st + s_off, mask=ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["M16", "x_row16", "o_row16"])
+def _permute_requant_colwise_kernel(x_ptr, s_ptr, src_ptr, o_ptr, os_ptr, M16, K, x_row16, stride_st, stride_sg,
+                                    o_row16, stride_osk, stride_osm, num_kb, num_mb, BLOCK_K: tl.constexpr,
+                                    GROUP_K: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr):
+    """`quant._requant_colwise_words_kernel` with its rows gathered through src_M: tile (BLOCK_K
+    columns, one 128-row group of the layout) read as four interleaved word tiles (rows 4i + j),
+    transposed in registers, stored as the "128x1" words. Same numerics, bit for bit."""
+    stride_xw = x_row16 * 4
+    stride_ow = o_row16 * 4
+    M = M16 * 16
+    offs_i = tl.arange(0, 32)
+    offs_w = tl.arange(0, BLOCK_K // 4)
+    for tile in tl.range(tl.program_id(0), num_kb * num_mb, tl.num_programs(0), num_stages=STAGES):
+        pid_k, pid_m = _colwise_program(tile, num_kb, num_mb, GROUP_K)
+        k0 = pid_k * BLOCK_K
+        m0 = pid_m.to(tl.int64) * 128
+        rows = m0 + 4 * offs_i
+        w_off, s_off = k0 // 4, (k0 // 128) * stride_sg
+        w0, s0 = _gather_words(x_ptr, s_ptr, src_ptr, rows, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        w1, s1 = _gather_words(x_ptr, s_ptr, src_ptr, rows + 1, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        w2, s2 = _gather_words(x_ptr, s_ptr, src_ptr, rows + 2, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        w3, s3 = _gather_words(x_ptr, s_ptr, src_ptr, rows + 3, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
+        x10, x11, x12, x13 = _unpack_e4m3x4(w1, s1[:, None])
+        x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
+        x30, x31, x32, x33 = _unpack_e4m3x4(w3, s3[:, None])
+        _quant_words4_store(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33,
+                            offs_i, offs_w, M16 * 4 - pid_m * 32, o_ptr + k0.to(tl.int64) * stride_ow + m0 // 4,
+                            os_ptr + k0 * stride_osk + pid_m * stride_osm, stride_ow, stride_osk, EVEN)
 
 
 @triton.jit
@@ -301,6 +347,37 @@ def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None
     return Fp8Tensor(out, out_s, "1x128")
 
 
+def permute_requant_colwise(x8: Fp8Tensor, layout: PermuteLayout, scale_fmt: str = "pow2",
+                            impl: str | None = None) -> Fp8Tensor:
+    """x8 "1x128" [T, H] -> "128x1" ([H, M] data) of its rows in the layout: `requant_colwise(
+    permute_fp8(x8, layout))` in one pass, the permuted "1x128" copy never written (the fc1 wgrad
+    reads only this one). The words kernel's conditions (pow2, M % 16 == 0, 16-byte rows) or else
+    those two functions."""
+    if not isinstance(x8, Fp8Tensor) or x8.layout != "1x128" or x8.data.dim() != 2:
+        raise ValueError("permute_requant_colwise: expected an Fp8Tensor [T, H] with layout '1x128'")
+    T, H = x8.data.shape
+    if layout.row_TK.shape[0] != T:
+        raise ValueError(f"permute_requant_colwise: x8 has {T} tokens but the layout was built for "
+                         f"{layout.row_TK.shape[0]}")
+    pow2 = check_scale_fmt(scale_fmt)
+    if not use_triton(x8.data, impl):
+        return permute_requant_colwise_ref(x8, layout, scale_fmt)
+    data, M = x8.data, layout.M
+    if not (pow2 and M % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0):
+        return requant_colwise(permute_fp8(x8, layout, impl=impl, colmajor_scale=True), scale_fmt, impl)
+    out = torch.empty(H, M, dtype=FP8_DTYPE, device=data.device)
+    out_s = _scales(H, triton.cdiv(M, TILE), data.device, True)
+    if M:
+        cfg = dict(LAUNCH["requant_colwise"])
+        num_kb, num_mb = H // cfg["BLOCK_K"], triton.cdiv(M, TILE)
+        grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * num_sms(data.device))
+        _permute_requant_colwise_kernel[(grid,)](
+            data.view(torch.int32), x8.scale, layout.src_M, out.view(torch.int32), out_s, M // 16,
+            layout.row_TK.shape[1], data.stride(0) // 16, x8.scale.stride(0), x8.scale.stride(1), M // 16,
+            out_s.stride(0), out_s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)
+    return Fp8Tensor(out, out_s, "128x1")
+
+
 def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -> Tensor:
     """x [T, H] (any dtype, e.g. the BF16 recipe's rows) -> [M, H] in the layout, padding rows 0."""
     T, H = x_TH.shape
@@ -433,6 +510,10 @@ def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | 
         s = s * scale_by_TK.float().reshape(-1)[torch.where(ok, src, 0)][:, None]
     s = torch.where(ok[:, None], s, 1.0)
     return Fp8Tensor(data, col_major(s) if colmajor_scale else s, "1x128")
+
+
+def permute_requant_colwise_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_fmt: str = "pow2") -> Fp8Tensor:
+    return requant_colwise_ref(permute_fp8_ref(x8, layout), scale_fmt)
 
 
 def permute_rows_ref(x_TH: Tensor, layout: PermuteLayout) -> Tensor:

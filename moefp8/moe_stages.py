@@ -32,8 +32,8 @@ from moefp8.dispatch import Dispatcher
 from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
-from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_rows,
-                                    rows_bound, unpermute_combine)
+from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8,
+                                    permute_requant_colwise, permute_rows, rows_bound, unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise
 from moefp8.scope import scope
 
@@ -242,7 +242,8 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
                 del y  # [M, H] bf16 (recompute_out): not alive during the expert backward
         with scope("bwd_permute"):
             dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
-            x8 = permute_fp8(Fp8Tensor(*s.x, "1x128"), L, colmajor_scale=True)
+            # fc1's input only feeds the wgrad here: its "128x1" copy straight from the saved rows
+            x8 = permute_requant_colwise(Fp8Tensor(*s.x, "1x128"), L, fmt)
         dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
                                          want_dx=want_dx, off_host=L.offsets_host, dw_into=dw_into, gemm=gemm,
                                          stats=layer.stats, src_M=L.src_M)

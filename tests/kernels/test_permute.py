@@ -5,8 +5,8 @@ import torch
 
 from moefp8.fp8 import Fp8Tensor, col_major
 from moefp8.kernels import permute as P
-from moefp8.kernels.quant import quant_rowwise_ref
-from moefp8.testing import scale_storage
+from moefp8.kernels.quant import quant_rowwise_ref, requant_colwise_ref
+from moefp8.testing import assert_fp8_equal, scale_storage
 
 
 def routing(T: int, K: int, E: int, kind: str = "random", seed: int = 0, device="cpu") -> torch.Tensor:
@@ -302,6 +302,62 @@ def test_triton_interpreter_vs_ref(T, K, E, kind):
     _compare_all(T, K, E, kind, 384, "cpu", exact=False)
 
 
+def _check_permute_requant(T, K, E, kind, H, device, exact: bool, cut: int | None = None):
+    """permute_requant_colwise against requant_colwise(permute_fp8(...)) (the two kernels it
+    replaces: bit for bit, the interpreter too) and the reference (exact on a GPU); x8's scales in
+    either order. cut: the layout's first `cut` rows only (an M that is not a multiple of 128)."""
+    from dataclasses import replace
+
+    from moefp8.kernels.quant import requant_colwise
+
+    idx = routing(T, K, E, kind, seed=T + K, device=device)
+    L = P.build_layout(idx, E)
+    if cut is not None:
+        L = replace(L, src_M=L.src_M[:cut], M=cut)
+    x = torch.randn(T, H, device=device) * 3
+    x[::5, :7] *= 300  # outliers: tiles of other scales
+    x8 = quant_rowwise_ref(x)
+    for inp in (x8, x8._replace(scale=col_major(x8.scale))):
+        got = P.permute_requant_colwise(inp, L, impl="triton")
+        two = requant_colwise(P.permute_fp8(inp, L, impl="triton", colmajor_scale=True), impl="triton")
+        assert got.layout == "128x1" and got.data.shape == (H, L.M) and got.scale.stride(0) == 1
+        assert_fp8_equal(got, two, exact=True)
+        assert_fp8_equal(got, P.permute_requant_colwise_ref(inp, L), exact=exact)
+    fp32 = quant_rowwise_ref(x, "fp32")  # fp32 scales: the two kernels
+    assert_fp8_equal(P.permute_requant_colwise(fp32, L, "fp32", impl="triton"),
+                     P.permute_requant_colwise_ref(fp32, L, "fp32"), exact=exact)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,kind", CASES + [(300, 4, 3, "skewed")])
+def test_permute_requant_colwise_interpreter(monkeypatch, T, K, E, kind):
+    from moefp8.kernels import quant as Q
+
+    # persistent over more tiles than programs, bands of 3 column blocks (a partial last band)
+    monkeypatch.setitem(Q.LAUNCH, "requant_colwise", dict(BLOCK_K=32, num_warps=1, GROUP_K=3, STAGES=2,
+                                                         PROGS_PER_SM=2))
+    _check_permute_requant(T, K, E, kind, 384, "cpu", exact=False)
+
+
+@pytest.mark.interp
+def test_permute_requant_colwise_interpreter_partial_row_group():
+    """M % 128 != 0 (the masked last row group) and M % 16 != 0 (the two kernels instead)."""
+    for cut in (272, 200):
+        _check_permute_requant(120, 4, 3, "random", 256, "cpu", exact=False, cut=cut)
+
+
+def test_permute_requant_colwise_ref_and_errors():
+    idx = routing(37, 3, 5, "skewed")
+    L = P.build_layout(idx, 5)
+    x8 = quant_rowwise_ref(torch.randn(37, 256))
+    got = P.permute_requant_colwise(x8, L)  # CPU: the reference
+    assert_fp8_equal(got, requant_colwise_ref(P.permute_fp8_ref(x8, L)), exact=True)
+    with pytest.raises(ValueError, match="x8 has 36 tokens but the layout was built for 37"):
+        P.permute_requant_colwise(quant_rowwise_ref(torch.randn(36, 256)), L)
+    with pytest.raises(ValueError, match="expected an Fp8Tensor"):
+        P.permute_requant_colwise(torch.randn(37, 256), L)
+
+
 def assert_same_layout(a: P.PermuteLayout, b: P.PermuteLayout) -> None:
     assert a.counts == b.counts and a.M == b.M
     for name in ("row_TK", "src_M", "offsets"):
@@ -410,6 +466,7 @@ def test_build_layout_gpu_vs_ref(T, K, E, kind):
                                           (1000, 4, 8, "one_expert", 384), (0, 8, 8, "random", 256)])
 def test_triton_gpu_vs_ref(T, K, E, kind, H):
     _compare_all(T, K, E, kind, H, "cuda", exact=True)
+    _check_permute_requant(T, K, E, kind, H, "cuda", exact=True)
 
 
 def test_refs_with_no_row_at_all():
