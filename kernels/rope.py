@@ -23,11 +23,13 @@ from moefp8.kernels import use_triton
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, S, stride_xb, stride_xs, stride_xh, stride_ob, stride_os,
-                 stride_oh, HALF: tl.constexpr, INVERSE: tl.constexpr, BLOCK_S: tl.constexpr):
+                 stride_oh, HALF: tl.constexpr, INVERSE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (cdiv(S, BLOCK_S), nh, B): BLOCK_S positions of one head. cos/sin [S, HALF] fp32.
     Each head row is read and written whole (contiguous, vectorized) and split into its (even, odd)
     pairs in registers: loading the evens and the odds as two stride-2 streams and storing them the
-    same way ran ~8x below the memory bandwidth (0.53 ms per call on the small model)."""
+    same way ran ~8x below the memory bandwidth (0.53 ms per call on the small model). ROTATE
+    False: the rows copied as they are (dv into d(qkv): torch's copy_ between these strides ran
+    non-vectorized, ~3x the bandwidth's time)."""
     s0 = tl.program_id(0) * BLOCK_S
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -36,28 +38,31 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, S, stride_xb, stride_xs, stride
     offs_p = tl.arange(0, HALF)
     mask = (offs_s < S)[:, None]
     x = x_ptr + b * stride_xb + h * stride_xh + offs_s[:, None].to(tl.int64) * stride_xs + offs_d[None, :]
-    a, c = tl.split(tl.reshape(tl.load(x, mask=mask, other=0.0).to(tl.float32), (BLOCK_S, HALF, 2)))
-    t = offs_s[:, None] * HALF + offs_p[None, :]
-    cos = tl.load(cos_ptr + t, mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + t, mask=mask, other=0.0)
-    if INVERSE:
-        y0 = a * cos + c * sin
-        y1 = c * cos - a * sin
-    else:
-        y0 = a * cos - c * sin
-        y1 = a * sin + c * cos
-    y = tl.reshape(tl.join(y0, y1), (BLOCK_S, 2 * HALF))
+    y = tl.load(x, mask=mask, other=0.0)
+    if ROTATE:
+        a, c = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_S, HALF, 2)))
+        t = offs_s[:, None] * HALF + offs_p[None, :]
+        cos = tl.load(cos_ptr + t, mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + t, mask=mask, other=0.0)
+        if INVERSE:
+            y0 = a * cos + c * sin
+            y1 = c * cos - a * sin
+        else:
+            y0 = a * cos - c * sin
+            y1 = a * sin + c * cos
+        y = tl.reshape(tl.join(y0, y1), (BLOCK_S, 2 * HALF))
     o = o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None].to(tl.int64) * stride_os + offs_d[None, :]
     tl.store(o, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x_BSnd: Tensor, cos: Tensor, sin: Tensor, out_BSnd: Tensor, inverse: bool) -> None:
+def _launch(x_BSnd: Tensor, cos: Tensor, sin: Tensor, out_BSnd: Tensor, inverse: bool, rotate: bool = True) -> None:
     B, S, nh, hd = x_BSnd.shape
     if B and S and nh:
         BLOCK_S = 32
         _rope_kernel[(triton.cdiv(S, BLOCK_S), nh, B)](
             x_BSnd, cos, sin, out_BSnd, S, x_BSnd.stride(0), x_BSnd.stride(1), x_BSnd.stride(2), out_BSnd.stride(0),
-            out_BSnd.stride(1), out_BSnd.stride(2), HALF=hd // 2, INVERSE=inverse, BLOCK_S=BLOCK_S, num_warps=4,
+            out_BSnd.stride(1), out_BSnd.stride(2), HALF=hd // 2, INVERSE=inverse, ROTATE=rotate, BLOCK_S=BLOCK_S,
+            num_warps=4,
             enable_fp_fusion=False)
 
 
@@ -84,7 +89,7 @@ def _rotate_back(dout_BnSd: Tensor, cos: Tensor, sin: Tensor, out_BSnd: Tensor) 
 
 class _RopeQKV(torch.autograd.Function):
     """qkv [B, S, 3, nh, hd] -> (rope(q), rope(k), v); the backward writes d(qkv) whole: the inverse
-    rotations straight into its q and k slots and dv copied into the third, where autograd's
+    rotations straight into its q and k slots and dv copied into the third (the same kernel), where autograd's
     backward of unbind stacked three separate gradients (a full extra pass over d(qkv))."""
 
     @staticmethod
@@ -102,7 +107,8 @@ class _RopeQKV(torch.autograd.Function):
         dqkv = torch.empty(B, S, 3, nh, hd, dtype=dq.dtype, device=dq.device)
         _rotate_back(dq, *ctx.saved_tensors, dqkv[:, :, 0])
         _rotate_back(dk, *ctx.saved_tensors, dqkv[:, :, 1])
-        dqkv[:, :, 2].copy_(dv)
+        _launch(dv if dv.stride(-1) == 1 else dv.contiguous(), *ctx.saved_tensors, dqkv[:, :, 2], inverse=False,
+                rotate=False)
         return dqkv, None, None
 
 
