@@ -125,8 +125,9 @@ def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor |
                      dy_col: Fp8Tensor | None = None, dw_into: tuple | None = None, *, gemm: GemmPolicy,
                      stats: ScaleStats, src_M: Tensor | None = None):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
-    x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1"; dy_col: dy8's "128x1"
-    copy if the caller made it (`quant_rowwise_colwise`), else requantized here. dw_into: grouped
+    x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1" (the MoE's
+    `permute_requant_colwise`); dy_col: dy8's "128x1" copy if the caller made it
+    (`quant_rowwise_colwise`, `permute_fp8_colwise`), else requantized here. dw_into: grouped
     only, (dW1, dW2) of another micro-batch that these are added into (and returned): the two
     micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies. src_M: as in
     `fp8_mlp_forward`."""
