@@ -31,7 +31,7 @@ from torch import Tensor
 from moefp8.fp8 import Fp8Tensor, ScaleStats
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm, fp8_grouped_gemm_wgrad, transpose_weight
-from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, requant_colwise, swiglu_quant_cache
+from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 from moefp8.scope import scope
 
@@ -120,29 +120,27 @@ def fp8_mlp_forward(x8: Fp8Tensor, off: Tensor | None, w1_8: Fp8Tensor, w2_8: Fp
         return _mm(a8, w2_8, off, off_host, gemm), h8, a8
 
 
-def fp8_mlp_backward(dy8: Fp8Tensor, x8: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None, w1: Tensor, w2: Tensor,
-                     cache: WeightCache, scale_fmt: str, want_dx: bool = True, off_host: list | None = None,
-                     dy_col: Fp8Tensor | None = None, dw_into: tuple | None = None, *, gemm: GemmPolicy,
+def fp8_mlp_backward(dy8: Fp8Tensor, dy_col: Fp8Tensor, x_col: Fp8Tensor, h8: Fp8Tensor, off: Tensor | None,
+                     w1: Tensor, w2: Tensor, cache: WeightCache, scale_fmt: str, want_dx: bool = True,
+                     off_host: list | None = None, dw_into: tuple | None = None, *, gemm: GemmPolicy,
                      stats: ScaleStats, src_M: Tensor | None = None):
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
-    x8: fc1's input, "1x128" (requantized col-wise here) or already "128x1" (the MoE's
-    `permute_requant_colwise`); dy_col: dy8's "128x1" copy if the caller made it
-    (`quant_rowwise_colwise`, `permute_fp8_colwise`), else requantized here. dw_into: grouped
+    dy8 "1x128" and its "128x1" copy dy_col, fc1's input x_col "128x1": each caller makes them where
+    it has them (the shared experts: `quant_rowwise_colwise` and the forward's saved copy; the MoE:
+    `permute_fp8_colwise`, `permute_requant_colwise`). dw_into: grouped
     only, (dW1, dW2) of another micro-batch that these are added into (and returned): the two
     micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies. src_M: as in
     `fp8_mlp_forward`."""
     into1, into2 = dw_into if dw_into is not None and off is not None else (None, None)
     with scope("bwd_fc2"):
         da = _mm(dy8, cache.get(w2, scale_fmt, transposed=True), off, off_host, gemm)
-        dy_col = dy_col if dy_col is not None else requant_colwise(dy8, scale_fmt)
         dw2 = _wgrad(dy_col, dequant_swiglu_quant_colwise(h8, scale_fmt), off, off_host, gemm, into2)
         del dy_col
     with scope("bwd_swiglu"):
         dh8, dh_col = swiglu_backward_quant(h8, da, scale_fmt, colmajor_scale=True)
         stats.record("grad", dh8, src_M)
     with scope("bwd_fc1"):
-        dw1 = _wgrad(dh_col, x8 if x8.layout == "128x1" else requant_colwise(x8, scale_fmt), off, off_host, gemm,
-                     into1)
+        dw1 = _wgrad(dh_col, x_col, off, off_host, gemm, into1)
         dx = _mm(dh8, cache.get(w1, scale_fmt, transposed=True), off, off_host, gemm) if want_dx else None
     return dx, dw1, dw2
 

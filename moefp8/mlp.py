@@ -41,9 +41,8 @@ def mlp_backward(mlp, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, want_dx:
     fmt, (x, xs, h, hs) = mlp.scale_fmt, saved
     if mlp.fp8:
         dy8, dy_col = quant_operand(dy, fmt, colwise=True, kind="grad", stats=mlp.stats)
-        dx, dw1, dw2 = fp8_mlp_backward(dy8, Fp8Tensor(x, xs, "128x1"), Fp8Tensor(h, hs, "1x128"), None, w1, w2,
-                                        mlp.cache, fmt, want_dx=want_dx, dy_col=dy_col, gemm=gemm,
-                                        stats=mlp.stats)
+        dx, dw1, dw2 = fp8_mlp_backward(dy8, dy_col, Fp8Tensor(x, xs, "128x1"), Fp8Tensor(h, hs, "1x128"), None,
+                                        w1, w2, mlp.cache, fmt, want_dx=want_dx, gemm=gemm, stats=mlp.stats)
     else:
         dx, dw1, dw2 = bf16_mlp_backward(dy.to(torch.bfloat16), x, h, None, mlp.cache.get(w1, "bf16"),
                                          mlp.cache.get(w2, "bf16"), want_dx=want_dx)

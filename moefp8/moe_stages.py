@@ -244,10 +244,10 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
             # dy = w * dout, still FP8; its "128x1" copy (fc2 wgrad) from the same pass
             dy8, dy_col = permute_fp8_colwise(dz, L, w_TK, fmt)
             # fc1's input only feeds the wgrad here: its "128x1" copy straight from the saved rows
-            x8 = permute_requant_colwise(Fp8Tensor(*s.x, "1x128"), L, fmt)
-        dxp, dw1, dw2 = fp8_mlp_backward(dy8, x8, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache, fmt,
-                                         want_dx=want_dx, off_host=L.offsets_host, dy_col=dy_col, dw_into=dw_into,
-                                         gemm=gemm, stats=layer.stats, src_M=L.src_M)
+            x_col = permute_requant_colwise(Fp8Tensor(*s.x, "1x128"), L, fmt)
+        dxp, dw1, dw2 = fp8_mlp_backward(dy8, dy_col, x_col, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache,
+                                         fmt, want_dx=want_dx, off_host=L.offsets_host, dw_into=dw_into, gemm=gemm,
+                                         stats=layer.stats, src_M=L.src_M)
     else:
         with scope("bwd_dw"):
             dy, dw = combine_backward(dz, s.y[0], L, w_TK, want_dy=True)
