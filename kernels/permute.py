@@ -12,8 +12,7 @@ to a multiple of 128 rows, the grouped GEMMs' block).
   rows are zeros with scale 1 (`permute_rows`: the same for rows of any dtype, no scales). Optionally multiplies each row's scales by a per-(token, slot)
   factor (the routing weight in the backward pass: the gradient stays FP8).
 * `permute_requant_colwise(x8_TH, layout)`: the permuted rows' "128x1" copy straight from the
-  unpermuted "1x128" rows (the fc1 wgrad operand), without writing the permuted row-wise copy;
-  `permute_fp8_colwise`: both copies in one pass (dy: the fc2 dgrad and wgrad operands).
+  unpermuted "1x128" rows (the fc1 wgrad operand), without writing the permuted row-wise copy.
 * `unpermute_combine(y_MH, layout, w_TK)`: out[t] = sum_k w[t, k] * y[row[t, k]] in fp32 ->
   BF16; `combine_backward` gives dw exactly (fp32 dot of dout and y) and, if asked, dy in BF16.
 
@@ -163,40 +162,24 @@ def _permute_kernel(x_ptr, xs_ptr, w_ptr, src_ptr, o_ptr, os_ptr, H, K, stride_x
 
 
 @triton.jit
-def _gather_words(x_ptr, s_ptr, w_ptr, src_ptr, rows, M, K, w_off, s_off, offs_w, stride_xw, stride_st,
-                  HAS_W: tl.constexpr):
+def _gather_words(x_ptr, s_ptr, src_ptr, rows, M, K, w_off, s_off, offs_w, stride_xw, stride_st):
     """Words [len(rows), BLOCK_K/4] (int32, four e4m3 codes each) of the permuted rows `rows` and their
-    row-wise scales (times the pair's w with HAS_W, as `permute_fp8` stores them), gathered from the
-    unpermuted rows; padding rows (src -1) and rows past M read code 0 with scale 1, as
-    `permute_fp8` writes padding: value 0, which leaves every amax alone."""
+    row-wise scales, gathered from the unpermuted rows; padding rows (src -1) and rows past M read code
+    0 with scale 0: value 0, which leaves every amax alone."""
     src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
     ok = src >= 0
     t = tl.where(ok, src // K, 0).to(tl.int64)
-    words = tl.load(x_ptr + t[:, None] * stride_xw + w_off + offs_w[None, :], mask=ok[:, None], other=0)
-    s = tl.load(s_ptr + t * stride_st + s_off, mask=ok, other=1.0)
-    if HAS_W:
-        s = s * tl.load(w_ptr + tl.where(ok, src, 0), mask=ok, other=1.0)
-    return words, s
+    w = tl.load(x_ptr + t[:, None] * stride_xw + w_off + offs_w[None, :], mask=ok[:, None], other=0)
+    return w, tl.load(s_ptr + t * stride_st + s_off, mask=ok, other=0.0)
 
 
-@triton.jit
-def _store_rows(r_ptr, rs_ptr, words, s, rows, M, w_off, g, offs_w, stride_rw, stride_rsm, stride_rsg):
-    """The gathered words and scales as rows `rows` of the permuted "1x128" copy (column group g)."""
-    ok = rows < M
-    tl.store(r_ptr + rows[:, None] * stride_rw + w_off + offs_w[None, :], words, mask=ok[:, None])
-    tl.store(rs_ptr + rows * stride_rsm + g * stride_rsg, s, mask=ok)
-
-
-@triton.jit(do_not_specialize=["M16", "x_row16", "o_row16", "r_row16"])
-def _permute_colwise_kernel(x_ptr, s_ptr, w_ptr, src_ptr, o_ptr, os_ptr, r_ptr, rs_ptr, M16, K, x_row16, stride_st,
-                            stride_sg, o_row16, stride_osk, stride_osm, r_row16, stride_rsm, stride_rsg, num_kb, num_mb,
-                            BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
-                            HAS_W: tl.constexpr, ROWS: tl.constexpr):
+@triton.jit(do_not_specialize=["M16", "x_row16", "o_row16"])
+def _permute_requant_colwise_kernel(x_ptr, s_ptr, src_ptr, o_ptr, os_ptr, M16, K, x_row16, stride_st, stride_sg,
+                                    o_row16, stride_osk, stride_osm, num_kb, num_mb, BLOCK_K: tl.constexpr,
+                                    GROUP_K: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr):
     """`quant._requant_colwise_words_kernel` with its rows gathered through src_M: tile (BLOCK_K
     columns, one 128-row group of the layout) read as four interleaved word tiles (rows 4i + j),
-    transposed in registers, stored as the "128x1" words; same numerics, bit for bit. ROWS: the
-    gathered words and scales also stored as the permuted "1x128" copy (`permute_fp8`'s output;
-    BLOCK_K <= 128: one scale group per tile)."""
+    transposed in registers, stored as the "128x1" words. Same numerics, bit for bit."""
     stride_xw = x_row16 * 4
     stride_ow = o_row16 * 4
     M = M16 * 16
@@ -207,22 +190,11 @@ def _permute_colwise_kernel(x_ptr, s_ptr, w_ptr, src_ptr, o_ptr, os_ptr, r_ptr, 
         k0 = pid_k * BLOCK_K
         m0 = pid_m.to(tl.int64) * 128
         rows = m0 + 4 * offs_i
-        w_off, g = k0 // 4, k0 // 128
-        s_off = g * stride_sg
-        w0, s0 = _gather_words(x_ptr, s_ptr, w_ptr, src_ptr, rows, M, K, w_off, s_off, offs_w, stride_xw, stride_st,
-                               HAS_W)
-        w1, s1 = _gather_words(x_ptr, s_ptr, w_ptr, src_ptr, rows + 1, M, K, w_off, s_off, offs_w, stride_xw,
-                               stride_st, HAS_W)
-        w2, s2 = _gather_words(x_ptr, s_ptr, w_ptr, src_ptr, rows + 2, M, K, w_off, s_off, offs_w, stride_xw,
-                               stride_st, HAS_W)
-        w3, s3 = _gather_words(x_ptr, s_ptr, w_ptr, src_ptr, rows + 3, M, K, w_off, s_off, offs_w, stride_xw,
-                               stride_st, HAS_W)
-        if ROWS:
-            stride_rw = r_row16 * 4
-            _store_rows(r_ptr, rs_ptr, w0, s0, rows, M, w_off, g, offs_w, stride_rw, stride_rsm, stride_rsg)
-            _store_rows(r_ptr, rs_ptr, w1, s1, rows + 1, M, w_off, g, offs_w, stride_rw, stride_rsm, stride_rsg)
-            _store_rows(r_ptr, rs_ptr, w2, s2, rows + 2, M, w_off, g, offs_w, stride_rw, stride_rsm, stride_rsg)
-            _store_rows(r_ptr, rs_ptr, w3, s3, rows + 3, M, w_off, g, offs_w, stride_rw, stride_rsm, stride_rsg)
+        w_off, s_off = k0 // 4, (k0 // 128) * stride_sg
+        w0, s0 = _gather_words(x_ptr, s_ptr, src_ptr, rows, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        w1, s1 = _gather_words(x_ptr, s_ptr, src_ptr, rows + 1, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        w2, s2 = _gather_words(x_ptr, s_ptr, src_ptr, rows + 2, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
+        w3, s3 = _gather_words(x_ptr, s_ptr, src_ptr, rows + 3, M, K, w_off, s_off, offs_w, stride_xw, stride_st)
         x00, x01, x02, x03 = _unpack_e4m3x4(w0, s0[:, None])
         x10, x11, x12, x13 = _unpack_e4m3x4(w1, s1[:, None])
         x20, x21, x22, x23 = _unpack_e4m3x4(w2, s2[:, None])
@@ -379,48 +351,31 @@ def permute_requant_colwise(x8: Fp8Tensor, layout: PermuteLayout, scale_fmt: str
                             impl: str | None = None) -> Fp8Tensor:
     """x8 "1x128" [T, H] -> "128x1" ([H, M] data) of its rows in the layout: `requant_colwise(
     permute_fp8(x8, layout))` in one pass, the permuted "1x128" copy never written (the fc1 wgrad
-    reads only this one)."""
-    return _permute_colwise("permute_requant_colwise", x8, layout, None, scale_fmt, impl, rows=False)[1]
-
-
-def permute_fp8_colwise(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None,
-                        scale_fmt: str = "pow2", impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
-    """-> (r, requant_colwise(r)) with r = `permute_fp8(x8, layout, scale_by_TK, colmajor_scale=True)`,
-    in one pass (the permuted codes are not read back): the MoE backward's dy, for the fc2 dgrad and
-    wgrad."""
-    return _permute_colwise("permute_fp8_colwise", x8, layout, scale_by_TK, scale_fmt, impl, rows=True)
-
-
-def _permute_colwise(name: str, x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None, scale_fmt: str,
-                     impl: str | None, rows: bool) -> tuple[Fp8Tensor | None, Fp8Tensor]:
-    """The words kernel where its conditions hold (pow2, M % 16 == 0, 16-byte rows), else
-    `permute_fp8` and `requant_colwise`."""
+    reads only this one). The words kernel's conditions (pow2, M % 16 == 0, 16-byte rows) or else
+    those two functions."""
     if not isinstance(x8, Fp8Tensor) or x8.layout != "1x128" or x8.data.dim() != 2:
-        raise ValueError(f"{name}: expected an Fp8Tensor [T, H] with layout '1x128'")
+        raise ValueError("permute_requant_colwise: expected an Fp8Tensor [T, H] with layout '1x128'")
     T, H = x8.data.shape
     if layout.row_TK.shape[0] != T:
-        raise ValueError(f"{name}: x8 has {T} tokens but the layout was built for {layout.row_TK.shape[0]}")
+        raise ValueError(f"permute_requant_colwise: x8 has {T} tokens but the layout was built for "
+                         f"{layout.row_TK.shape[0]}")
     pow2 = check_scale_fmt(scale_fmt)
+    if not use_triton(x8.data, impl):
+        return permute_requant_colwise_ref(x8, layout, scale_fmt)
     data, M = x8.data, layout.M
-    if not use_triton(data, impl) or not (pow2 and M % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0
-                                          and data.data_ptr() % 16 == 0):
-        r = permute_fp8(x8, layout, scale_by_TK, impl, colmajor_scale=True)
-        return (r if rows else None), requant_colwise(r, scale_fmt, impl)
+    if not (pow2 and M % 16 == 0 and data.stride(1) == 1 and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0):
+        return requant_colwise(permute_fp8(x8, layout, impl=impl, colmajor_scale=True), scale_fmt, impl)
     out = torch.empty(H, M, dtype=FP8_DTYPE, device=data.device)
     out_s = _scales(H, triton.cdiv(M, TILE), data.device, True)
-    r = torch.empty(M, H, dtype=FP8_DTYPE, device=data.device) if rows else out
-    r_s = _scales(M, H // TILE, data.device, True) if rows else out_s
     if M:
         cfg = dict(LAUNCH["requant_colwise"])
         num_kb, num_mb = H // cfg["BLOCK_K"], triton.cdiv(M, TILE)
         grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * num_sms(data.device))
-        w = scale_by_TK.float().contiguous() if scale_by_TK is not None else out_s
-        _permute_colwise_kernel[(grid,)](
-            data.view(torch.int32), x8.scale, w, layout.src_M, out.view(torch.int32), out_s, r.view(torch.int32), r_s,
-            M // 16, layout.row_TK.shape[1], data.stride(0) // 16, x8.scale.stride(0), x8.scale.stride(1), M // 16,
-            out_s.stride(0), out_s.stride(1), r.stride(0) // 16, r_s.stride(0), r_s.stride(1), num_kb, num_mb,
-            EVEN=M % TILE == 0, HAS_W=scale_by_TK is not None, ROWS=rows, **cfg)
-    return (Fp8Tensor(r, r_s, "1x128") if rows else None), Fp8Tensor(out, out_s, "128x1")
+        _permute_requant_colwise_kernel[(grid,)](
+            data.view(torch.int32), x8.scale, layout.src_M, out.view(torch.int32), out_s, M // 16,
+            layout.row_TK.shape[1], data.stride(0) // 16, x8.scale.stride(0), x8.scale.stride(1), M // 16,
+            out_s.stride(0), out_s.stride(1), num_kb, num_mb, EVEN=M % TILE == 0, **cfg)
+    return Fp8Tensor(out, out_s, "128x1")
 
 
 def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -> Tensor:
@@ -559,12 +514,6 @@ def permute_fp8_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | 
 
 def permute_requant_colwise_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_fmt: str = "pow2") -> Fp8Tensor:
     return requant_colwise_ref(permute_fp8_ref(x8, layout), scale_fmt)
-
-
-def permute_fp8_colwise_ref(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None = None,
-                            scale_fmt: str = "pow2") -> tuple[Fp8Tensor, Fp8Tensor]:
-    r = permute_fp8_ref(x8, layout, scale_by_TK, colmajor_scale=True)
-    return r, requant_colwise_ref(r, scale_fmt)
 
 
 def permute_rows_ref(x_TH: Tensor, layout: PermuteLayout) -> Tensor:

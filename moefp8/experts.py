@@ -127,7 +127,7 @@ def fp8_mlp_backward(dy8: Fp8Tensor, dy_col: Fp8Tensor, x_col: Fp8Tensor, h8: Fp
     """-> (dx [M, H] bf16 or None, dW1 [E, 2I, H] fp32, dW2 [E, H, I] fp32; dense: [2I, H], [H, I]).
     dy8 "1x128" and its "128x1" copy dy_col, fc1's input x_col "128x1": each caller makes them where
     it has them (the shared experts: `quant_rowwise_colwise` and the forward's saved copy; the MoE:
-    `permute_fp8_colwise`, `permute_requant_colwise`). dw_into: grouped
+    `requant_colwise` of the permuted dy8, `permute_requant_colwise`). dw_into: grouped
     only, (dW1, dW2) of another micro-batch that these are added into (and returned): the two
     micro-batch schedules' dW_A + dW_B without a pass over two full fp32 copies. src_M: as in
     `fp8_mlp_forward`."""

@@ -32,9 +32,9 @@ from moefp8.dispatch import Dispatcher
 from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
 from moefp8.fp8 import Fp8Tensor
 from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
-from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8, permute_fp8_colwise,
+from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8,
                                     permute_requant_colwise, permute_rows, rows_bound, unpermute_combine)
-from moefp8.kernels.quant import quant_rowwise
+from moefp8.kernels.quant import quant_rowwise, requant_colwise
 from moefp8.scope import scope
 
 
@@ -241,8 +241,8 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
                 dw = combine_backward(dout if not disp.communicates else dz, y, L, w_TK, want_dy=False)[1]
                 del y  # [M, H] bf16 (recompute_out): not alive during the expert backward
         with scope("bwd_permute"):
-            # dy = w * dout, still FP8; its "128x1" copy (fc2 wgrad) from the same pass
-            dy8, dy_col = permute_fp8_colwise(dz, L, w_TK, fmt)
+            dy8 = permute_fp8(dz, L, scale_by_TK=w_TK, colmajor_scale=True)  # dy = w * dout, still FP8
+            dy_col = requant_colwise(dy8, fmt)  # the fc2 wgrad's "128x1" copy
             # fc1's input only feeds the wgrad here: its "128x1" copy straight from the saved rows
             x_col = permute_requant_colwise(Fp8Tensor(*s.x, "1x128"), L, fmt)
         dxp, dw1, dw2 = fp8_mlp_backward(dy8, dy_col, x_col, Fp8Tensor(*s.h, "1x128"), L.offsets, w1, w2, layer.cache,
