@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from moefp8.fp8 import TILE, Fp8Tensor, ScaleStats
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import GemmPolicy
-from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight
+from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight, requant_colwise
+from moefp8.kernels.rope import rope_qkv_backward_quant, rope_qkv_forward
 from moefp8.recipe import Recipe
 
 
@@ -47,47 +48,82 @@ def quant_operand(x2: Tensor, scale_fmt: str, colwise: bool, kind: str,
     return stats.record(kind, q), qc
 
 
+def _fp8_linear_forward(ctx, x: Tensor, weight: Tensor, scale_fmt: str, stats: ScaleStats,
+                        gemm: GemmPolicy) -> tuple[Tensor, tuple]:
+    """y = x · wᵀ in FP8 -> (y [..., N] bf16, the tensors its backward needs); ctx gets the rest."""
+    N, K = weight.shape
+    _check_dims("Fp8Linear", N, K)
+    if x.shape[-1] != K:
+        raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
+    x2 = x.reshape(-1, K)
+    x8, xc = quant_operand(x2, scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
+    # the dgrad's Wᵀ from the same pass over the weight (no transpose kernel in the backward)
+    w8, w8t = quant_weight(weight, scale_fmt, transposed=True) if ctx.needs_input_grad[0] else \
+        (quant_weight(weight, scale_fmt), None)
+    y = fp8_gemm(x8, w8, policy=gemm)
+    wt = (w8t.data, w8t.scale) if w8t is not None else (None, None)
+    ctx.scale_fmt, ctx.stats, ctx.gemm = scale_fmt, stats, gemm
+    ctx.x_shape = x.shape
+    ctx.w_dtype, ctx.main_grad = weight.dtype, _wgrad_target(weight)
+    return y.reshape(*x.shape[:-1], N), (*((xc.data, xc.scale) if weight.requires_grad else (None, None)), *wt)
+
+
+def _fp8_linear_backward(ctx, saved: tuple, dy8: Fp8Tensor, dy_col: Fp8Tensor | None) -> tuple[Tensor | None,
+                                                                                               Tensor | None]:
+    """dY as "1x128" (and "128x1" where the weight wants a gradient) -> (dx, dw) of `_fp8_linear_forward`."""
+    xc_data, xc_scale, wt_data, wt_scale = saved
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        # dX = dY · W = dY · (Wᵀ)ᵀ: the fprop GEMM on the transposed copy (fp8_gemm_dgrad's own path)
+        dx = fp8_gemm(dy8, Fp8Tensor(wt_data, wt_scale, "128x128"), policy=ctx.gemm).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        x_col = Fp8Tensor(xc_data, xc_scale, "128x1")
+        if ctx.main_grad is not None:
+            fp8_gemm(dy_col, x_col, out=ctx.main_grad, policy=ctx.gemm)
+        else:
+            dw = fp8_gemm(dy_col, x_col, policy=ctx.gemm).to(ctx.w_dtype)
+    return dx, dw
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x · wᵀ in FP8. x [..., K] (bf16), w [N, K] (fp32 or bf16) -> y [..., N] bf16."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, scale_fmt: str, stats: ScaleStats, gemm: GemmPolicy) -> Tensor:
-        N, K = weight.shape
-        _check_dims("Fp8Linear", N, K)
-        if x.shape[-1] != K:
-            raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
-        x2 = x.reshape(-1, K)
-        x8, xc = quant_operand(x2, scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
-        # the dgrad's Wᵀ from the same pass over the weight (no transpose kernel in the backward)
-        w8, w8t = quant_weight(weight, scale_fmt, transposed=True) if ctx.needs_input_grad[0] else \
-            (quant_weight(weight, scale_fmt), None)
-        y = fp8_gemm(x8, w8, policy=gemm)
-        wt = (w8t.data, w8t.scale) if w8t is not None else (None, None)
-        ctx.save_for_backward(*((xc.data, xc.scale) if weight.requires_grad else (None, None)), *wt)
-        ctx.scale_fmt, ctx.stats, ctx.gemm = scale_fmt, stats, gemm
-        ctx.x_shape = x.shape
-        ctx.w_dtype, ctx.main_grad = weight.dtype, _wgrad_target(weight)
-        return y.reshape(*x.shape[:-1], N)
+        y, saved = _fp8_linear_forward(ctx, x, weight, scale_fmt, stats, gemm)
+        ctx.save_for_backward(*saved)
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        xc_data, xc_scale, wt_data, wt_scale = ctx.saved_tensors
         N = dy.shape[-1]
         dy2 = dy.reshape(-1, N)
         if dy2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             dy2 = dy2.float()
         dy8, dy_col = quant_operand(dy2, ctx.scale_fmt, colwise=ctx.needs_input_grad[1], kind="grad", stats=ctx.stats)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            # dX = dY · W = dY · (Wᵀ)ᵀ: the fprop GEMM on the transposed copy (fp8_gemm_dgrad's own path)
-            dx = fp8_gemm(dy8, Fp8Tensor(wt_data, wt_scale, "128x128"), policy=ctx.gemm).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            x_col = Fp8Tensor(xc_data, xc_scale, "128x1")
-            if ctx.main_grad is not None:
-                fp8_gemm(dy_col, x_col, out=ctx.main_grad, policy=ctx.gemm)
-            else:
-                dw = fp8_gemm(dy_col, x_col, policy=ctx.gemm).to(ctx.w_dtype)
-        return dx, dw, None, None, None
+        return (*_fp8_linear_backward(ctx, ctx.saved_tensors, dy8, dy_col), None, None, None)
+
+
+class Fp8QKVRopeFunction(torch.autograd.Function):
+    """The attention's QKV projection and RoPE as one function: x [B, S, K] -> (q, k [B, nh, S, 128]
+    rotated, v [B, S, nh, 128]), as `rope_qkv(Fp8LinearFunction(x, w).view(B, S, 3, nh, 128))`, whose
+    backward quantizes d(qkv) inside the RoPE backward kernel (`rope_qkv_backward_quant`: head rows
+    are the 1x128 groups) instead of writing it in BF16 for `quant_rowwise` to read back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, n_heads: int, scale_fmt: str,
+                stats: ScaleStats, gemm: GemmPolicy):
+        y, saved = _fp8_linear_forward(ctx, x, weight, scale_fmt, stats, gemm)
+        ctx.save_for_backward(*saved, cos, sin)
+        B, S = x.shape[:2]
+        return rope_qkv_forward(y.view(B, S, 3, n_heads, -1), cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        *saved, cos, sin = ctx.saved_tensors
+        dy8 = ctx.stats.record("grad", rope_qkv_backward_quant(dq, dk, dv, cos, sin, ctx.scale_fmt))
+        dy_col = requant_colwise(dy8, ctx.scale_fmt) if ctx.needs_input_grad[1] else None
+        return (*_fp8_linear_backward(ctx, saved, dy8, dy_col), None, None, None, None, None, None)
 
 
 class Fp8Linear(nn.Module):
@@ -107,6 +143,10 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return Fp8LinearFunction.apply(x, self.weight, self.scale_fmt, self.stats, self.gemm)
+
+    def qkv_rope(self, x: Tensor, cos: Tensor, sin: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+        """This layer as the attention's QKV projection followed by `rope_qkv` (`Fp8QKVRopeFunction`)."""
+        return Fp8QKVRopeFunction.apply(x, self.weight, cos, sin, n_heads, self.scale_fmt, self.stats, self.gemm)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scale_fmt={self.scale_fmt}"

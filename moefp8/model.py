@@ -32,11 +32,11 @@ from torch.utils.checkpoint import checkpoint
 
 from moefp8.config import ModelConfig
 from moefp8.dispatch import Dispatcher, build_dispatcher
-from moefp8.fp8 import ScaleStats
+from moefp8.fp8 import TILE, ScaleStats
 from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.rope import rope_qkv, rope_tables
-from moefp8.linear import make_linear
+from moefp8.linear import Fp8Linear, make_linear
 from moefp8.loss import linear_cross_entropy
 from moefp8.mlp import MLP
 from moefp8.moe import MoELayer
@@ -84,7 +84,10 @@ class Attention(nn.Module):
         # one function for the three, not three qkv[:, :, i]: each select's backward would zero-fill a
         # full-size d(qkv) and autograd add the three (~1 ms per layer at 32 x 1024 tokens of the small
         # model); unbind's backward stacked them in one more pass, which rope_qkv writes in place
-        q, k, v = rope_qkv(self.wqkv(x_BSH).view(B, S, 3, self.n_heads, self.head_dim), cos, sin)
+        if isinstance(self.wqkv, Fp8Linear) and self.head_dim == TILE:  # d(qkv) quantized in rope's backward
+            q, k, v = self.wqkv.qkv_rope(x_BSH, cos, sin, self.n_heads)
+        else:
+            q, k, v = rope_qkv(self.wqkv(x_BSH).view(B, S, 3, self.n_heads, self.head_dim), cos, sin)
         v = v.transpose(1, 2)  # q, k, v: [B, nh, S, hd] views of heads-last memory
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, S, hd] bf16
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))

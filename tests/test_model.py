@@ -255,6 +255,26 @@ def test_attention_backward_writes_d_qkv_once():
     assert not {"aten::zero_", "aten::fill_", "aten::add_", "aten::add"} & set(full), full
 
 
+def test_fp8_attention_at_head_dim_128_takes_the_fused_qkv_rope(monkeypatch):
+    """recipe=fp8, head_dim 128: every block's QKV projection and RoPE run as one function
+    (`Fp8Linear.qkv_rope`: d(qkv) quantized in the RoPE backward); head_dim 64 keeps linear + rope_qkv."""
+    from moefp8.linear import Fp8Linear
+
+    calls = []
+    fused = Fp8Linear.qkv_rope
+    monkeypatch.setattr(Fp8Linear, "qkv_rope", lambda self, *a: calls.append(1) or fused(self, *a))
+    cfg = replace(TINY, hidden=256, n_heads=2, head_dim=128)
+    m = build("fp8", cfg)
+    t = tokens(S=32)
+    loss = m(t[:, :-1], t[:, 1:]).out
+    loss.backward()
+    assert len(calls) == cfg.n_layers and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    calls.clear()
+    build("fp8")(t[:, :-1], t[:, 1:])  # TINY: head_dim 64
+    assert not calls
+
+
 def test_rms_norm_rounds_once_to_bf16():
     """RMSNorm takes and returns BF16 (no fp32 copies of the activation either way) and computes in
     fp32 with the weight's BF16 copy, rounding once: equal to the fp32 computation rounded at the end."""

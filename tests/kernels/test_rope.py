@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moefp8.kernels import rope as R
+from moefp8.testing import assert_fp8_equal
 
 
 def qkv(B, S, nh, hd, dtype, seed=0, device="cpu"):
@@ -96,8 +97,56 @@ def test_triton_gpu_vs_ref(dtype):
     check_qkv("cuda", dtype)
 
 
+def _qkv_grads(B, S, nh, device, seed=0):
+    """dq, dk [B, nh, S, 128] as SDPA gives them (heads-last memory), dv [B, S, nh, 128], bf16; an outlier
+    head row and a zero one (the 1x128 groups' amax clamp)."""
+    g = torch.Generator().manual_seed(seed)
+    dq, dk, dv = (torch.randn(B, S, nh, 128, generator=g) for _ in range(3))
+    dq[0, 1, 0] *= 500
+    dk[0, 2, 1] = 0
+    dq, dk, dv = (t.bfloat16().to(device) for t in (dq, dk, dv))
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv
+
+
+def test_backward_quant_ref_is_the_quantized_gradient():
+    """rope_qkv's backward as "1x128" FP8 (one group a head row): within half an FP8 ulp of the fp32
+    gradient autograd computes through rope_ref, head rows in d(qkv)'s [B, S, 3, nh, hd] order."""
+    B, S, nh = 2, 40, 3
+    cos, sin = R.rope_tables(S, 128, 10000.0)
+    dq, dk, dv = _qkv_grads(B, S, nh, "cpu")
+    x = torch.zeros(B, S, 3, nh, 128, requires_grad=True)
+    q, k, v = R.rope_qkv(x, cos, sin, impl="ref")
+    torch.autograd.backward((q, k, v), (dq.float(), dk.float(), dv.float()))
+    got = R.rope_qkv_backward_quant_ref(dq, dk, dv, cos, sin)
+    assert got.layout == "1x128" and got.data.shape == (B * S, 3 * nh * 128) and got.scale.stride(0) == 1
+    want = x.grad.reshape(B * S, -1)
+    s = got.scale.repeat_interleave(128, 1)
+    assert torch.all((got.dequantize() - want).abs() <= torch.maximum(want.abs() * 2**-4, s * 2**-10) + 1e-6 * s)
+
+
+def check_backward_quant(device, exact):
+    B, S, nh = 2, 70, 3  # S not a multiple of the kernel's 32-position block
+    cos, sin = R.rope_tables(S, 128, 10000.0, device)
+    for fmt in ("pow2", "fp32"):
+        dq, dk, dv = _qkv_grads(B, S, nh, device, seed=len(fmt))
+        got = R.rope_qkv_backward_quant(dq, dk, dv, cos, sin, fmt, impl="triton")
+        assert_fp8_equal(got, R.rope_qkv_backward_quant_ref(dq, dk, dv, cos, sin, fmt), exact=exact)
+
+
+@pytest.mark.interp
+def test_backward_quant_interpreter():
+    check_backward_quant("cpu", exact=False)
+
+
+@pytest.mark.gpu
+def test_backward_quant_gpu():
+    check_backward_quant("cuda", exact=True)
+
+
 def test_errors():
     cos, sin = R.rope_tables(8, 64, 10000.0)
+    with pytest.raises(ValueError, match="head_dim must be 128"):
+        R.rope_qkv_backward_quant(*(torch.zeros(1, 2, 8, 64) for _ in range(2)), torch.zeros(1, 8, 2, 64), cos, sin)
     with pytest.raises(ValueError, match=r"rope_qkv: expected qkv \[B, S, 3, n_heads, head_dim\], got \(1, 8, 2, 2, 64\)"):
         R.rope_qkv(torch.zeros(1, 8, 2, 2, 64), cos, sin)
     with pytest.raises(ValueError, match=r"cos/sin must be \[S, head_dim/2\] = \[8, 32\], got \[8, 16\]"):
