@@ -3,10 +3,10 @@ experts (every token, no routing). silu(x·W1_gateᵀ) * (x·W1_upᵀ) · W2ᵀ 
 then up) and W2 [H, I], on the routed experts' pipeline with dense GEMMs (moefp8.experts with
 off=None; docs/design.md §1, §2):
 
-* FP8: x quantized row-wise (fc1's operand) and col-wise (fc1's wgrad operand) in one pass; h
-  cached in FP8 and the SwiGLU recomputed from it in backward (fused kernels); the FP8 weights
-  (and their transposes for dgrad) cached per optimizer step (`WeightCache`: the micro-batches of
-  one step share them).
+* FP8: x quantized row-wise (fc1's operand; the MoE layer's shared experts reuse its dispatch's)
+  and requantized col-wise (fc1's wgrad operand), dy likewise; h cached in FP8 and the SwiGLU
+  recomputed from it in backward (fused kernels); the FP8 weights (and their transposes for dgrad)
+  cached per optimizer step (`WeightCache`: the micro-batches of one step share them).
 * BF16: the BF16 grouped-MLP path (BF16 GEMMs, fp32 weight gradients; fp32 math on CPU).
 
 `mlp_forward` / `mlp_backward` are the stages the overlapped schedule (moefp8.overlap) calls on its
@@ -17,17 +17,29 @@ import torch
 from torch import Tensor, nn
 
 from moefp8.experts import WeightCache, bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
-from moefp8.fp8 import Fp8Tensor, ScaleStats
+from moefp8.fp8 import Fp8Tensor, ScaleStats, col_major
 from moefp8.kernels.grouped_gemm import GemmPolicy
+from moefp8.kernels.quant import requant_colwise
 from moefp8.linear import quant_operand
 
 
-def mlp_forward(mlp, x_TH: Tensor, w1: Tensor, w2: Tensor, gemm: GemmPolicy) -> tuple[Tensor, tuple]:
+def _given(q8: Fp8Tensor, fmt: str) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """A caller's "1x128" quantization (any scale layout) -> (it with the GEMMs' column-major scales,
+    its "128x1" copy): what `quant_operand(..., colwise=True)` makes of the same tensor, bit for bit."""
+    q8 = Fp8Tensor(q8.data, col_major(q8.scale), "1x128")
+    return q8, requant_colwise(q8, fmt)
+
+
+def mlp_forward(mlp, x_TH: Tensor, w1: Tensor, w2: Tensor, gemm: GemmPolicy,
+                x8: Fp8Tensor | None = None) -> tuple[Tensor, tuple]:
     """x [T, H] -> (y [T, H] bf16, what backward needs: FP8 (x "128x1" data, scale, h8 data, scale);
-    BF16 (x, None, h, None)). mlp: an `MLP` (its precision, cache and recorder); gemm: the GEMMs that run."""
+    BF16 (x, None, h, None)). mlp: an `MLP` (its precision, cache and recorder); gemm: the GEMMs that run.
+    x8 (FP8 only): x's "1x128" quantization where the caller already made (and recorded) it: the MoE
+    layer's shared experts take its dispatch's (one pass over x for both)."""
     fmt = mlp.scale_fmt
     if mlp.fp8:
-        x8, x_col = quant_operand(x_TH, fmt, colwise=True, kind="act", stats=mlp.stats)
+        x8, x_col = quant_operand(x_TH, fmt, colwise=True, kind="act", stats=mlp.stats) if x8 is None else \
+            _given(x8, fmt)
         y, h8, _ = fp8_mlp_forward(x8, None, mlp.cache.get(w1, fmt), mlp.cache.get(w2, fmt), fmt, gemm=gemm,
                                    stats=mlp.stats)
         return y, (x_col.data, x_col.scale, h8.data, h8.scale)
@@ -36,11 +48,14 @@ def mlp_forward(mlp, x_TH: Tensor, w1: Tensor, w2: Tensor, gemm: GemmPolicy) -> 
     return y, (x, None, h, None)
 
 
-def mlp_backward(mlp, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, want_dx: bool, gemm: GemmPolicy):
-    """-> (dx [T, H] like dy or None, dW1 [2I, H] fp32, dW2 [H, I] fp32)."""
+def mlp_backward(mlp, dy: Tensor, saved: tuple, w1: Tensor, w2: Tensor, want_dx: bool, gemm: GemmPolicy,
+                 dy8: Fp8Tensor | None = None):
+    """-> (dx [T, H] like dy or None, dW1 [2I, H] fp32, dW2 [H, I] fp32). dy8: as `mlp_forward`'s x8,
+    for dy."""
     fmt, (x, xs, h, hs) = mlp.scale_fmt, saved
     if mlp.fp8:
-        dy8, dy_col = quant_operand(dy, fmt, colwise=True, kind="grad", stats=mlp.stats)
+        dy8, dy_col = quant_operand(dy, fmt, colwise=True, kind="grad", stats=mlp.stats) if dy8 is None else \
+            _given(dy8, fmt)
         dx, dw1, dw2 = fp8_mlp_backward(dy8, dy_col, Fp8Tensor(x, xs, "128x1"), Fp8Tensor(h, hs, "1x128"), None,
                                         w1, w2, mlp.cache, fmt, want_dx=want_dx, gemm=gemm, stats=mlp.stats)
     else:

@@ -99,11 +99,13 @@ class MoELayer(nn.Module):
             out = OverlappedMoE.apply(x2, r.topk_w_TK, self.w1, self.w2, sh.w1 if sh else None,
                                       sh.w2 if sh else None, r.topk_idx_TK, self)
             return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)
-        if self.megablocks is not None:
-            out = self.megablocks(x2, r.topk_w_TK, r.topk_idx_TK, self.w1, self.w2)
-        else:
-            out = RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self)
-        if self.shared is not None:
+        sh = self.shared
+        if self.megablocks is None:  # the shared experts inside: they reuse the dispatch's FP8 x and dout
+            out = RoutedExperts.apply(x2, r.topk_w_TK, self.w1, self.w2, r.topk_idx_TK, self,
+                                      *((sh.w1, sh.w2) if sh is not None else ()))
+            return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)
+        out = self.megablocks(x2, r.topk_w_TK, r.topk_idx_TK, self.w1, self.w2)
+        if sh is not None:
             with scope("shared"):
-                out = out + self.shared(x2)
+                out = out + sh(x2)
         return MoEOutput(out.reshape(shape), r.aux_loss, r.load_E)

@@ -35,6 +35,7 @@ from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8,
                                     permute_requant_colwise, permute_rows, rows_bound, unpermute_combine)
 from moefp8.kernels.quant import quant_rowwise, requant_colwise
+from moefp8.mlp import mlp_backward, mlp_forward
 from moefp8.scope import scope
 
 
@@ -168,12 +169,15 @@ def _send(disp: Dispatcher, rows, evented: bool, *args, **kw):
     return disp.dispatch_async(rows, *args, previous_event=disp.capture(), allocate_on_comm_stream=True, **kw)
 
 
-def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, evented: bool = False):
+def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, evented: bool = False, *,
+                 xin=None):
     """(comm) quantize (FP8 recipe) and dispatch -> Dispatched. The quantization is the one
     compute kernel here: it must happen before the rows leave (docs/design.md §1). evented: through
-    the dispatcher's event API (`_send`) -> (Dispatched, event)."""
-    with scope("quant"):
-        xin = _wire_rows(layer, x_TH, "act")
+    the dispatcher's event API (`_send`) -> (Dispatched, event). xin: `_wire_rows(layer, x_TH, "act")`
+    where the caller made it (to share it with the shared experts)."""
+    if xin is None:
+        with scope("quant"):
+            xin = _wire_rows(layer, x_TH, "act")
     with scope("dispatch"):
         return _send(layer.dispatcher, xin, evented, topk_idx_TK, topk_w_TK)
 
@@ -214,11 +218,14 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
         return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer.dispatcher, d.handle, y)), saved
 
 
-def bwd_dispatch(layer, dout: Tensor, s: Saved, evented: bool = False):
+def bwd_dispatch(layer, dout: Tensor, s: Saved, evented: bool = False, *, rows=None):
     """(comm) the gradient of the combine: dout along the forward's routes (FP8 on the wire in the
-    FP8 recipe, quantized 1x128 before it leaves). evented: -> (rows, event), as `fwd_dispatch`."""
+    FP8 recipe, quantized 1x128 before it leaves). evented: -> (rows, event), as `fwd_dispatch`.
+    rows: `_wire_rows(layer, dout, "grad")` where the caller made it."""
     with scope("bwd_dispatch"):
-        d = _send(layer.dispatcher, _wire_rows(layer, dout, "grad"), evented, handle=s.handle)
+        if rows is None:
+            rows = _wire_rows(layer, dout, "grad")
+        d = _send(layer.dispatcher, rows, evented, handle=s.handle)
         return (d[0].x, d[1]) if evented else d.x
 
 
@@ -289,24 +296,46 @@ def bwd_combine(layer, dx_rows, dw, s: Saved, dtype, evented: bool = False):
 
 class RoutedExperts(torch.autograd.Function):
     """The routed path of one micro-batch, stage after stage (the plain schedule), with the
-    layer's GEMM policy. apply(x [T, H], topk_w [T, K], w1, w2, topk_idx [T, K], layer) -> [T, H]."""
+    layer's GEMM policy. apply(x [T, H], topk_w [T, K], w1, w2, topk_idx [T, K], layer[, sw1, sw2])
+    -> [T, H]; with the shared experts' weights sw1, sw2: routed + shared (`moefp8.mlp`, after the
+    combine), the shared experts taking the dispatch's quantization of x and of the output gradient
+    (FP8: one pass over each for both; the same codes their own would be)."""
 
     @staticmethod
-    def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer):
-        d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK)
+    def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer, sw1=None, sw2=None):
+        with scope("quant"):
+            xin = _wire_rows(layer, x_TH, "act")
+        d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK, xin=xin)
         L = fwd_layout(layer, d)
         z, saved = fwd_experts(layer, d, L, w1, w2, ctx.needs_input_grad[1], layer.gemm)
-        save(ctx, [saved], w1, w2)
-        ctx.layer = layer
         with scope("combine"):
-            return layer.dispatcher.combine(z, d.handle)
+            out = layer.dispatcher.combine(z, d.handle)
+        shared = ()
+        if sw1 is not None:
+            with scope("shared"):
+                sh = layer.shared
+                y, s_saved = mlp_forward(sh, x_TH, sw1, sw2, sh.gemm, x8=xin if sh.fp8 else None)
+            out, shared = out + y, (sw1, sw2, *s_saved)
+        save(ctx, [saved], w1, w2, *shared)
+        ctx.layer = layer
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        (s,), (w1, w2) = restore(ctx)
+        (s,), (w1, w2, *shared) = restore(ctx)
         layer = ctx.layer
         dout = dout.contiguous()
-        dz = bwd_dispatch(layer, dout, s)
+        rows = _wire_rows(layer, dout, "grad")
+        dz = bwd_dispatch(layer, dout, s, rows=rows)
         dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, ctx.needs_input_grad[0], layer.gemm)
         dx, dw = bwd_combine(layer, dx_rows, dw, s, dout.dtype)
-        return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+        if not shared:
+            return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+        sw1, sw2, *s_saved = shared
+        with scope("shared bwd"):
+            sh = layer.shared
+            sdx, sdw1, sdw2 = mlp_backward(sh, dout, s_saved, sw1, sw2, ctx.needs_input_grad[0], sh.gemm,
+                                           dy8=rows if sh.fp8 else None)
+        if dx is not None:
+            dx = dx + sdx
+        return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None, sdw1.to(sw1.dtype), sdw2.to(sw2.dtype)

@@ -87,6 +87,38 @@ def routed_f64(x, w_TK, idx_TK, w1, w2, fmt="pow2"):
     return out
 
 
+@pytest.mark.parametrize("recipe,T,fmt", [("fp8", 200, "pow2"), ("fp8", 37, "pow2"), ("fp8", 150, "fp32"),
+                                          ("bf16", 200, "pow2")])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_shared_experts_reuse_the_dispatch_quantization(recipe, T, fmt, device):
+    """The layer runs its shared experts inside `RoutedExperts` on the dispatch's FP8 x and dout
+    (one quantization of each for both): output and weight gradients bit for bit those of the
+    routed path and the shared `MLP` run apart (each quantizing for itself); dx equal up to the
+    order of its BF16 sums (routed + shared, then the router's, against autograd's order)."""
+    res = {}
+    for apart in (False, True):
+        torch.manual_seed(0)
+        m = MoELayer(H, I, E, K, n_shared=2, recipe=Recipe(recipe, fmt)).to(device)
+        g = torch.Generator().manual_seed(7)
+        x = (torch.randn(T, H, generator=g) * torch.logspace(-3, 3, H)).bfloat16().to(device).requires_grad_()
+        dout = torch.randn(T, H, generator=g).bfloat16().to(device)
+        if apart:
+            r = m.router(x)
+            out = RoutedExperts.apply(x, r.topk_w_TK, m.w1, m.w2, r.topk_idx_TK, m) + m.shared(x)
+        else:
+            out = m(x).out
+        out.backward(dout)
+        res[apart] = [out.detach(), m.w1.grad, m.w2.grad, m.shared.w1.grad, m.shared.w2.grad,
+                      m.router.weight.grad, x.grad]
+    names = ["out", "w1.grad", "w2.grad", "shared.w1.grad", "shared.w2.grad", "router.grad", "x.grad"]
+    for name, u, v in zip(names, res[False], res[True]):
+        assert torch.isfinite(u).all(), name
+        if name == "x.grad":  # BF16 sums in another order: a few BF16 ulps apart at most
+            assert rel_err(u.float(), v.float()) < 1e-2, name
+        else:
+            assert torch.equal(u, v), name
+
+
 def test_fp8_forward_matches_float64_model():
     m = MoELayer(H, I, E, K, n_shared=0)
     T = 150  # not a multiple of 128: padded segments
@@ -342,9 +374,9 @@ def check_bound_layout_changes_no_bit(recipe, device, T, monkeypatch):
     for name, u, v in zip(names, res[True], res[False]):
         assert torch.isfinite(u).all() and torch.equal(u, v), name
     assert stats[True] == stats[False] and (recipe == "bf16") == (stats[True] == {}), (stats[True], stats[False])
-    if recipe == "fp8":  # "act" tiles: x on the wire (T rows), the experts' a (the T x K routed pairs, no padding
-        # row), the shared MLP's x and a (T rows each)
-        assert stats[True]["fp8/act_tiles"] == T * (H // 128) + T * K * (I // 128) + T * (H // 128) + T * (I // 128)
+    if recipe == "fp8":  # "act" tiles: x on the wire (T rows; the shared MLP takes the same, counted once), the
+        # experts' a (the T x K routed pairs, no padding row), the shared MLP's a (T rows)
+        assert stats[True]["fp8/act_tiles"] == T * (H // 128) + T * K * (I // 128) + T * (I // 128)
     assert rows[True][0] == build_layout(torch.zeros(T, K, dtype=torch.long), E, bound=True).M > rows[False][0]
 
 
