@@ -80,7 +80,8 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                              overlap=overlap_policy(cfg) if d.overlap is True else None,
                              gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
                              recompute=tuple(t.recompute), loss_chunk=t.loss_chunk,
-                             rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0)
+                             rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0,
+                             shared_overlap=d.shared_overlap and par is not None and par.ep_size > 1)
 
 
 def overlap_policy(cfg: Config) -> OverlapPolicy:

@@ -123,6 +123,10 @@ class DispatchConfig:
     nccl_ctas: int = 0
     # dispatch.overlap: SMs the overlapped layers' GEMMs leave free for the exchanges (OverlapPolicy); 0: none
     gemm_sm_reserve: int = 0
+    # the plain schedule (no micro-batch split): each MoE layer's shared experts run while its dispatch (and,
+    # in the backward, its gradient dispatch) exchanges on a side stream (all_to_all capacity mode, EP > 1;
+    # moefp8.moe_stages.RoutedExperts). The same bits as without
+    shared_overlap: bool = False
     # node-limited routing: each token's experts on at most max_nodes nodes of the EP group (the
     # router's group-limited top-k with one group per node; DeepSeek-V3: 4); 0: off
     max_nodes: int = 0
@@ -273,6 +277,11 @@ def validate(cfg: Config) -> None:
     _one_of("dispatch.backend", d.backend, BACKENDS)
     if not isinstance(d.overlap, bool) and d.overlap != "auto":
         raise ValueError(f"dispatch.overlap={d.overlap!r}: expected false, true or auto")
+    if d.shared_overlap and (d.backend != "all_to_all" or d.ep_size < 2 or d.mode == "exact" or d.hierarchical):
+        raise ValueError(f"dispatch.shared_overlap=true: the shared experts hide the all_to_all capacity mode's "
+                         f"exchanges under EP; got dispatch={d.backend}, dispatch.ep_size={d.ep_size}, "
+                         f"dispatch.mode={d.mode}, dispatch.hierarchical={d.hierarchical}: set dispatch=all_to_all "
+                         f"with ep_size >= 2, mode auto or capacity, not hierarchical, or dispatch.shared_overlap=false")
     if d.overlap == "auto" and t.deterministic:
         raise ValueError("dispatch.overlap=auto: picks the schedule by timing, which train.deterministic=true cannot "
                          "repeat; set dispatch.overlap=false or true")

@@ -101,7 +101,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, recipe: Recipe, dispatcher: Dispatcher | None,
                  stats: ScaleStats | None = None, overlap: OverlapPolicy | None = None,
                  gemm: GemmPolicy = GemmPolicy(), recompute_attention: bool = False,
-                 recompute_expert_out: bool = False, row_cap: RowCap | None = None):
+                 recompute_expert_out: bool = False, row_cap: RowCap | None = None, shared_overlap: bool = False):
         super().__init__()
         stats = stats if stats is not None else ScaleStats()
         self.stats, self.recompute_attention = stats, recompute_attention
@@ -119,7 +119,7 @@ class Block(nn.Module):
                                 topk_groups=cfg.topk_groups, route_scale=cfg.route_scale,
                                 bias_update_rate=cfg.bias_update_rate, seq_aux_alpha=cfg.seq_aux_alpha,
                                 force_balance=cfg.force_balanced_routing, recompute_out=recompute_expert_out,
-                                row_cap=row_cap)
+                                row_cap=row_cap, shared_overlap=shared_overlap)
         else:
             self.mlp = MLP(cfg.hidden, cfg.dense_inter, recipe.dense_fp8("dense_mlp"), recipe.scale_fmt, stats,
                            gemm)
@@ -201,7 +201,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  ep_rank: int = 0, seed: int = 0, overlap: OverlapPolicy | None = None,
                  gemm: GemmPolicy = GemmPolicy(), recompute: tuple[str, ...] = (), loss_chunk: int = 0,
-                 rows_factor: float = 0.0):
+                 rows_factor: float = 0.0, shared_overlap: bool = False):
         """recipe: the `Recipe` (training builds it with `Recipe.from_config`); dispatcher: this
         rank's expert-parallel dispatcher, shared by the MoE layers (default: the EP=1 `local`
         backend); ep_rank: this rank's index in its EP group (it holds global experts
@@ -213,7 +213,8 @@ class Transformer(nn.Module):
         loss_chunk: the LM head's cross-entropy by chunks of that many tokens, the [T, V] logits
         never whole (moefp8.loss; train.loss_chunk; 0: off); rows_factor: the MoE layers' permuted rows
         under EP sized for that factor of the balanced load without a read-back (`row_cap`, a
-        `moe_stages.RowCap`: the training loop reads its overflow flags; dispatch.rows_factor; 0: off).
+        `moe_stages.RowCap`: the training loop reads its overflow flags; dispatch.rows_factor; 0: off);
+        shared_overlap: the MoE layers' shared experts behind their dispatches (`MoELayer`; dispatch.shared_overlap).
         `scale_stats`: the model's FP8 tile-scale recorder (off until the caller turns it on)."""
         super().__init__()
         self.cfg, self.recipe, self.gemm, self.loss_chunk = cfg, recipe, gemm, loss_chunk
@@ -223,7 +224,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm,
                                           recompute_attention="attention" in recompute,
-                                          recompute_expert_out="expert_out" in recompute, row_cap=self.row_cap)
+                                          recompute_expert_out="expert_out" in recompute, row_cap=self.row_cap,
+                                          shared_overlap=shared_overlap)
                                     for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)

@@ -22,7 +22,7 @@ from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.megablocks_experts import MegablocksExperts
 from moefp8.mlp import MLP
 from moefp8.moe_stages import RoutedExperts, RowCap
-from moefp8.overlap import OverlappedMoE, OverlapPolicy
+from moefp8.overlap import OverlappedMoE, OverlapPolicy, side_stream
 from moefp8.recipe import Recipe
 from moefp8.router import Router
 from moefp8.scope import scope
@@ -49,13 +49,14 @@ class MoELayer(nn.Module):
     instead of the experts' BF16 output y and recompute y in the backward (for the routing weights'
     gradient; train.recompute=[expert_out]): less memory, one more fc2 GEMM; the same bits.
     row_cap: the `moe_stages.RowCap` its layouts follow under EP (the model's, dispatch.rows_factor;
-    None: off)."""
+    None: off). shared_overlap: in the plain schedule, the shared experts run while the dispatch and
+    the gradient dispatch exchange on a side stream (`shared_overlap_stream`; dispatch.shared_overlap)."""
 
     def __init__(self, hidden: int, inter: int, n_experts: int, topk: int, n_shared: int = 1,
                  recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  overlap: OverlapPolicy | None = None, gemm: GemmPolicy = GemmPolicy(),
                  stats: ScaleStats | None = None, recompute_out: bool = False, row_cap: RowCap | None = None,
-                 **router_kwargs):
+                 shared_overlap: bool = False, **router_kwargs):
         super().__init__()
         if recipe.fp8:
             for name, v in (("hidden", hidden), ("expert intermediate size", inter)):
@@ -75,6 +76,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: {n_experts} experts cannot be split evenly into shards of {E_local}")
         self.hidden, self.inter, self.n_experts, self.topk = hidden, inter, n_experts, topk
         self.recipe, self.overlap, self.gemm, self.recompute_out = recipe, overlap, gemm, recompute_out
+        self.shared_overlap = shared_overlap
         self.stats = stats if stats is not None else ScaleStats()
         self.row_cap = row_cap if row_cap is not None else RowCap()
         self.w1 = nn.Parameter(torch.randn(E_local, 2 * inter, hidden) * hidden**-0.5)
@@ -87,6 +89,15 @@ class MoELayer(nn.Module):
                 raise ValueError("MoELayer: recipe moe_impl='megablocks' runs on one process (EP=1) without the "
                                  "overlap; use moe_impl='moefp8' for expert parallelism or dispatch.overlap")
             self.megablocks = MegablocksExperts(hidden, inter, n_experts, topk)
+
+    def shared_overlap_stream(self, t: Tensor):
+        """The side stream this layer's dispatches exchange on while its shared experts run (the plain
+        schedule, `RoutedExperts`), or None: shared_overlap off, no shared experts, not CUDA, or a
+        dispatcher that cannot pack on the caller's stream and exchange on another (its capacity mode)."""
+        if not (self.shared_overlap and self.shared is not None and t.is_cuda and self.dispatcher.communicates
+                and self.dispatcher.packs_on_caller_stream(self.topk)):
+            return None
+        return side_stream(t.device, "comm", OverlapPolicy().side_stream_priority)
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""

@@ -23,6 +23,7 @@ Stages marked (comm) only communicate or do small bookkeeping.
 """
 
 import math
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from moefp8.dispatch import Dispatcher
 from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
-from moefp8.fp8 import Fp8Tensor
+from moefp8.fp8 import Fp8Tensor, record_stream
 from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm
 from moefp8.kernels.permute import (PermuteLayout, build_layout, combine_backward, permute_fp8,
                                     permute_requant_colwise, permute_rows, rows_bound, unpermute_combine)
@@ -297,26 +298,32 @@ def bwd_combine(layer, dx_rows, dw, s: Saved, dtype, evented: bool = False):
 class RoutedExperts(torch.autograd.Function):
     """The routed path of one micro-batch, stage after stage (the plain schedule), with the
     layer's GEMM policy. apply(x [T, H], topk_w [T, K], w1, w2, topk_idx [T, K], layer[, sw1, sw2])
-    -> [T, H]; with the shared experts' weights sw1, sw2: routed + shared (`moefp8.mlp`, after the
-    combine), the shared experts taking the dispatch's quantization of x and of the output gradient
-    (FP8: one pass over each for both; the same codes their own would be)."""
+    -> [T, H]; with the shared experts' weights sw1, sw2: routed + shared (`moefp8.mlp`), the shared
+    experts taking the dispatch's quantization of x and of the output gradient (FP8: one pass over
+    each for both; the same codes their own would be). They run after the combine, or with the
+    layer's `shared_overlap_stream` right after the dispatch is enqueued, while it exchanges on that
+    stream (forward and backward): the same operations on the same values, in another order."""
 
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer, sw1=None, sw2=None):
         with scope("quant"):
             xin = _wire_rows(layer, x_TH, "act")
-        d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK, xin=xin)
+        side = layer.shared_overlap_stream(x_TH) if sw1 is not None else None
+        with _exchanging(layer.dispatcher, side):
+            d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK, xin=xin)
+        shared = None
+        if side is not None:
+            shared = _shared_forward(layer, x_TH, xin, sw1, sw2)
+            _join(side, d.x, d.topk_idx, d.topk_w)
         L = fwd_layout(layer, d)
         z, saved = fwd_experts(layer, d, L, w1, w2, ctx.needs_input_grad[1], layer.gemm)
         with scope("combine"):
             out = layer.dispatcher.combine(z, d.handle)
-        shared = ()
-        if sw1 is not None:
-            with scope("shared"):
-                sh = layer.shared
-                y, s_saved = mlp_forward(sh, x_TH, sw1, sw2, sh.gemm, x8=xin if sh.fp8 else None)
-            out, shared = out + y, (sw1, sw2, *s_saved)
-        save(ctx, [saved], w1, w2, *shared)
+        if sw1 is not None and shared is None:
+            shared = _shared_forward(layer, x_TH, xin, sw1, sw2)
+        if shared is not None:
+            out = out + shared[0]
+        save(ctx, [saved], w1, w2, *((sw1, sw2, *shared[1]) if shared is not None else ()))
         ctx.layer = layer
         return out
 
@@ -326,16 +333,59 @@ class RoutedExperts(torch.autograd.Function):
         layer = ctx.layer
         dout = dout.contiguous()
         rows = _wire_rows(layer, dout, "grad")
-        dz = bwd_dispatch(layer, dout, s, rows=rows)
+        side = layer.shared_overlap_stream(dout) if shared else None
+        with _exchanging(layer.dispatcher, side):
+            dz = bwd_dispatch(layer, dout, s, rows=rows)
+        sh = None
+        if side is not None:
+            sh = _shared_backward(ctx, layer, dout, rows, shared)
+            _join(side, dz)
         dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, ctx.needs_input_grad[0], layer.gemm)
         dx, dw = bwd_combine(layer, dx_rows, dw, s, dout.dtype)
         if not shared:
             return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
-        sw1, sw2, *s_saved = shared
-        with scope("shared bwd"):
-            sh = layer.shared
-            sdx, sdw1, sdw2 = mlp_backward(sh, dout, s_saved, sw1, sw2, ctx.needs_input_grad[0], sh.gemm,
-                                           dy8=rows if sh.fp8 else None)
+        if sh is None:
+            sh = _shared_backward(ctx, layer, dout, rows, shared)
+        sdx, sdw1, sdw2 = sh
         if dx is not None:
             dx = dx + sdx
+        sw1, sw2 = shared[:2]
         return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None, sdw1.to(sw1.dtype), sdw2.to(sw2.dtype)
+
+
+def _shared_forward(layer, x_TH: Tensor, xin, sw1: Tensor, sw2: Tensor) -> tuple[Tensor, tuple]:
+    """The shared experts on x (FP8: the dispatch's "1x128" x, `xin`) -> (y, what their backward keeps)."""
+    with scope("shared"):
+        sh = layer.shared
+        return mlp_forward(sh, x_TH, sw1, sw2, sh.gemm, x8=xin if sh.fp8 else None)
+
+
+def _shared_backward(ctx, layer, dout: Tensor, rows, shared: list) -> tuple:
+    """The shared experts' backward (FP8: the gradient dispatch's "1x128" dout, `rows`) -> (dx, dW1, dW2)."""
+    sw1, sw2, *s_saved = shared
+    with scope("shared bwd"):
+        sh = layer.shared
+        return mlp_backward(sh, dout, s_saved, sw1, sw2, ctx.needs_input_grad[0], sh.gemm,
+                            dy8=rows if sh.fp8 else None)
+
+
+@contextmanager
+def _exchanging(disp: Dispatcher, side):
+    """Calls of `disp` inside exchange on the stream `side` (their results valid there; None: on the
+    caller's stream, as always): `Dispatcher.exchange_stream` for the duration."""
+    if side is None:
+        yield
+        return
+    disp.exchange_stream = side
+    try:
+        yield
+    finally:
+        disp.exchange_stream = None
+
+
+def _join(side, *results) -> None:
+    """The current stream waits for the exchanges enqueued on `side` so far, whose `results` (tensors,
+    Fp8Tensors) it reads from now on."""
+    cur = torch.cuda.current_stream(side.device)
+    cur.wait_stream(side)
+    record_stream(cur, *results)

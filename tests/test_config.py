@@ -59,6 +59,11 @@ REPO = Path(__file__).resolve().parent.parent
                                      "set train.cuda_graphs=true too"),
     (["dispatch.rows_factor=0.5"], "dispatch.rows_factor=0.5: below 1 every step would overflow and run twice; use >= 1"),
     (["dispatch.rows_factor=-1"], "dispatch.rows_factor=-1.0: expected 0 (off) or a factor > 0 of the balanced load"),
+    (["dispatch.shared_overlap=true"], "dispatch.shared_overlap=true: the shared experts hide the all_to_all capacity "
+                                       "mode's exchanges under EP; got dispatch=local, dispatch.ep_size=1"),
+    (["dispatch=all_to_all", "dispatch.mode=exact", "dispatch.shared_overlap=true"],
+     "dispatch.shared_overlap=true: the shared experts hide the all_to_all capacity mode's exchanges under EP; got "
+     "dispatch=all_to_all, dispatch.ep_size=2, dispatch.mode=exact"),
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),

@@ -226,6 +226,45 @@ def _ep_case(rank, world, dev, cases):
         dist.barrier()
 
 
+def _shared_overlap_case(rank, world, dev, cases):
+    """dispatch.shared_overlap: the plain schedule with the shared experts run while the dispatches
+    exchange on the side stream equals it without, bit for bit (the same operations on the same
+    values; only the streams differ), and repeats without hanging. On CPU there is no side stream:
+    the plumbing only."""
+    for recipe, mode in cases:
+        torch.manual_seed(0)
+        layer = MoELayer(H, I, E, K, n_shared=1, recipe=Recipe(recipe),
+                         dispatcher=build_dispatcher("all_to_all", E, None, capacity=64 + 19 * (world - 1),
+                                                     mode=mode)).to(dev)
+        g = torch.Generator().manual_seed(30 + rank)
+        T = 64 + 19 * rank  # ragged across ranks
+        x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+        dout = torch.randn(T, H, generator=g).bfloat16().to(dev)
+        names = ["out", "dx"] + [n for n, _ in layer.named_parameters()]
+        want = run(layer, x, dout, lambda x: layer(x).out)
+        layer.shared_overlap = True
+        assert (layer.shared_overlap_stream(x) is not None) == (dev != "cpu" and mode == "capacity")
+        got = run(layer, x, dout, lambda x: layer(x).out)
+        assert_overlapped_equal(names, got, want)
+        for _ in range(2 if dev == "cpu" else 100):
+            layer.zero_grad()
+            layer(x).out.backward(dout)
+        dist.barrier()
+
+
+def test_shared_overlap_equals_plain_gloo_ep2():
+    spawn_group(_shared_overlap_case, 2, [("fp8", "capacity"), ("bf16", "exact")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_shared_overlap_equals_plain_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    spawn_group(_shared_overlap_case, world, [("fp8", "capacity"), ("bf16", "capacity"), ("fp8", "exact")],
+                backend="nccl", timeout_s=300)
+
+
 def test_overlap_equals_serialized_gloo_ep2():
     spawn_group(_ep_case, 2, [("fp8", "exact"), ("bf16", "exact"), ("fp8", "capacity")])
 

@@ -242,22 +242,24 @@ def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
 
 
 def rows_factor_runs(data_dir, tmp_path, *extra) -> tuple[dict, dict]:
-    """dispatch.rows_factor at EP2 (capacity-mode dispatch), factors 0 / 1.0 / 2.0 plain and 0 / 1.0 overlapped:
+    """dispatch.rows_factor at EP2 (capacity-mode dispatch), factors 0 / 1.0 / 2.0 plain and 0 / 1.0 overlapped,
+    and 0 with dispatch.shared_overlap (the plain schedule's shared experts behind its exchanges: the same bits)
     -> ({run: [(loss, grad norm)] per step}, {run: the steps said to have run again})."""
     runs, said = {}, {}
-    for f in ("0", "1.0", "2.0", "0 overlap", "1.0 overlap"):  # and under the two micro-batch overlap (a cap per half)
-        factor, overlap = f.split()[0], "overlap" in f
+    for f in ("0", "1.0", "2.0", "0 overlap", "1.0 overlap", "0 shared"):  # (the two micro-batch overlap: a cap per half)
+        factor, overlap, shared = f.split()[0], "overlap" in f, "shared" in f
         out = tmp_path / f.replace(" ", "_")
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "dispatch.mode=capacity",
-                            f"dispatch.rows_factor={factor}", f"dispatch.overlap={overlap}", *extra,
+                            f"dispatch.rows_factor={factor}", f"dispatch.overlap={overlap}",
+                            f"dispatch.shared_overlap={shared}", *extra,
                             *base(data_dir, out, **{"train.steps": 3, "train.ckpt_every": 0, "train.log_every": 1,
                                                     "train.seq_len": 256})],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[f] = [(x["loss"], x["grad_norm"]) for x in metrics(out)]
         said[f] = re.findall(r"step (\d+): \d+ MoE layout\(s\) needed more rows than dispatch.rows_factor", r.stdout)
-    assert len(runs["0"]) == 3 and runs["1.0"] == runs["0"] == runs["2.0"], runs
+    assert len(runs["0"]) == 3 and runs["1.0"] == runs["0"] == runs["2.0"] == runs["0 shared"], runs
     assert runs["1.0 overlap"] == runs["0 overlap"], runs
     assert not said["0"] and not said["2.0"] and not said["0 overlap"], said
     return runs, said
