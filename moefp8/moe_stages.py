@@ -309,7 +309,7 @@ class RoutedExperts(torch.autograd.Function):
         with scope("quant"):
             xin = _wire_rows(layer, x_TH, "act")
         side = layer.shared_overlap_stream(x_TH) if sw1 is not None else None
-        with _exchanging(layer.dispatcher, side):
+        with exchanging(layer.dispatcher, side):
             d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK, xin=xin)
         shared = None
         if side is not None:
@@ -334,7 +334,7 @@ class RoutedExperts(torch.autograd.Function):
         dout = dout.contiguous()
         rows = _wire_rows(layer, dout, "grad")
         side = layer.shared_overlap_stream(dout) if shared else None
-        with _exchanging(layer.dispatcher, side):
+        with exchanging(layer.dispatcher, side):
             dz = bwd_dispatch(layer, dout, s, rows=rows)
         sh = None
         if side is not None:
@@ -370,12 +370,9 @@ def _shared_backward(ctx, layer, dout: Tensor, rows, shared: list) -> tuple:
 
 
 @contextmanager
-def _exchanging(disp: Dispatcher, side):
+def exchanging(disp: Dispatcher, side):
     """Calls of `disp` inside exchange on the stream `side` (their results valid there; None: on the
     caller's stream, as always): `Dispatcher.exchange_stream` for the duration."""
-    if side is None:
-        yield
-        return
     disp.exchange_stream = side
     try:
         yield

@@ -68,8 +68,8 @@ from moefp8.fp8 import record_stream
 from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.mlp import mlp_backward, mlp_forward
-from moefp8.moe_stages import (RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, fwd_dispatch, fwd_experts,
-                               fwd_layout, restore, save)
+from moefp8.moe_stages import (RoutedExperts, bwd_combine, bwd_dispatch, bwd_experts, exchanging, fwd_dispatch,
+                               fwd_experts, fwd_layout, restore, save)
 
 _SIDE_STREAMS: dict = {}  # (device index, role, priority) -> stream: a cache, made once per key
 
@@ -244,15 +244,9 @@ class _Streams:
                 self.wait(self.comm, ev_in)
                 yield
 
-    @contextmanager
     def exchanging(self, disp):
-        """Calls of `disp` inside run their exchanges on the comm stream (results valid there): its
-        `Dispatcher.exchange_stream`, set for the duration."""
-        disp.exchange_stream = self.comm
-        try:
-            yield
-        finally:
-            disp.exchange_stream = None
+        """Calls of `disp` inside run their exchanges on the comm stream (results valid there)."""
+        return exchanging(disp, self.comm)
 
     def hand_to(self, stream, *objs) -> None:
         """Tensors made on one stream and read on `stream`: tell the caching allocator, so their
