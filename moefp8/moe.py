@@ -97,7 +97,7 @@ class MoELayer(nn.Module):
         if not (self.shared_overlap and self.shared is not None and t.is_cuda and self.dispatcher.communicates
                 and self.dispatcher.packs_on_caller_stream(self.topk)):
             return None
-        return side_stream(t.device, "comm", OverlapPolicy().side_stream_priority)
+        return side_stream(t.device, "comm", OverlapPolicy.side_stream_priority)  # the default policy's
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> MoEOutput:
         """x [..., H] bf16 -> MoEOutput(out like x, aux_loss, load_E)."""
