@@ -80,11 +80,10 @@ class RecipeConfig:
     # BF16 and only the MoE layers' experts in FP8 (an ablation knob: which part costs accuracy)
     fp8_dense: bool = True
     # FP8 recipe: these of the dense linears ("wqkv", "wo", "dense_mlp") in BF16, a finer knob than
-    # fp8_dense=false (which is all three). Default: the attention output projection wo, whose input
-    # DeepSeek-V3 also keeps above E4M3 (its E5M6 cache); in FP8 it costs +0.33% held-out loss on the
-    # small model (mean of 3 runs) and in BF16 ~1% of the FP8 speed-up (bench/notes/convergence.md, session 11).
-    # [] puts every dense linear in FP8.
-    bf16_linears: list[str] = field(default_factory=lambda: ["wo"])
+    # fp8_dense=false (which is all three). Default []: every dense linear in FP8 (wo in FP8: held-out
+    # loss within the FP8 runs' spread on the small BPE model, 1.1% faster at 3B; [wo] was the default
+    # from session 11 to 54: bench/notes/convergence.md, session 54).
+    bf16_linears: list[str] = field(default_factory=list)
     # FP8 recipe: the experts' m-grouped GEMMs (fprop, dgrad) by moefp8's kernels or, where DeepGEMM is
     # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); auto: DeepGEMM where it imports, is
     # bit-identical and faster on the model's expert shapes (timed at start), else moefp8. The wgrad stays moefp8's

@@ -7,7 +7,7 @@
 Precision (docs/design.md §1): every weight is an fp32 master; activations between layers are BF16.
 Under `Recipe("fp8")` the attention projections are `Fp8Linear`s, the dense MLPs run the shared
 experts' FP8 MLP (moefp8.mlp.MLP) and the experts the FP8 MoE path, except the linears named in the
-recipe's `bf16_linears` (the training config's default: wo, bench/notes/convergence.md session 11);
+recipe's `bf16_linears` (the training config's default: none, bench/notes/convergence.md session 54);
 under "bf16" the same layers compute in BF16 (`Bf16Linear`, the MLP's BF16 path). Embedding, LM head, norms (fp32 math), the attention core (F.scaled_dot_product_attention,
 causal) and the router stay in high precision. Attention is multi-head attention with RoPE, not
 DeepSeek-V3's MLA.

@@ -17,7 +17,7 @@ class Recipe:
     """name: "fp8" (the DeepSeek-V3 recipe) or "bf16" (the like-for-like baseline: the same
     pipeline with BF16 rows, GEMMs and caches). scale_fmt: the FP8 scales, "pow2" or "fp32"
     (moefp8.fp8); the dispatcher must send the same. bf16_linears: under "fp8", the dense linears
-    ("wqkv", "wo", "dense_mlp") that compute in BF16 anyway (training's default: wo). moe_impl:
+    ("wqkv", "wo", "dense_mlp") that compute in BF16 anyway (training's default: none). moe_impl:
     who computes the routed experts, "moefp8" or "megablocks" (its dMoE; BF16 only)."""
 
     name: str = "fp8"

@@ -51,7 +51,7 @@ def test_config_help_describes_every_schema_key():
     type_default = {key: key_entry(lines, key)[0] for key in ("model.hidden", "recipe.bf16_linears",
                                                                "train.out_dir", "dispatch.overlap")}
     assert type_default == {"model.hidden": "model.hidden: int = 128",
-                            "recipe.bf16_linears": 'recipe.bf16_linears: list[str] = ["wo"]',
+                            "recipe.bf16_linears": "recipe.bf16_linears: list[str] = []",
                             "train.out_dir": 'train.out_dir: str = "outputs/runs/default"',
                             "dispatch.overlap": "dispatch.overlap: Any = false"}
     listed = [m[1] for m in map(re.compile(r"  (\S+): ").match, lines) if m and m[1] in keys]

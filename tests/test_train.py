@@ -349,15 +349,15 @@ def test_resume_from_a_checkpoint_without_held_out_windows(data_dir, tmp_path, m
 
 def test_resume_names_the_config_changes(data_dir, tmp_path, capsys):
     """A resume with other values than the run dir's last start (a longer run, or a default that changed
-    between versions: recipe.bf16_linears was [] before session 11) says which, and still resumes."""
+    between versions: recipe.bf16_linears was [wo] from session 11 to 54) says which, and still resumes."""
     run = tmp_path / "run"
-    train(compose_config(base(data_dir, run, **{"train.steps": 2, "train.ckpt_every": 2, "recipe.bf16_linears": "[]"})))
+    train(compose_config(base(data_dir, run, **{"train.steps": 2, "train.ckpt_every": 2, "recipe.bf16_linears": "[wo]"})))
     assert "config changes" not in capsys.readouterr().out
     train(compose_config(base(data_dir, run, **{"train.steps": 3, "train.ckpt_every": 3})))
     out = capsys.readouterr().out
     assert "resumed from" in out and "config changes since this run dir was last started: " \
-        "recipe.bf16_linears: [] -> ['wo']; train.ckpt_every: 2 -> 3; train.steps: 2 -> 3" in out, out
-    assert [m["step"] for m in metrics(run)] == [1, 2, 3] and "- wo" in (run / "config.yaml").read_text()
+        "recipe.bf16_linears: ['wo'] -> []; train.ckpt_every: 2 -> 3; train.steps: 2 -> 3" in out, out
+    assert [m["step"] for m in metrics(run)] == [1, 2, 3] and "bf16_linears: []" in (run / "config.yaml").read_text()
 
 
 def test_resume_continues_the_same_wandb_run(data_dir, tmp_path):
