@@ -205,7 +205,9 @@ def _permute_requant_colwise_kernel(x_ptr, s_ptr, src_ptr, o_ptr, os_ptr, M16, K
 
 
 @triton.jit
-def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, H, stride_y, stride_o, K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, a_ptr, H, stride_y, stride_o, stride_a, K: tl.constexpr,
+                    ADD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """ADD: out = bf16(bf16(sum) + add) in fp32, the bits of a separate `sum + add` in BF16."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -215,6 +217,9 @@ def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, H, stride_y, stride_o, K: tl.c
         mask = (offs_h < H) & (offs_h * 0 + r >= 0)
         y = tl.load(y_ptr + tl.maximum(r, 0).to(tl.int64) * stride_y + offs_h, mask=mask, other=0.0)
         acc += tl.where(mask, w * y.to(tl.float32), 0.0)
+    if ADD:
+        a = tl.load(a_ptr + t * stride_a + offs_h, mask=offs_h < H, other=0.0)
+        acc = acc.to(tl.bfloat16).to(tl.float32) + a.to(tl.float32)
     tl.store(o_ptr + t * stride_o + offs_h, acc, mask=offs_h < H)
 
 
@@ -395,25 +400,33 @@ def permute_rows(x_TH: Tensor, layout: PermuteLayout, impl: str | None = None) -
 
 
 def unpermute_combine(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, impl: str | None = None,
-                      out: Tensor | None = None) -> Tensor:
+                      out: Tensor | None = None, add_TH: Tensor | None = None) -> Tensor:
     """y [M, H] (bf16) -> out [T, H] bf16, out[t] = sum_k w[t, k] * y[row[t, k]] summed in fp32
     in slot order. Padding rows are never read. out: a bf16 [T, H] with unit column stride to write
-    into (e.g. a transport's send slot), else a new tensor."""
+    into (e.g. a transport's send slot), else a new tensor. add_TH: a bf16 [T, H] (unit column
+    stride) added to the BF16 sum in the same pass: the bits of `unpermute_combine(...) + add_TH`
+    (the shared experts' output at EP=1, one [T, H] pass fewer each way)."""
     T, K = layout.row_TK.shape
     H = y_MH.shape[1]
     if out is not None and (out.shape != (T, H) or out.dtype != torch.bfloat16 or (T and H and out.stride(1) != 1)):
         raise ValueError(f"unpermute_combine: out must be bf16 [{T}, {H}] with unit column stride, got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
+    if add_TH is not None and (add_TH.shape != (T, H) or add_TH.dtype != torch.bfloat16
+                               or (T and H and add_TH.stride(1) != 1)):
+        raise ValueError(f"unpermute_combine: add_TH must be bf16 [{T}, {H}] with unit column stride, got "
+                         f"{add_TH.dtype} {tuple(add_TH.shape)} strides {add_TH.stride()}")
     if not use_triton(y_MH, impl):
-        ref = unpermute_combine_ref(y_MH, layout, w_TK)
+        ref = unpermute_combine_ref(y_MH, layout, w_TK, add_TH)
         return ref if out is None else out.copy_(ref)
     if out is None:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=y_MH.device)
     if T:
         BLOCK_H = min(1024, triton.next_power_of_2(H))
-        _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y_MH, layout.row_TK, w_TK.float().contiguous(), out, H,
-                                                    y_MH.stride(0), out.stride(0), K=K, BLOCK_H=BLOCK_H,
-                                                    num_warps=4, enable_fp_fusion=False)
+        add = add_TH if add_TH is not None else out  # (not read without ADD)
+        _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y_MH, layout.row_TK, w_TK.float().contiguous(), out, add, H,
+                                                    y_MH.stride(0), out.stride(0), add.stride(0), K=K,
+                                                    ADD=add_TH is not None, BLOCK_H=BLOCK_H, num_warps=4,
+                                                    enable_fp_fusion=False)
     return out
 
 
@@ -523,16 +536,15 @@ def permute_rows_ref(x_TH: Tensor, layout: PermuteLayout) -> Tensor:
     return torch.where(ok[:, None], rows, torch.zeros((), dtype=x_TH.dtype, device=x_TH.device))
 
 
-def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor) -> Tensor:
+def unpermute_combine_ref(y_MH: Tensor, layout: PermuteLayout, w_TK: Tensor, add_TH: Tensor | None = None) -> Tensor:
     T, K = layout.row_TK.shape
     out = torch.zeros(T, y_MH.shape[1], dtype=torch.float32, device=y_MH.device)
-    if y_MH.shape[0] == 0:  # no row at all (every slot -1): nothing to gather
-        return out.bfloat16()
-    for k in range(K):  # slot order, as the kernel sums
-        r = layout.row_TK[:, k].long()
-        ok = r >= 0
-        out += torch.where(ok[:, None], w_TK[:, k, None].float() * y_MH[r.clamp(min=0)].float(), 0.0)
-    return out.bfloat16()
+    if y_MH.shape[0] != 0:  # (no row at all, every slot -1: nothing to gather)
+        for k in range(K):  # slot order, as the kernel sums
+            r = layout.row_TK[:, k].long()
+            ok = r >= 0
+            out += torch.where(ok[:, None], w_TK[:, k, None].float() * y_MH[r.clamp(min=0)].float(), 0.0)
+    return out.bfloat16() if add_TH is None else out.bfloat16() + add_TH
 
 
 def combine_backward_ref(dz_TH, y_MH: Tensor | None, layout: PermuteLayout, w_TK: Tensor,

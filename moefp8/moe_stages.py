@@ -201,8 +201,9 @@ def fwd_layout(layer, d) -> PermuteLayout:
 
 
 def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: bool,
-                gemm: GemmPolicy) -> tuple[Tensor, Saved]:
-    """permute -> expert MLP -> z[t] = sum_k w[t,k] y[row] (bf16, [T_recv, H]), and what backward needs."""
+                gemm: GemmPolicy, add: Tensor | None = None) -> tuple[Tensor, Saved]:
+    """permute -> expert MLP -> z[t] = sum_k w[t,k] y[row] (bf16, [T_recv, H]), and what backward needs.
+    add: a bf16 [T_recv, H] added to z in the combine's pass (the shared experts' output at EP=1)."""
     fp8, fmt = layer.recipe.fp8, layer.recipe.scale_fmt
     with scope("permute"):
         xp = permute_fp8(d.x, L, colmajor_scale=True) if fp8 else permute_rows(d.x, L)
@@ -216,7 +217,7 @@ def fwd_experts(layer, d, L: PermuteLayout, w1: Tensor, w2: Tensor, want_dw: boo
         y, h = bf16_mlp_forward(xp, L.offsets, layer.cache.get(w1, "bf16"), layer.cache.get(w2, "bf16"))
         saved = Saved((d.x, None), (h, None), (y if want_dw else None, None), d.topk_w, L, d.handle)
     with scope("combine"):
-        return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer.dispatcher, d.handle, y)), saved
+        return unpermute_combine(y, L, d.topk_w, out=combine_buffer(layer.dispatcher, d.handle, y), add_TH=add), saved
 
 
 def bwd_dispatch(layer, dout: Tensor, s: Saved, evented: bool = False, *, rows=None):
@@ -231,11 +232,12 @@ def bwd_dispatch(layer, dout: Tensor, s: Saved, evented: bool = False, *, rows=N
 
 
 def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_dx: bool, gemm: GemmPolicy,
-                dw_into: tuple | None = None):
+                dw_into: tuple | None = None, dx_add: Tensor | None = None):
     """dz (the dispatched gradient) -> (dx rows summed per received token [T_recv, H] or None,
     dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1.
     dw_into: (dW1, dW2) of another micro-batch to add this one's into (FP8 recipe; returned as
-    dW1, dW2), else None."""
+    dW1, dW2), else None. dx_add: a bf16 [T_recv, H] added to the dx rows' sum in its pass (the
+    shared experts' dx at EP=1)."""
     fp8, fmt, disp = layer.recipe.fp8, layer.recipe.scale_fmt, layer.dispatcher
     L, w_TK = s.layout, s.topk_w
     dw = None
@@ -266,7 +268,8 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
     dx_rows = None
     if dxp is not None:  # sum each token's rows (their weights are already in dy)
         with scope("bwd_unpermute"):
-            dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK), out=combine_buffer(disp, s.handle, dxp))
+            dx_rows = unpermute_combine(dxp, L, torch.ones_like(w_TK), out=combine_buffer(disp, s.handle, dxp),
+                                        add_TH=dx_add)
     return dx_rows, dw, dw1, dw2
 
 
@@ -300,9 +303,11 @@ class RoutedExperts(torch.autograd.Function):
     layer's GEMM policy. apply(x [T, H], topk_w [T, K], w1, w2, topk_idx [T, K], layer[, sw1, sw2])
     -> [T, H]; with the shared experts' weights sw1, sw2: routed + shared (`moefp8.mlp`), the shared
     experts taking the dispatch's quantization of x and of the output gradient (FP8: one pass over
-    each for both; the same codes their own would be). They run after the combine, or with the
+    each for both; the same codes their own would be). They run after the combine; with the
     layer's `shared_overlap_stream` right after the dispatch is enqueued, while it exchanges on that
-    stream (forward and backward): the same operations on the same values, in another order."""
+    stream (forward and backward); at EP=1 before the experts, their output (and dx) added in the
+    combine's pass (`unpermute_combine(add_TH=)`): the same operations on the same values, in
+    another order."""
 
     @staticmethod
     def forward(ctx, x_TH, topk_w_TK, w1, w2, topk_idx_TK, layer, sw1=None, sw2=None):
@@ -312,16 +317,19 @@ class RoutedExperts(torch.autograd.Function):
         with exchanging(layer.dispatcher, side):
             d = fwd_dispatch(layer, x_TH, topk_idx_TK, topk_w_TK, xin=xin)
         shared = None
-        if side is not None:
+        local = sw1 is not None and not layer.dispatcher.communicates  # shared output added in the combine
+        if side is not None or local:
             shared = _shared_forward(layer, x_TH, xin, sw1, sw2)
+        if side is not None:
             _join(side, d.x, d.topk_idx, d.topk_w)
         L = fwd_layout(layer, d)
-        z, saved = fwd_experts(layer, d, L, w1, w2, ctx.needs_input_grad[1], layer.gemm)
+        z, saved = fwd_experts(layer, d, L, w1, w2, ctx.needs_input_grad[1], layer.gemm,
+                               add=shared[0] if local else None)
         with scope("combine"):
             out = layer.dispatcher.combine(z, d.handle)
         if sw1 is not None and shared is None:
             shared = _shared_forward(layer, x_TH, xin, sw1, sw2)
-        if shared is not None:
+        if shared is not None and not local:
             out = out + shared[0]
         save(ctx, [saved], w1, w2, *((sw1, sw2, *shared[1]) if shared is not None else ()))
         ctx.layer = layer
@@ -337,17 +345,20 @@ class RoutedExperts(torch.autograd.Function):
         with exchanging(layer.dispatcher, side):
             dz = bwd_dispatch(layer, dout, s, rows=rows)
         sh = None
-        if side is not None:
+        local = bool(shared) and not layer.dispatcher.communicates  # shared dx added in the dx rows' sum
+        if side is not None or local:
             sh = _shared_backward(ctx, layer, dout, rows, shared)
+        if side is not None:
             _join(side, dz)
-        dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, ctx.needs_input_grad[0], layer.gemm)
+        dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, ctx.needs_input_grad[0], layer.gemm,
+                                            dx_add=sh[0] if local else None)
         dx, dw = bwd_combine(layer, dx_rows, dw, s, dout.dtype)
         if not shared:
             return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
         if sh is None:
             sh = _shared_backward(ctx, layer, dout, rows, shared)
         sdx, sdw1, sdw2 = sh
-        if dx is not None:
+        if dx is not None and not local:
             dx = dx + sdx
         sw1, sw2 = shared[:2]
         return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None, sdw1.to(sw1.dtype), sdw2.to(sw2.dtype)

@@ -251,11 +251,18 @@ def _compare_all(T, K, E, kind, H, device, exact: bool):
     dz = torch.randn(T, H, device=device).bfloat16()
     a, b = P.unpermute_combine(y, L, w, impl="triton"), P.unpermute_combine_ref(y, L, w)
     (dy_a, dw_a), (dy_b, dw_b) = P.combine_backward(dz, y, L, w, impl="triton"), P.combine_backward_ref(dz, y, L, w)
+    # add_TH: the shared experts' output added in the same pass, the bits of the separate BF16 add
+    # (a strided view, and values where the sum cancels: -a)
+    add = torch.cat([torch.randn(T, H, device=device).bfloat16(), -b], 1)[:, :H] if T % 2 else -b
+    a_add, b_add = P.unpermute_combine(y, L, w, impl="triton", add_TH=add), P.unpermute_combine_ref(y, L, w, add)
+    assert torch.equal(b_add, b + add) and torch.isfinite(a_add.float()).all()
     if exact:
-        assert torch.equal(a, b) and torch.equal(dy_a, dy_b)
+        assert torch.equal(a, b) and torch.equal(dy_a, dy_b) and torch.equal(a_add, b_add)
     else:
         assert torch.all((a.float() - b.float()).abs() <= b.float().abs() * 2**-7)
         assert torch.all((dy_a.float() - dy_b.float()).abs() <= dy_b.float().abs() * 2**-7)
+        # (two truncating casts under the interpreter: up to two ulps)
+        assert torch.all((a_add.float() - b_add.float()).abs() <= (b.float().abs() + add.float().abs()) * 2**-6)
     scale = float(dw_b.abs().max()) if dw_b.numel() else 0.0
     assert torch.allclose(dw_a, dw_b, rtol=1e-5, atol=1e-5 * scale + 1e-30)
     _, dw_only = P.combine_backward(dz, y, L, w, want_dy=False, impl="triton")
