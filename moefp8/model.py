@@ -35,6 +35,7 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.fp8 import TILE, ScaleStats
 from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
+from moefp8.kernels.norm import add_rms_norm, rms_norm
 from moefp8.kernels.rope import rope_qkv, rope_tables
 from moefp8.linear import Fp8Linear, make_linear
 from moefp8.loss import linear_cross_entropy
@@ -58,16 +59,28 @@ class ModelOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """fused (model.fused_norm): on CUDA moefp8's kernels (kernels/norm.py), which also fuse the
+    residual add before the norm (`add`); else torch's."""
+
+    def __init__(self, dim: int, eps: float, fused: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         # x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and rounded to BF16 once; torch's fused
         # kernel on CUDA (one pass each way), the composite on CPU. BF16 in, BF16 weight copy, BF16 out:
         # fp32 in and out cost two casts of the activation each way (~11 ms per step of the small model)
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+    def add(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (h = x + a, the norm of h): one pass each way where fused."""
+        if self.fused:
+            return add_rms_norm(x, a, self.weight, self.eps)
+        h = x + a
+        return h, self(h)
 
 
 class Attention(nn.Module):
@@ -109,9 +122,9 @@ class Block(nn.Module):
         self.graphed_whole = None  # the same for the whole block (train.cuda_graphs_mlp)
         self.whole_outputs = ()  # the names of whole_checked's optional outputs, as captured
         self.graphed_halves = (None, None)  # the same for the overlap's micro-batches A and B (MoE blocks)
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.fused_norm)
         self.attn = Attention(cfg, recipe, stats, gemm)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.fused_norm)
         self.is_moe = layer >= cfg.n_dense_layers
         if self.is_moe:
             self.mlp = MoELayer(cfg.hidden, cfg.moe_inter, cfg.n_experts, cfg.topk, cfg.n_shared, recipe, dispatcher,
@@ -127,8 +140,8 @@ class Block(nn.Module):
     def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The block up to its MLP: -> (attention output a, x + a, the MLP's input RMSNorm(x + a))."""
         a = self.attn(self.attn_norm(x), cos, sin)
-        h = x + a
-        return a, h, self.mlp_norm(h)
+        h, m = self.mlp_norm.add(x, a)
+        return a, h, m
 
     def attend_checked(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`attend` as the captured graph runs it (moefp8.graphs): -> (x + a, the MLP's input, whether
@@ -227,7 +240,7 @@ class Transformer(nn.Module):
                                           recompute_expert_out="expert_out" in recompute, row_cap=self.row_cap,
                                           shared_overlap=shared_overlap)
                                     for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.fused_norm)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.expert_offset = ep_rank * dispatcher.num_local_experts
         if not self.head.weight.is_meta:  # on the meta device (`Transformer.build`): drawn once allocated

@@ -289,6 +289,36 @@ def test_rms_norm_rounds_once_to_bf16():
     assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_norm_is_the_same_function(device, monkeypatch):
+    """model.fused_norm: every RMSNorm by kernels/norm.py, each block's residual add before its MLP's
+    norm in the same call. CPU: the same code (bit for bit); CUDA: the kernels, whose roundings differ
+    from torch's by BF16 ulps (a loss within 1e-3, gradients within 2% relative: BF16 rounding flips
+    through a few layers; a wrong gradient is O(1))."""
+    import moefp8.model as M
+
+    calls = []
+    fused_add = M.add_rms_norm
+    monkeypatch.setattr(M, "add_rms_norm", lambda *a, **k: calls.append(1) or fused_add(*a, **k))
+    t = tokens(B=2, S=64).to(device)
+    runs = []
+    for fused in (False, True):
+        m = build("bf16", replace(TINY, fused_norm=fused)).to(device)  # (the norms are the recipe's either way)
+        loss = m(t[:, :-1], t[:, 1:]).out
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert len(calls) == TINY.n_layers
+    (l0, g0), (l1, g1) = runs
+    assert g0.keys() == g1.keys() and any("norm" in n for n in g0)
+    if device == "cpu":
+        assert torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    else:
+        assert torch.isfinite(l1) and abs(float(l1 - l0)) <= 1e-3 * abs(float(l0))
+        for n in g0:
+            err = float((g1[n].float() - g0[n].float()).norm() / (g0[n].float().norm() + 1e-30))
+            assert err < 2e-2, (n, err)
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_dense_mlp_is_the_shared_experts_mlp(recipe):
     """The dense layers' MLP and the shared experts are one `MLP`: under FP8 the dense MLP keeps its

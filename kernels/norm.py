@@ -1,0 +1,175 @@
+"""RMSNorm, and the residual add before it, in one pass each way: Triton kernels -> wrappers ->
+autograd Functions -> `_ref` twins.
+
+    rms_norm(x_TH, w, eps) -> y_TH                   y = x * rsqrt(mean(x^2) + eps) * w
+    add_rms_norm(x_TH, a_TH, w, eps) -> (h_TH, y_TH)   h = x + a (BF16, the bits of torch's add),
+                                                       y = rms_norm(h)
+
+BF16 rows in and out, math in fp32, w the fp32 master read rounded to BF16 (as the model's
+`weight.to(bf16)`). The backward is one pass over the rows: dx = J^T dy (+ dh, the residual's
+gradient, where the add was fused: autograd's add of the two gradients of h is that pass too) and
+per-program fp32 partial sums of dw, then one sum over the programs (dw in fp32, no BF16 rounding).
+
+Why: torch's fused RMSNorm takes one pass forward and three backward (grad input, then the weight
+grad's two-stage reduction), and the residual add is one more kernel each way (read two, write one):
+in the 3B step 9.7 ms of norms and ~5 ms of residual adds per step, each kernel above its
+bandwidth floor. Opt-in (`model.fused_norm`) until a GPU run shows it faster.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.nn import functional as F
+
+from moefp8.kernels import num_sms, use_triton
+
+
+@triton.jit
+def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, stride_a, stride_h, stride_y, eps,
+                    ADD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One row per program. ADD: h = bf16(x + a) stored, the norm of h."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    if ADD:
+        a = tl.load(a_ptr + t * stride_a + offs, mask=m, other=0.0).to(tl.float32)
+        hb = (x + a).to(tl.bfloat16)
+        tl.store(h_ptr + t * stride_h + offs, hb, mask=m)
+        x = hb.to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.bfloat16).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
+    tl.store(y_ptr + t * stride_y + offs, (x * r * w).to(tl.bfloat16), mask=m)
+    tl.store(r_ptr + t, r)
+
+
+@triton.jit
+def _rms_bwd_kernel(h_ptr, dy_ptr, dh_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, T, H, stride_h, stride_dy, stride_dh,
+                    stride_dx, ROWS, ADD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """ROWS rows per program: dx = (w dy - xhat mean(xhat w dy)) r (+ dh), dw partial = sum dy xhat."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.bfloat16).to(tl.float32)
+    dw = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for i in range(0, ROWS):
+        t = pid.to(tl.int64) * ROWS + i
+        mt = m & (offs * 0 + t < T)
+        x = tl.load(h_ptr + t * stride_h + offs, mask=mt, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + t * stride_dy + offs, mask=mt, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + tl.minimum(t, T - 1))  # (a row past T: x, dy = 0 make its dx and dw terms 0)
+        xh = x * r
+        wdy = dy * w
+        dx = (wdy - xh * (tl.sum(xh * wdy, axis=0) / H)) * r
+        if ADD:
+            dx += tl.load(dh_ptr + t * stride_dh + offs, mask=mt, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + t * stride_dx + offs, dx.to(tl.bfloat16), mask=mt)
+        dw += dy * xh
+    tl.store(dw_ptr + pid * H + offs, dw, mask=m)
+
+
+def _check(name: str, w: Tensor, *rows: Tensor) -> None:
+    x = rows[0]
+    for t in rows:
+        if t.dim() != 2 or t.dtype != torch.bfloat16 or t.shape != x.shape or (t.numel() and t.stride(1) != 1):
+            raise ValueError(f"{name}: expected bf16 [T, H] rows of one shape with unit column stride, got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if w.shape != (x.shape[1],):
+        raise ValueError(f"{name}: w has shape {tuple(w.shape)}, expected [{x.shape[1]}]")
+
+
+def rms_norm_fwd(x_TH: Tensor, w: Tensor, eps: float, a_TH: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel: -> (h [T, H] bf16 = x + a, or x itself without a; y [T, H] bf16; r [T] fp32
+    the rows' rsqrt(mean(h^2) + eps), which the backward reads)."""
+    _check("rms_norm", w, x_TH, *([a_TH] if a_TH is not None else []))
+    T, H = x_TH.shape
+    y = torch.empty_like(x_TH)
+    h = torch.empty_like(x_TH) if a_TH is not None else x_TH
+    r = torch.empty(T, dtype=torch.float32, device=x_TH.device)
+    if T and H:
+        a = a_TH if a_TH is not None else x_TH
+        _rms_fwd_kernel[(T,)](x_TH, a, w, h, y, r, T, H, x_TH.stride(0), a.stride(0), h.stride(0), y.stride(0), eps,
+                              ADD=a_TH is not None, BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 4096 else 8)
+    return h, y, r
+
+
+def rms_norm_bwd(h_TH: Tensor, dy_TH: Tensor, w: Tensor, r_T: Tensor,
+                 dh_TH: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The backward kernel: -> (dx [T, H] bf16 = J^T dy (+ dh), dw [H] fp32)."""
+    T, H = h_TH.shape
+    dy_TH = dy_TH if dy_TH.stride(1) == 1 else dy_TH.contiguous()
+    if dh_TH is not None and dh_TH.stride(1) != 1:
+        dh_TH = dh_TH.contiguous()
+    dx = torch.empty_like(h_TH)
+    progs = max(1, min(T, 4 * num_sms(h_TH.device)))
+    rows = triton.cdiv(T, progs) if T else 1
+    progs = triton.cdiv(T, rows) if T else 0
+    part = torch.empty(progs, H, dtype=torch.float32, device=h_TH.device)
+    if T and H:
+        dh = dh_TH if dh_TH is not None else dy_TH
+        _rms_bwd_kernel[(progs,)](h_TH, dy_TH, dh, w, r_T, dx, part, T, H, h_TH.stride(0), dy_TH.stride(0),
+                                  dh.stride(0), dx.stride(0), rows, ADD=dh_TH is not None,
+                                  BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 4096 else 8)
+    return dx, part.sum(0)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """apply(x [T, H] bf16, w [H] fp32, eps) -> y [T, H] bf16 by the kernels."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        _, y, r = rms_norm_fwd(x, w, eps)
+        ctx.save_for_backward(x, w, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, r = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(x, dy, w, r)
+        return dx, dw.to(w.dtype), None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """apply(x, a [T, H] bf16, w [H] fp32, eps) -> (h = x + a, y = rms_norm(h)) by the kernels; the
+    backward adds h's own gradient (the residual's) into dx in its pass: dx = da = dh + J^T dy."""
+
+    @staticmethod
+    def forward(ctx, x, a, w, eps):
+        h, y, r = rms_norm_fwd(x, w, eps, a)
+        ctx.save_for_backward(h, w, r)
+        return h, y
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h, w, r = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
+        dx, dw = rms_norm_bwd(h, dy, w, r, dh)
+        return dx, dx, dw.to(w.dtype), None
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float, impl: str | None = None) -> Tensor:
+    """x [..., H] bf16 -> RMSNorm(x) * w in BF16 (w fp32, read as BF16). CUDA: the kernels; CPU: the reference."""
+    if not use_triton(x, impl):
+        return rms_norm_ref(x, w, eps)
+    return RMSNormFunction.apply(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
+
+
+def add_rms_norm(x: Tensor, a: Tensor, w: Tensor, eps: float, impl: str | None = None) -> tuple[Tensor, Tensor]:
+    """x, a [..., H] bf16 -> (h = x + a, rms_norm(h, w)), one pass each way on CUDA."""
+    if not use_triton(x, impl):
+        return add_rms_norm_ref(x, a, w, eps)
+    H = x.shape[-1]
+    h, y = AddRMSNormFunction.apply(x.reshape(-1, H), a.reshape(-1, H), w, eps)
+    return h.view(x.shape), y.view(x.shape)
+
+
+def rms_norm_ref(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """The model's unfused norm: torch's `F.rms_norm` on a BF16 copy of the weight (fp32 math)."""
+    return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
+
+
+def add_rms_norm_ref(x: Tensor, a: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    h = x + a
+    return h, rms_norm_ref(h, w, eps)

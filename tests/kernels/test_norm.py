@@ -1,0 +1,125 @@
+"""RMSNorm and add + RMSNorm (kernels/norm.py): the kernels (interpreter on CPU, compiled on GPU)
+and the reference against a float64 RMSNorm of the same BF16 inputs, forward and backward, on odd
+row counts, a width that is not a power of two, outlier rows and all-zero rows."""
+
+import pytest
+import torch
+
+from moefp8.kernels import norm as N
+
+EPS = 1e-6
+
+
+def rows(T, H, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g) * 2
+    if T > 3:
+        x[1] = 0  # a zero row: r = 1/sqrt(eps), y = 0
+        x[2, :5] *= 1e3  # outliers
+    return x.bfloat16().to(device)
+
+
+def norm_f64(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Independent: float64 RMSNorm of the BF16 values with the BF16-rounded weight."""
+    h64, w64 = h.double(), w.bfloat16().double()
+    return h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * w64
+
+
+def grads_f64(h, w, dy, dh=None):
+    """float64 autograd of the same function: (dx, dw)."""
+    h64 = h.double().requires_grad_()
+    w64 = w.bfloat16().double().requires_grad_()
+    y = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * w64
+    y.backward(dy.double())
+    dx = h64.grad + (dh.double() if dh is not None else 0)
+    return dx, w64.grad
+
+
+def close_bf16(got, want, slack=1, size=None):
+    """BF16 outputs: one rounding of the fp32 value (2**-8 relative, two ulps where the interpreter
+    truncates), plus fp32 arithmetic against the row's largest term. size: the magnitude the
+    roundings scale with where it is not |want| (a sum of two terms rounded apart, which may cancel)."""
+    size = want.abs() if size is None else size
+    err = (got.double() - want).abs()
+    bound = slack * 2.0**-7 * size + 1e-4 * size.amax(-1, keepdim=True) + 1e-30
+    assert torch.isfinite(got).all() and bool((err <= bound).all()), float((err / bound).max())
+
+
+def check(T, H, device, impl, slack):
+    x, a = rows(T, H, T + H, device), rows(T, H, T + H + 1, device) / 4
+    # a weight BF16 represents exactly (the interpreter truncates the kernels' cast; on a GPU it rounds, tested
+    # with the fp32 weight in test_gpu_weight_is_read_rounded_to_bf16)
+    w = (1 + 0.3 * torch.randn(H, generator=torch.Generator().manual_seed(H))).bfloat16().float().to(device)
+    dy, dh = rows(T, H, 7, device), rows(T, H, 8, device)
+    # rms_norm
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = N.rms_norm(xg, wg, EPS, impl=impl)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    close_bf16(y, norm_f64(x, w), slack)
+    y.backward(dy)
+    dx64, dw64 = grads_f64(x, w, dy)
+    close_bf16(xg.grad, dx64, slack)
+    assert wg.grad.dtype == torch.float32
+    # dw: the kernels sum in fp32 (one pass of partial sums, ~T fp32 roundings); the reference's gradient
+    # reaches the fp32 master through its BF16 weight copy, rounded to BF16 once (2**-8 relative)
+    dw_rtol = 2.0**-7 if impl == "ref" else 1e-3
+    assert torch.allclose(wg.grad.double(), dw64, rtol=dw_rtol, atol=1e-4 * float(dw64.abs().max()) + 1e-30)
+    # add_rms_norm: h = x + a, the bits of torch's BF16 add (GPU); the residual's gradient dh added into dx
+    xg, ag, wg = x.clone().requires_grad_(), a.clone().requires_grad_(), w.clone().requires_grad_()
+    h, y = N.add_rms_norm(xg, ag, wg, EPS, impl=impl)
+    if slack == 1:
+        assert torch.equal(h, x + a)
+    else:
+        close_bf16(h, x.double() + a.double(), slack)
+    close_bf16(y, norm_f64(h.detach(), w), slack)
+    torch.autograd.backward([h, y], [dh, dy])
+    dx64, dw64 = grads_f64(h.detach(), w, dy, dh)
+    close_bf16(xg.grad, dx64, slack, size=(dx64 - dh.double()).abs() + dh.double().abs())
+    assert torch.equal(xg.grad, ag.grad)
+    assert torch.allclose(wg.grad.double(), dw64, rtol=dw_rtol, atol=1e-4 * float(dw64.abs().max()) + 1e-30)
+
+
+CASES = [(37, 384), (1, 128), (130, 256)]  # odd T, H not a power of two; one row; more rows than programs
+
+
+@pytest.mark.parametrize("T,H", CASES)
+def test_reference_matches_float64(T, H):
+    check(T, H, "cpu", "ref", slack=1)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,H", CASES)
+def test_triton_interpreter_matches_float64(T, H):
+    check(T, H, "cpu", "triton", slack=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H", [*CASES, (4099, 2048), (1000, 7168)])
+def test_gpu_kernels_match_float64(T, H):
+    check(T, H, "cuda", None, slack=1)
+
+
+def test_bad_rows_are_named():
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w has shape \(128,\), expected \[256\]"):
+        N.rms_norm_fwd(x, torch.ones(128), EPS)
+    with pytest.raises(ValueError, match="expected bf16 \\[T, H\\] rows"):
+        N.rms_norm_fwd(x.float(), torch.ones(256), EPS)
+
+
+@pytest.mark.interp
+def test_no_rows():
+    x = torch.zeros(0, 256, dtype=torch.bfloat16)
+    h, y, r = N.rms_norm_fwd(x, torch.ones(256), EPS, x)
+    assert h.shape == y.shape == (0, 256) and r.shape == (0,)
+    dx, dw = N.rms_norm_bwd(h, y, torch.ones(256), r, h)
+    assert dx.shape == (0, 256) and torch.equal(dw, torch.zeros(256))
+
+
+@pytest.mark.gpu
+def test_gpu_weight_is_read_rounded_to_bf16():
+    """An fp32 master that BF16 does not represent: the kernels read it rounded (as `weight.to(bf16)`)."""
+    x = rows(300, 512, 3, "cuda")
+    w = 1 + 0.3 * torch.randn(512, device="cuda")
+    assert not torch.equal(w, w.bfloat16().float())
+    close_bf16(N.rms_norm(x, w, EPS), norm_f64(x, w))

@@ -1,0 +1,119 @@
+"""RMSNorm and the residual add before it, forward + backward, against torch in the same run.
+
+For each [T, H] (the model's rows: micro-batch x sequence, hidden), three ways to compute
+`h = x + a; y = rms_norm(h) * w` and its gradients (dx = da, dw) given dh and dy:
+
+    torch          the model's unfused code: a BF16 add, `F.rms_norm`, autograd's add of h's gradients
+    torch.compile  the same function compiled (Inductor fuses it; GPU only)
+    moefp8         kernels/norm.py's `add_rms_norm` (model.fused_norm=true), one pass each way
+
+and the norm alone (`rms_norm`, the attention's and the final norm) by torch and by moefp8. Each
+row: median ms of forward + backward, GB/s over the bytes it must move once (add + norm: read x, a,
+write h, y; read h, dh, dy, write dx; the norm: read x, write y; read x, dy, write dx), the
+device's copy bandwidth measured in the same run (the speed of light), their ratio, the time
+against torch's, and the largest error of y and dx against torch's relative to the tensor's largest
+value.
+
+    python tools/bench_norm.py                          # GPU: 32768x2048 (the 3B preset's step rows) and 16384x7168
+    python tools/bench_norm.py --shapes 4096x2048 --out /tmp/norm.json
+
+Without a GPU it times the CPU path (the reference) on a small shape and writes to outputs/.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from moefp8.kernels import norm as N  # noqa: E402
+from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path, save_results  # noqa: E402
+
+EPS = 1e-6
+
+
+def torch_add_norm(x, a, w):
+    h = x + a
+    return h, F.rms_norm(h, (h.shape[-1],), w.to(h.dtype), EPS)
+
+
+def torch_norm(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), EPS)
+
+
+def variants(gpu: bool) -> dict:
+    """name -> (kind "add_norm" | "norm", fn)."""
+    v = {"torch add+norm": ("add_norm", torch_add_norm),
+         "moefp8 add+norm": ("add_norm", lambda x, a, w: N.add_rms_norm(x, a, w, EPS)),
+         "torch norm": ("norm", torch_norm),
+         "moefp8 norm": ("norm", lambda x, w: N.rms_norm(x, w, EPS))}
+    if gpu:
+        v["torch.compile add+norm"] = ("add_norm", torch.compile(torch_add_norm, dynamic=False))
+        v["torch.compile norm"] = ("norm", torch.compile(torch_norm, dynamic=False))
+    return v
+
+
+def step(kind, fn, x, a, w, dh, dy):
+    """Forward + backward: -> (y, dx, dw) (autograd.grad: no accumulation into .grad)."""
+    if kind == "add_norm":
+        h, y = fn(x, a, w)
+        dx, _, dw = torch.autograd.grad([h, y], [x, a, w], [dh, dy])
+    else:
+        y = fn(x, w)
+        dx, dw = torch.autograd.grad([y], [x, w], [dy])
+    return y, dx, dw
+
+
+def max_rel(u, v) -> float:
+    u, v = u.detach().float(), v.detach().float()
+    return float((u - v).abs().max() / (v.abs().max() + 1e-30))
+
+
+def main() -> None:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="32768x2048,16384x7168" if gpu else "512x256", help="row shapes TxH")
+    p.add_argument("--repeat", type=int, default=3 if gpu else 1, help="medians per variant; the best is reported")
+    p.add_argument("--out", default=None, help="results JSON (default bench/results/norm-<device>.json)")
+    args = p.parse_args()
+    dev = "cuda" if gpu else "cpu"
+    copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26, repeat=args.repeat)
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (bytes read + written)")
+    rows = []
+    for T, H in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
+        g = torch.Generator(device=dev).manual_seed(T + H)
+        x, a, dh, dy = (torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_(i < 2) for i in range(4))
+        w = (1 + 0.1 * torch.randn(H, device=dev, generator=g)).requires_grad_()
+        want = {}
+        for name, (kind, fn) in variants(gpu).items():
+            try:
+                out = step(kind, fn, x, a, w, dh, dy)
+                ms = min(bench(lambda: step(kind, fn, x, a, w, dh, dy)) for _ in range(max(args.repeat, 1)))
+            except Exception as e:  # torch.compile where Inductor cannot build: the row says why
+                rows.append({"case": f"{name} {T}x{H}", "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            want.setdefault(kind, out)
+            nb = (8 if kind == "add_norm" else 5) * T * H * 2
+            gbs = nb / ms / 1e6
+            base = next((r for r in rows if r.get("kind") == kind and r.get("shape") == f"{T}x{H}"), None)
+            rows.append({"case": f"{name} {T}x{H}", "kind": kind, "shape": f"{T}x{H}", "ms": round(ms, 4),
+                         "value": round(gbs, 1), "unit": "GB/s", "baseline": "device copy (same run)",
+                         "baseline_value": round(copy_gbs, 1), "ratio": float(f"{gbs / copy_gbs:.3g}"),
+                         "sol_ms": round(nb / copy_gbs / 1e6, 4),
+                         "vs_torch": round(base["ms"] / ms, 3) if base else 1.0,
+                         "y_err": max_rel(out[0], want[kind][0]), "dx_err": max_rel(out[1], want[kind][1]),
+                         "dw_err": max_rel(out[2], want[kind][2])})
+        if gpu:
+            torch.cuda.empty_cache()
+    path = Path(args.out) if args.out else results_path("norm")
+    save_results("bench_norm", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
+                                      "unit": "GB/s"}, path=path)
+    print_table(rows, ["case", "ms", "sol_ms", "value", "ratio", "vs_torch", "y_err", "dx_err", "dw_err", "error"])
+    print(f"speed-of-light: copy {copy_gbs:.0f} GB/s (sol_ms: the bytes at that speed); vs_torch: torch's time "
+          f"over this one's; errors: max |difference| / max |torch's|. saved {path}")
+
+
+if __name__ == "__main__":
+    main()
