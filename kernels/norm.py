@@ -25,48 +25,62 @@ from torch.nn import functional as F
 from moefp8.kernels import num_sms, use_triton
 
 
+# Launch configs: rows per tile and warps (forward); rows per tile, warps and programs per SM of the
+# backward's grid-stride loop, whose programs each write one fp32 partial row of dw. By the row width
+# (BLOCK_H = next power of two of H): narrow rows take several per tile. Chosen by reasoning, not yet swept
+# on a GPU (`tools/bench_norm.py --sweep`): session 54's first timing, one row per program and ~4 programs per
+# SM, ran at 0.42-0.51 of the copy bandwidth at H = 2048 (torch 0.49) and 0.78 at H = 7168 (torch 0.47).
+def launch_for(H: int) -> dict:
+    bh = triton.next_power_of_2(H)
+    rows = max(1, 8192 // bh)
+    return {"fwd": dict(BLOCK_T=rows, num_warps=8 if rows * bh >= 8192 else 4),
+            "bwd": dict(BLOCK_T=rows, num_warps=8 if rows * bh >= 8192 else 4, PROGS_PER_SM=8)}
+
+
 @triton.jit
 def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, stride_a, stride_h, stride_y, eps,
-                    ADD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One row per program. ADD: h = bf16(x + a) stored, the norm of h."""
-    t = tl.program_id(0).to(tl.int64)
+                    ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """BLOCK_T rows per program. ADD: h = bf16(x + a) stored, the norm of h."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs = tl.arange(0, BLOCK_H)
-    m = offs < H
-    x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    m = (offs_t < T)[:, None] & (offs < H)[None, :]
+    x = tl.load(x_ptr + offs_t[:, None] * stride_x + offs[None, :], mask=m, other=0.0).to(tl.float32)
     if ADD:
-        a = tl.load(a_ptr + t * stride_a + offs, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + offs_t[:, None] * stride_a + offs[None, :], mask=m, other=0.0).to(tl.float32)
         hb = (x + a).to(tl.bfloat16)
-        tl.store(h_ptr + t * stride_h + offs, hb, mask=m)
+        tl.store(h_ptr + offs_t[:, None] * stride_h + offs[None, :], hb, mask=m)
         x = hb.to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.bfloat16).to(tl.float32)
-    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
-    tl.store(y_ptr + t * stride_y + offs, (x * r * w).to(tl.bfloat16), mask=m)
-    tl.store(r_ptr + t, r)
+    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
+    tl.store(y_ptr + offs_t[:, None] * stride_y + offs[None, :], (x * r[:, None] * w[None, :]).to(tl.bfloat16), mask=m)
+    tl.store(r_ptr + offs_t, r, mask=offs_t < T)
 
 
 @triton.jit
 def _rms_bwd_kernel(h_ptr, dy_ptr, dh_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, T, H, stride_h, stride_dy, stride_dh,
-                    stride_dx, ROWS, ADD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """ROWS rows per program: dx = (w dy - xhat mean(xhat w dy)) r (+ dh), dw partial = sum dy xhat."""
+                    stride_dx, ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Tiles of BLOCK_T rows, grid-stride over the programs: dx = (w dy - xhat mean(xhat w dy)) r (+ dh);
+    each program writes its partial sum of dy xhat (dw) as one fp32 row."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
-    m = offs < H
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.bfloat16).to(tl.float32)
-    dw = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for i in range(0, ROWS):
-        t = pid.to(tl.int64) * ROWS + i
-        mt = m & (offs * 0 + t < T)
-        x = tl.load(h_ptr + t * stride_h + offs, mask=mt, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + t * stride_dy + offs, mask=mt, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + tl.minimum(t, T - 1))  # (a row past T: x, dy = 0 make its dx and dw terms 0)
-        xh = x * r
-        wdy = dy * w
-        dx = (wdy - xh * (tl.sum(xh * wdy, axis=0) / H)) * r
+    mh = offs < H
+    w = tl.load(w_ptr + offs, mask=mh, other=0.0).to(tl.bfloat16).to(tl.float32)
+    dw = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for t0 in range(pid * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mt = offs_t < T
+        m = mt[:, None] & mh[None, :]
+        x = tl.load(h_ptr + offs_t[:, None] * stride_h + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_t[:, None] * stride_dy + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offs_t, mask=mt, other=0.0)  # (rows past T: x, dy = 0, their terms 0)
+        xh = x * r[:, None]
+        wdy = dy * w[None, :]
+        dx = (wdy - xh * (tl.sum(xh * wdy, axis=1) / H)[:, None]) * r[:, None]
         if ADD:
-            dx += tl.load(dh_ptr + t * stride_dh + offs, mask=mt, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + t * stride_dx + offs, dx.to(tl.bfloat16), mask=mt)
+            dx += tl.load(dh_ptr + offs_t[:, None] * stride_dh + offs[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs_t[:, None] * stride_dx + offs[None, :], dx.to(tl.bfloat16), mask=m)
         dw += dy * xh
-    tl.store(dw_ptr + pid * H + offs, dw, mask=m)
+    tl.store(dw_ptr + pid * H + offs, tl.sum(dw, axis=0), mask=mh)
 
 
 def _check(name: str, w: Tensor, *rows: Tensor) -> None:
@@ -79,38 +93,40 @@ def _check(name: str, w: Tensor, *rows: Tensor) -> None:
         raise ValueError(f"{name}: w has shape {tuple(w.shape)}, expected [{x.shape[1]}]")
 
 
-def rms_norm_fwd(x_TH: Tensor, w: Tensor, eps: float, a_TH: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def rms_norm_fwd(x_TH: Tensor, w: Tensor, eps: float, a_TH: Tensor | None = None, *,
+                 launch: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The forward kernel: -> (h [T, H] bf16 = x + a, or x itself without a; y [T, H] bf16; r [T] fp32
-    the rows' rsqrt(mean(h^2) + eps), which the backward reads)."""
+    the rows' rsqrt(mean(h^2) + eps), which the backward reads). launch: `launch_for(H)["fwd"]`'s keys."""
     _check("rms_norm", w, x_TH, *([a_TH] if a_TH is not None else []))
     T, H = x_TH.shape
     y = torch.empty_like(x_TH)
     h = torch.empty_like(x_TH) if a_TH is not None else x_TH
     r = torch.empty(T, dtype=torch.float32, device=x_TH.device)
     if T and H:
+        cfg = launch or launch_for(H)["fwd"]
         a = a_TH if a_TH is not None else x_TH
-        _rms_fwd_kernel[(T,)](x_TH, a, w, h, y, r, T, H, x_TH.stride(0), a.stride(0), h.stride(0), y.stride(0), eps,
-                              ADD=a_TH is not None, BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 4096 else 8)
+        _rms_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+            x_TH, a, w, h, y, r, T, H, x_TH.stride(0), a.stride(0), h.stride(0), y.stride(0), eps,
+            ADD=a_TH is not None, BLOCK_H=triton.next_power_of_2(H), **cfg)
     return h, y, r
 
 
-def rms_norm_bwd(h_TH: Tensor, dy_TH: Tensor, w: Tensor, r_T: Tensor,
-                 dh_TH: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The backward kernel: -> (dx [T, H] bf16 = J^T dy (+ dh), dw [H] fp32)."""
+def rms_norm_bwd(h_TH: Tensor, dy_TH: Tensor, w: Tensor, r_T: Tensor, dh_TH: Tensor | None = None, *,
+                 launch: dict | None = None) -> tuple[Tensor, Tensor]:
+    """The backward kernel: -> (dx [T, H] bf16 = J^T dy (+ dh), dw [H] fp32). launch: `launch_for(H)["bwd"]`'s keys."""
     T, H = h_TH.shape
     dy_TH = dy_TH if dy_TH.stride(1) == 1 else dy_TH.contiguous()
     if dh_TH is not None and dh_TH.stride(1) != 1:
         dh_TH = dh_TH.contiguous()
     dx = torch.empty_like(h_TH)
-    progs = max(1, min(T, 4 * num_sms(h_TH.device)))
-    rows = triton.cdiv(T, progs) if T else 1
-    progs = triton.cdiv(T, rows) if T else 0
+    cfg = dict(launch or launch_for(H)["bwd"])
+    progs = min(triton.cdiv(T, cfg["BLOCK_T"]), cfg.pop("PROGS_PER_SM") * num_sms(h_TH.device))
     part = torch.empty(progs, H, dtype=torch.float32, device=h_TH.device)
     if T and H:
         dh = dh_TH if dh_TH is not None else dy_TH
         _rms_bwd_kernel[(progs,)](h_TH, dy_TH, dh, w, r_T, dx, part, T, H, h_TH.stride(0), dy_TH.stride(0),
-                                  dh.stride(0), dx.stride(0), rows, ADD=dh_TH is not None,
-                                  BLOCK_H=triton.next_power_of_2(H), num_warps=4 if H <= 4096 else 8)
+                                  dh.stride(0), dx.stride(0), ADD=dh_TH is not None,
+                                  BLOCK_H=triton.next_power_of_2(H), **cfg)
     return dx, part.sum(0)
 
 

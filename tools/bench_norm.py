@@ -14,13 +14,19 @@ device's copy bandwidth measured in the same run (the speed of light), their rat
 against torch's, and the largest error of y and dx against torch's relative to the tensor's largest
 value.
 
+With --sweep it first times the kernels' launch configs (`SWEEP`, forward and backward apart, the
+add + norm pair) and adds a row "moefp8 add+norm (swept)" of the fastest pair, for
+`kernels/norm.py`'s `launch_for` to adopt.
+
     python tools/bench_norm.py                          # GPU: 32768x2048 (the 3B preset's step rows) and 16384x7168
     python tools/bench_norm.py --shapes 4096x2048 --out /tmp/norm.json
+    python tools/bench_norm.py --sweep
 
 Without a GPU it times the CPU path (the reference) on a small shape and writes to outputs/.
 """
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -32,6 +38,9 @@ from moefp8.kernels import norm as N  # noqa: E402
 from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path, save_results  # noqa: E402
 
 EPS = 1e-6
+SWEEP = {"fwd": [dict(BLOCK_T=t, num_warps=w) for t, w in itertools.product((1, 2, 4, 8), (4, 8, 16))],
+         "bwd": [dict(BLOCK_T=t, num_warps=w, PROGS_PER_SM=p)
+                 for t, w, p in itertools.product((1, 2, 4, 8), (4, 8, 16), (2, 4, 8, 16))]}
 
 
 def torch_add_norm(x, a, w):
@@ -66,6 +75,25 @@ def step(kind, fn, x, a, w, dh, dy):
     return y, dx, dw
 
 
+def sweep(x, a, w, dh, dy) -> tuple[dict, dict, list]:
+    """The fastest forward and backward launch configs of the add + norm pair at these rows, and every timing."""
+    h, _, r = N.rms_norm_fwd(x, w, EPS, a)
+    log, best = [], {}
+    for part, configs in SWEEP.items():
+        for cfg in configs:
+            fn = (lambda: N.rms_norm_fwd(x, w, EPS, a, launch=cfg)) if part == "fwd" else \
+                (lambda: N.rms_norm_bwd(h, dy, w, r, dh, launch=cfg))
+            try:
+                ms = bench(fn)
+            except Exception as e:  # (a config past the registers or shared memory)
+                log.append({"part": part, "config": cfg, "error": f"{type(e).__name__}"})
+                continue
+            log.append({"part": part, "config": cfg, "ms": round(ms, 4)})
+            if part not in best or ms < best[part][0]:
+                best[part] = (ms, cfg)
+    return best["fwd"][1], best["bwd"][1], log
+
+
 def max_rel(u, v) -> float:
     u, v = u.detach().float(), v.detach().float()
     return float((u - v).abs().max() / (v.abs().max() + 1e-30))
@@ -77,11 +105,12 @@ def main() -> None:
     p.add_argument("--shapes", default="32768x2048,16384x7168" if gpu else "512x256", help="row shapes TxH")
     p.add_argument("--repeat", type=int, default=3 if gpu else 1, help="medians per variant; the best is reported")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/norm-<device>.json)")
+    p.add_argument("--sweep", action="store_true", help="time the kernels' launch configs first (GPU)")
     args = p.parse_args()
     dev = "cuda" if gpu else "cpu"
     copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26, repeat=args.repeat)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (bytes read + written)")
-    rows = []
+    rows, sweeps = [], []
     for T, H in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
         g = torch.Generator(device=dev).manual_seed(T + H)
         x, a, dh, dy = (torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_(i < 2) for i in range(4))
@@ -105,11 +134,27 @@ def main() -> None:
                          "vs_torch": round(base["ms"] / ms, 3) if base else 1.0,
                          "y_err": max_rel(out[0], want[kind][0]), "dx_err": max_rel(out[1], want[kind][1]),
                          "dw_err": max_rel(out[2], want[kind][2])})
+        if args.sweep and gpu:
+            with torch.no_grad():
+                fwd, bwd, log = sweep(x.detach(), a.detach(), w.detach(), dh, dy)
+            sweeps.append({"shape": f"{T}x{H}", "fwd": fwd, "bwd": bwd, "default": N.launch_for(H), "log": log})
+            h, _, r = N.rms_norm_fwd(x.detach(), w.detach(), EPS, a.detach(), launch=fwd)
+            ms = min(bench(lambda: (N.rms_norm_fwd(x.detach(), w.detach(), EPS, a.detach(), launch=fwd),
+                                    N.rms_norm_bwd(h, dy, w.detach(), r, dh, launch=bwd)))
+                     for _ in range(max(args.repeat, 1)))
+            nb = 8 * T * H * 2
+            base = next(r for r in rows if r.get("case") == f"torch add+norm {T}x{H}")
+            rows.append({"case": f"moefp8 add+norm (swept) {T}x{H}", "kind": "add_norm", "shape": f"{T}x{H}",
+                         "ms": round(ms, 4), "value": round(nb / ms / 1e6, 1), "unit": "GB/s",
+                         "baseline": "device copy (same run)", "baseline_value": round(copy_gbs, 1),
+                         "ratio": float(f"{nb / ms / 1e6 / copy_gbs:.3g}"), "sol_ms": round(nb / copy_gbs / 1e6, 4),
+                         "vs_torch": round(base["ms"] / ms, 3), "config": {"fwd": fwd, "bwd": bwd}})
+            print(f"sweep {T}x{H}: fwd {fwd}, bwd {bwd}")
         if gpu:
             torch.cuda.empty_cache()
     path = Path(args.out) if args.out else results_path("norm")
     save_results("bench_norm", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
-                                      "unit": "GB/s"}, path=path)
+                                      "unit": "GB/s"}, path=path, sweeps=sweeps)
     print_table(rows, ["case", "ms", "sol_ms", "value", "ratio", "vs_torch", "y_err", "dx_err", "dw_err", "error"])
     print(f"speed-of-light: copy {copy_gbs:.0f} GB/s (sol_ms: the bytes at that speed); vs_torch: torch's time "
           f"over this one's; errors: max |difference| / max |torch's|. saved {path}")

@@ -79,7 +79,8 @@ def check(T, H, device, impl, slack):
     assert torch.allclose(wg.grad.double(), dw64, rtol=dw_rtol, atol=1e-4 * float(dw64.abs().max()) + 1e-30)
 
 
-CASES = [(37, 384), (1, 128), (130, 256)]  # odd T, H not a power of two; one row; more rows than programs
+# odd T, H not a power of two; one row; a partial tile; more tiles than the backward's programs (its loop)
+CASES = [(37, 384), (1, 128), (130, 256), (1100, 256)]
 
 
 @pytest.mark.parametrize("T,H", CASES)
@@ -123,3 +124,20 @@ def test_gpu_weight_is_read_rounded_to_bf16():
     w = 1 + 0.3 * torch.randn(512, device="cuda")
     assert not torch.equal(w, w.bfloat16().float())
     close_bf16(N.rms_norm(x, w, EPS), norm_f64(x, w))
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("fwd,bwd", [(dict(BLOCK_T=1, num_warps=4), dict(BLOCK_T=1, num_warps=4, PROGS_PER_SM=1)),
+                                     (dict(BLOCK_T=4, num_warps=2), dict(BLOCK_T=2, num_warps=8, PROGS_PER_SM=3))])
+def test_launch_configs_agree(fwd, bwd):
+    """Other tilings (tools/bench_norm.py --sweep tries them): the same rows bit for bit (each row's math is
+    the tiling's alone), dw the same sum in another order."""
+    T, H = 203, 384
+    x, a, dy, dh = (rows(T, H, s, "cpu") for s in range(4))
+    w = torch.rand(H).bfloat16().float() + 0.5
+    h0, y0, r0 = N.rms_norm_fwd(x, w, EPS, a)
+    h1, y1, r1 = N.rms_norm_fwd(x, w, EPS, a, launch=fwd)
+    assert torch.equal(h0, h1) and torch.equal(y0, y1) and torch.equal(r0, r1)
+    dx0, dw0 = N.rms_norm_bwd(h0, dy, w, r0, dh)
+    dx1, dw1 = N.rms_norm_bwd(h0, dy, w, r0, dh, launch=bwd)
+    assert torch.equal(dx0, dx1) and torch.allclose(dw0, dw1, rtol=1e-5, atol=1e-5 * float(dw0.abs().max()))
