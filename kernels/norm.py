@@ -26,15 +26,17 @@ from moefp8.kernels import num_sms, use_triton
 
 
 # Launch configs: rows per tile and warps (forward); rows per tile, warps and programs per SM of the
-# backward's grid-stride loop, whose programs each write one fp32 partial row of dw. By the row width
-# (BLOCK_H = next power of two of H): narrow rows take several per tile. Chosen by reasoning, not yet swept
-# on a GPU (`tools/bench_norm.py --sweep`): session 54's first timing, one row per program and ~4 programs per
-# SM, ran at 0.42-0.51 of the copy bandwidth at H = 2048 (torch 0.49) and 0.78 at H = 7168 (torch 0.47).
+# backward's grid-stride loop, whose programs each write one fp32 partial row of dw. The defaults are the
+# configs of session 54's first GPU timing (a row per program forward, ~4 programs per SM backward): 0.70-0.78
+# of the copy bandwidth at H = 7168 (1.6x torch), 0.42-0.51 at H = 2048 (0.85-1.04x torch). The backward there is
+# bound by latency, not bandwidth: each program walks its rows one load-reduce-store at a time, and registers
+# (~7 fp32 values an element: 62-127 a thread at H = 2048, 230 at 8192, ptxas for sm_90) cap an SM at ~4 rows in
+# flight. `tools/bench_norm.py --sweep` times the alternatives (tiles of 1-8 rows, 4-16 warps, 2-16 programs
+# per SM); a split backward (dx with the residual's dh, then dw by column blocks, as torch does) is the
+# other way out.
 def launch_for(H: int) -> dict:
-    bh = triton.next_power_of_2(H)
-    rows = max(1, 8192 // bh)
-    return {"fwd": dict(BLOCK_T=rows, num_warps=8 if rows * bh >= 8192 else 4),
-            "bwd": dict(BLOCK_T=rows, num_warps=8 if rows * bh >= 8192 else 4, PROGS_PER_SM=8)}
+    warps = 4 if triton.next_power_of_2(H) <= 4096 else 8
+    return {"fwd": dict(BLOCK_T=1, num_warps=warps), "bwd": dict(BLOCK_T=1, num_warps=warps, PROGS_PER_SM=4)}
 
 
 @triton.jit
