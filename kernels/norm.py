@@ -60,9 +60,9 @@ def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, st
 
 @triton.jit
 def _rms_bwd_kernel(h_ptr, dy_ptr, dh_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, T, H, stride_h, stride_dy, stride_dh,
-                    stride_dx, ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                    stride_dx, ADD: tl.constexpr, DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Tiles of BLOCK_T rows, grid-stride over the programs: dx = (w dy - xhat mean(xhat w dy)) r (+ dh);
-    each program writes its partial sum of dy xhat (dw) as one fp32 row."""
+    DW: each program writes its partial sum of dy xhat (dw) as one fp32 row (else `_rms_dw_kernel` sums it)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
     mh = offs < H
@@ -81,8 +81,31 @@ def _rms_bwd_kernel(h_ptr, dy_ptr, dh_ptr, w_ptr, r_ptr, dx_ptr, dw_ptr, T, H, s
         if ADD:
             dx += tl.load(dh_ptr + offs_t[:, None] * stride_dh + offs[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs_t[:, None] * stride_dx + offs[None, :], dx.to(tl.bfloat16), mask=m)
-        dw += dy * xh
-    tl.store(dw_ptr + pid * H + offs, tl.sum(dw, axis=0), mask=mh)
+        if DW:
+            dw += dy * xh
+    if DW:
+        tl.store(dw_ptr + pid * H + offs, tl.sum(dw, axis=0), mask=mh)
+
+
+@triton.jit
+def _rms_dw_kernel(h_ptr, dy_ptr, r_ptr, dw_ptr, T, H, stride_h, stride_dy, ROWS, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """The split backward's weight gradient: grid (column blocks, row chunks of ROWS); each program sums
+    dy xhat over its chunk's rows, BLOCK_R at a time, into one fp32 partial row segment."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pr = tl.program_id(1)
+    mc = offs_c < H
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    end = tl.minimum(pr * ROWS + ROWS, T)
+    for r0 in range(pr * ROWS, end, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+        mr = offs_r < end
+        m = mr[:, None] & mc[None, :]
+        x = tl.load(h_ptr + offs_r[:, None] * stride_h + offs_c[None, :], mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs_r[:, None] * stride_dy + offs_c[None, :], mask=m, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offs_r, mask=mr, other=0.0)
+        acc += dy * (x * r[:, None])
+    tl.store(dw_ptr + pr * H + offs_c, tl.sum(acc, axis=0), mask=mc)
 
 
 def _check(name: str, w: Tensor, *rows: Tensor) -> None:
@@ -115,20 +138,33 @@ def rms_norm_fwd(x_TH: Tensor, w: Tensor, eps: float, a_TH: Tensor | None = None
 
 def rms_norm_bwd(h_TH: Tensor, dy_TH: Tensor, w: Tensor, r_T: Tensor, dh_TH: Tensor | None = None, *,
                  launch: dict | None = None) -> tuple[Tensor, Tensor]:
-    """The backward kernel: -> (dx [T, H] bf16 = J^T dy (+ dh), dw [H] fp32). launch: `launch_for(H)["bwd"]`'s keys."""
+    """The backward kernels: -> (dx [T, H] bf16 = J^T dy (+ dh), dw [H] fp32). launch: `launch_for(H)["bwd"]`'s
+    keys: one pass (BLOCK_T, num_warps, PROGS_PER_SM: dx and dw's partial sums together), or with SPLIT
+    true two kernels, as torch's (dx: BLOCK_T rows a program, num_warps; dw by column blocks: DW_BLOCK_R rows
+    of DW_BLOCK_C columns at a time over chunks of DW_ROWS rows, DW_WARPS): more loads in flight, two more
+    passes over h and dy."""
     T, H = h_TH.shape
     dy_TH = dy_TH if dy_TH.stride(1) == 1 else dy_TH.contiguous()
     if dh_TH is not None and dh_TH.stride(1) != 1:
         dh_TH = dh_TH.contiguous()
     dx = torch.empty_like(h_TH)
     cfg = dict(launch or launch_for(H)["bwd"])
-    progs = min(triton.cdiv(T, cfg["BLOCK_T"]), cfg.pop("PROGS_PER_SM") * num_sms(h_TH.device))
-    part = torch.empty(progs, H, dtype=torch.float32, device=h_TH.device)
+    split = cfg.pop("SPLIT", False)
+    dw_cfg = {k: cfg.pop(k) for k in ("DW_BLOCK_R", "DW_BLOCK_C", "DW_ROWS", "DW_WARPS") if k in cfg}
+    per_sm = cfg.pop("PROGS_PER_SM", 4)
+    tiles = triton.cdiv(T, cfg["BLOCK_T"])
+    progs = tiles if split else min(tiles, per_sm * num_sms(h_TH.device))
+    chunks = triton.cdiv(T, dw_cfg["DW_ROWS"]) if split else progs
+    part = torch.empty(chunks, H, dtype=torch.float32, device=h_TH.device)
     if T and H:
         dh = dh_TH if dh_TH is not None else dy_TH
         _rms_bwd_kernel[(progs,)](h_TH, dy_TH, dh, w, r_T, dx, part, T, H, h_TH.stride(0), dy_TH.stride(0),
-                                  dh.stride(0), dx.stride(0), ADD=dh_TH is not None,
+                                  dh.stride(0), dx.stride(0), ADD=dh_TH is not None, DW=not split,
                                   BLOCK_H=triton.next_power_of_2(H), **cfg)
+        if split:
+            _rms_dw_kernel[(triton.cdiv(H, dw_cfg["DW_BLOCK_C"]), chunks)](
+                h_TH, dy_TH, r_T, part, T, H, h_TH.stride(0), dy_TH.stride(0), dw_cfg["DW_ROWS"],
+                BLOCK_R=dw_cfg["DW_BLOCK_R"], BLOCK_C=dw_cfg["DW_BLOCK_C"], num_warps=dw_cfg["DW_WARPS"])
     return dx, part.sum(0)
 
 

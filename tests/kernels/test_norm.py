@@ -128,7 +128,10 @@ def test_gpu_weight_is_read_rounded_to_bf16():
 
 @pytest.mark.interp
 @pytest.mark.parametrize("fwd,bwd", [(dict(BLOCK_T=1, num_warps=4), dict(BLOCK_T=1, num_warps=4, PROGS_PER_SM=1)),
-                                     (dict(BLOCK_T=4, num_warps=2), dict(BLOCK_T=2, num_warps=8, PROGS_PER_SM=3))])
+                                     (dict(BLOCK_T=4, num_warps=2), dict(BLOCK_T=2, num_warps=8, PROGS_PER_SM=3)),
+                                     # the split backward: chunks of 40 rows (the last one partial), 3 column blocks
+                                     (dict(BLOCK_T=2, num_warps=4), dict(SPLIT=True, BLOCK_T=2, num_warps=4, DW_BLOCK_R=8,
+                                                                         DW_BLOCK_C=128, DW_ROWS=40, DW_WARPS=4))])
 def test_launch_configs_agree(fwd, bwd):
     """Other tilings (tools/bench_norm.py --sweep tries them): the same rows bit for bit (each row's math is
     the tiling's alone), dw the same sum in another order."""
