@@ -31,9 +31,8 @@ from moefp8.kernels import num_sms, use_triton
 # of the copy bandwidth at H = 7168 (1.6x torch), 0.42-0.51 at H = 2048 (0.85-1.04x torch). The backward there is
 # bound by latency, not bandwidth: each program walks its rows one load-reduce-store at a time, and registers
 # (~7 fp32 values an element: 62-127 a thread at H = 2048, 230 at 8192, ptxas for sm_90) cap an SM at ~4 rows in
-# flight. `tools/bench_norm.py --sweep` times the alternatives (tiles of 1-8 rows, 4-16 warps, 2-16 programs
-# per SM); a split backward (dx with the residual's dh, then dw by column blocks, as torch does) is the
-# other way out.
+# flight. `tools/bench_norm.py --sweep` times the alternatives: tiles of 1-4 rows, 4-8 warps, 4-16 programs per
+# SM, and the split backward (SPLIT: dx with the residual's dh, then dw by column blocks, as torch does).
 def launch_for(H: int) -> dict:
     warps = 4 if triton.next_power_of_2(H) <= 4096 else 8
     return {"fwd": dict(BLOCK_T=1, num_warps=warps), "bwd": dict(BLOCK_T=1, num_warps=warps, PROGS_PER_SM=4)}
