@@ -65,8 +65,9 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     # the RMSNorms by moefp8's kernels (kernels/norm.py), each block's residual add before its MLP's norm
     # in the same pass, one pass each way (the issue's fused residual adds); false: torch's F.rms_norm and a
-    # separate add. The same function (CPU: the same code); opt-in until a GPU run shows it faster
-    fused_norm: bool = False
+    # separate add. The same function (CPU: the same code). 3B step on one H200: FP8 +2.1%, BF16 +1.2%
+    # (bench/notes/scale.md, session 55)
+    fused_norm: bool = True
     init_std: float = 0.02  # std of the normal init of matrices and experts (wo, w2: also / sqrt(2 n_layers))
     # std of the token embeddings' normal init; 0: init_std. At init_std (0.02) an untrained deep model's
     # routers send nearly every token to the same experts (the attention's shared context average outweighs
