@@ -62,12 +62,13 @@ def whole_capturable(block) -> bool:
     """Whether a block's MLP can be captured with its attention: a dense MLP, or a MoE layer in the plain
     schedule with moefp8's experts (megablocks' dMoE sizes its buffers from the routing on the host) where
     nothing syncs the host: one that exchanges no rows (EP = 1: its layout takes the static bound), or
-    one whose exchanges have fixed sizes and whose layouts are capped (dispatch.rows_factor). Not with
-    dispatch.shared_overlap: its side stream inside a capture is untried."""
+    one whose exchanges have fixed sizes and whose layouts are capped (dispatch.rows_factor). With
+    dispatch.shared_overlap the capture holds the side stream too: the exchange forks from the capturing
+    stream (`side.wait_stream`) and joins it before the layout (`moe_stages._join`)."""
     if not block.is_moe:
         return True
     moe = block.mlp
-    if moe.overlap is not None or moe.megablocks is not None or moe.shared_overlap:
+    if moe.overlap is not None or moe.megablocks is not None:
         return False
     return not moe.dispatcher.communicates or (moe.row_cap.factor > 0 and moe.dispatcher.static_exchange(moe.topk))
 

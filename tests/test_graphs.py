@@ -93,6 +93,9 @@ def test_whole_capturable_blocks():
     assert not whole_capturable(e)  # no cap: the layout reads its counts back
     e.mlp.row_cap = RowCap(1.5)
     assert whole_capturable(e)
+    e.mlp.shared_overlap = True  # the side stream's exchange is captured with the block
+    assert whole_capturable(e)
+    e.mlp.shared_overlap = False
     x = torch.randn(3, 8, CFG.hidden, dtype=torch.bfloat16, requires_grad=True)
     e.graphed_whole = (None, (3, 8, CFG.hidden))
     assert not replays(e, x, whole=True)
@@ -346,3 +349,20 @@ def test_gpu_whole_blocks_under_ep_repeat_the_eager_losses(data_dir, tmp_path):
     said0, uncapped = _hydra_run(launch, data_dir, tmp_path / "uncapped", *graphs)
     assert "; the MoE blocks under EP whole only with dispatch.rows_factor > 0, dispatch.overlap=false" in said0, said0
     assert len(want) == 4 and whole == want and tight == want and uncapped == want
+
+
+@pytest.mark.gpu
+def test_gpu_whole_blocks_with_shared_overlap_repeat_the_eager_losses(data_dir, tmp_path):
+    """EP2 on 2 GPUs: whole MoE blocks (dispatch.rows_factor) with dispatch.shared_overlap capture the
+    exchanges on the side stream with the block; their replays give the eager run's losses, gradient norms
+    and held-out losses bit for bit (the shared overlap runs the same operations on the same values)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+              "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "dispatch.mode=capacity",
+              "dispatch.rows_factor=2.0"]
+    _, want = _hydra_run(launch, data_dir, tmp_path / "eager")
+    said, whole = _hydra_run(launch, data_dir, tmp_path / "whole", "dispatch.shared_overlap=true",
+                             "train.cuda_graphs=true", "train.cuda_graphs_mlp=true")
+    assert "blocks replays CUDA graphs; 3 of them whole, with their MLP (train.cuda_graphs_mlp)\n" in said, said
+    assert len(want) == 4 and whole == want
