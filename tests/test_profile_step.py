@@ -17,10 +17,11 @@ def test_profile_step_smoke(tmp_path):
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, "tools/profile_step.py", "model=tiny", "train.device=cpu", "train.micro_batch=2",
                         "train.seq_len=32", "--warmup", "1", "--steps", "1", "--profile-steps", "1", "--top", "5",
-                        "--host-profile", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                        "--host-profile", "--soak", "1", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    fp8 = doc["summary"][1]
+    fp8 = doc["summary"][1]  # (the soak's run of bf16 first: not a row)
     assert doc["complete"] and fp8["recipe"] == "fp8" and fp8["rounds"] == 1 and f"over_bf16 {fp8['over_bf16']:.3f}" in r.stdout
     assert [row["recipe"] for row in doc["rows"]] == ["bf16", "fp8"]
     assert all(row["step_ms"] > 0 and 0 < len(row["top"]) <= 5 for row in doc["rows"])
