@@ -198,6 +198,7 @@ def test_kernels_by_kind_from_their_names():
         "_adamw_kernel": "optimizer",
         "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16, float": "norm",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>": "norm",
+        "_rms_fwd_kernel": "norm", "_rms_bwd_kernel": "norm", "_rms_dw_kernel": "norm",  # kernels/norm.py
         "_xent_grad_kernel": "loss",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*": "elementwise + copies",
         "Memcpy DtoD (Device -> Device)": "elementwise + copies",

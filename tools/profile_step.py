@@ -134,7 +134,7 @@ KINDS = (
     ("fp8 quant + swiglu", r"quant|swiglu|_transpose_kernel"),
     ("permute + combine", r"permute|_combine|_layout|gather|scatter"),
     ("optimizer", r"adamw|adam|multi_tensor"),
-    ("norm", r"norm|GammaBeta"),
+    ("norm", r"norm|GammaBeta|_rms_"),
     ("loss", r"xent|cross_entropy|log_softmax|nll"),
     ("elementwise + copies", r"elementwise|Memcpy|Memset|CatArray|copy|fill|aten::"),
 )
