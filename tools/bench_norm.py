@@ -12,10 +12,7 @@ row: median ms of forward + backward, GB/s over the bytes it must move once (add
 write h, y; read h, dh, dy, write dx; the norm: read x, write y; read x, dy, write dx), the
 device's copy bandwidth measured in the same run (the speed of light), their ratio, the time
 against torch's, and the largest error of y and dx against torch's relative to the tensor's largest
-value. On a GPU each variant's forward + backward is timed as a CUDA graph's replay, as the
-training step runs it (whole-block graphs): eager, the host's launches (autograd, Triton's launcher)
-outlast these ~0.3 ms kernels and the timing reads the host (session 55: moefp8's add + norm 0.618 ms
-eager, its kernels 0.299); the eager time is kept beside it (`eager_ms`).
+value.
 
 With --sweep it first times the kernels' launch configs (`SWEEP`, forward and backward apart, the
 add + norm pair) and adds a row "moefp8 add+norm (swept)" of the fastest pair, for
@@ -88,7 +85,7 @@ def sweep(x, a, w, dh, dy) -> tuple[dict, dict, list]:
             fn = (lambda: N.rms_norm_fwd(x, w, EPS, a, launch=cfg)) if part == "fwd" else \
                 (lambda: N.rms_norm_bwd(h, dy, w, r, dh, launch=cfg))
             try:
-                ms = bench(graphed(fn))
+                ms = bench(fn)
             except Exception as e:  # (a config past the registers or shared memory)
                 log.append({"part": part, "config": cfg, "error": f"{type(e).__name__}"})
                 continue
@@ -96,22 +93,6 @@ def sweep(x, a, w, dh, dy) -> tuple[dict, dict, list]:
             if part not in best or ms < best[part][0]:
                 best[part] = (ms, cfg)
     return best["fwd"][1], best["bwd"][1], log
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph (after warm-up calls on a side stream) -> its replay; without a GPU, fn."""
-    if not torch.cuda.is_available():
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def max_rel(u, v) -> float:
@@ -139,9 +120,7 @@ def main() -> None:
         for name, (kind, fn) in variants(gpu).items():
             try:
                 out = step(kind, fn, x, a, w, dh, dy)
-                run = lambda: step(kind, fn, x, a, w, dh, dy)  # noqa: E731
-                eager_ms = min(bench(run) for _ in range(max(args.repeat, 1)))
-                ms = min(bench(graphed(run)) for _ in range(max(args.repeat, 1))) if gpu else eager_ms
+                ms = min(bench(lambda: step(kind, fn, x, a, w, dh, dy)) for _ in range(max(args.repeat, 1)))
             except Exception as e:  # torch.compile where Inductor cannot build: the row says why
                 rows.append({"case": f"{name} {T}x{H}", "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
@@ -150,8 +129,7 @@ def main() -> None:
             gbs = nb / ms / 1e6
             base = next((r for r in rows if r.get("kind") == kind and r.get("shape") == f"{T}x{H}"), None)
             rows.append({"case": f"{name} {T}x{H}", "kind": kind, "shape": f"{T}x{H}", "ms": round(ms, 4),
-                         "eager_ms": round(eager_ms, 4), "value": round(gbs, 1), "unit": "GB/s",
-                         "baseline": "device copy (same run)",
+                         "value": round(gbs, 1), "unit": "GB/s", "baseline": "device copy (same run)",
                          "baseline_value": round(copy_gbs, 1), "ratio": float(f"{gbs / copy_gbs:.3g}"),
                          "sol_ms": round(nb / copy_gbs / 1e6, 4),
                          "vs_torch": round(base["ms"] / ms, 3) if base else 1.0,
@@ -162,9 +140,9 @@ def main() -> None:
                 fwd, bwd, log = sweep(x.detach(), a.detach(), w.detach(), dh, dy)
             sweeps.append({"shape": f"{T}x{H}", "fwd": fwd, "bwd": bwd, "default": N.launch_for(H), "log": log})
             h, _, r = N.rms_norm_fwd(x.detach(), w.detach(), EPS, a.detach(), launch=fwd)
-            pair = graphed(lambda: (N.rms_norm_fwd(x.detach(), w.detach(), EPS, a.detach(), launch=fwd),
+            ms = min(bench(lambda: (N.rms_norm_fwd(x.detach(), w.detach(), EPS, a.detach(), launch=fwd),
                                     N.rms_norm_bwd(h, dy, w.detach(), r, dh, launch=bwd)))
-            ms = min(bench(pair) for _ in range(max(args.repeat, 1)))
+                     for _ in range(max(args.repeat, 1)))
             nb = 8 * T * H * 2
             base = next(r for r in rows if r.get("case") == f"torch add+norm {T}x{H}")
             rows.append({"case": f"moefp8 add+norm (swept) {T}x{H}", "kind": "add_norm", "shape": f"{T}x{H}",
@@ -178,7 +156,7 @@ def main() -> None:
     path = Path(args.out) if args.out else results_path("norm")
     save_results("bench_norm", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
                                       "unit": "GB/s"}, path=path, sweeps=sweeps)
-    print_table(rows, ["case", "ms", "eager_ms", "sol_ms", "value", "ratio", "vs_torch", "y_err", "dx_err", "dw_err", "error"])
+    print_table(rows, ["case", "ms", "sol_ms", "value", "ratio", "vs_torch", "y_err", "dx_err", "dw_err", "error"])
     print(f"speed-of-light: copy {copy_gbs:.0f} GB/s (sol_ms: the bytes at that speed); vs_torch: torch's time "
           f"over this one's; errors: max |difference| / max |torch's|. saved {path}")
 
