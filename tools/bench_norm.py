@@ -12,7 +12,11 @@ row: median ms of forward + backward, GB/s over the bytes it must move once (add
 write h, y; read h, dh, dy, write dx; the norm: read x, write y; read x, dy, write dx), the
 device's copy bandwidth measured in the same run (the speed of light), their ratio, the time
 against torch's, and the largest error of y and dx against torch's relative to the tensor's largest
-value.
+value. These are eager calls, so each time includes the host's launches where they outlast the
+kernels: at 32768 x 2048 moefp8's add + norm read 0.618 ms through autograd while its two kernels,
+called directly, take 0.299 (the "(swept)" row; one H200, session 55), and the training step, which
+replays them in CUDA graphs, sees the latter. (Timing every variant as a graph replay failed: the
+leaves' AccumulateGrad nodes, made on the default stream, invalidated the capture; not fixed yet.)
 
 With --sweep it first times the kernels' launch configs (`SWEEP`, forward and backward apart, the
 add + norm pair) and adds a row "moefp8 add+norm (swept)" of the fastest pair, for
