@@ -353,11 +353,11 @@ def permute_fp8(x8: Fp8Tensor, layout: PermuteLayout, scale_by_TK: Tensor | None
 
 
 def permute_requant_colwise(x8: Fp8Tensor, layout: PermuteLayout, scale_fmt: str = "pow2",
-                            impl: str | None = None) -> Fp8Tensor:
+                            impl: str | None = None, *, launch: dict | None = None) -> Fp8Tensor:
     """x8 "1x128" [T, H] -> "128x1" ([H, M] data) of its rows in the layout: `requant_colwise(
     permute_fp8(x8, layout))` in one pass, the permuted "1x128" copy never written (the fc1 wgrad
     reads only this one). The words kernel's conditions (pow2, M % 16 == 0, 16-byte rows) or else
-    those two functions."""
+    those two functions. launch: `LAUNCH["permute_requant_colwise"]`'s keys."""
     if not isinstance(x8, Fp8Tensor) or x8.layout != "1x128" or x8.data.dim() != 2:
         raise ValueError("permute_requant_colwise: expected an Fp8Tensor [T, H] with layout '1x128'")
     T, H = x8.data.shape
@@ -373,7 +373,7 @@ def permute_requant_colwise(x8: Fp8Tensor, layout: PermuteLayout, scale_fmt: str
     out = torch.empty(H, M, dtype=FP8_DTYPE, device=data.device)
     out_s = _scales(H, triton.cdiv(M, TILE), data.device, True)
     if M:
-        cfg = dict(LAUNCH["requant_colwise"])
+        cfg = dict(launch or LAUNCH["permute_requant_colwise"])
         num_kb, num_mb = H // cfg["BLOCK_K"], triton.cdiv(M, TILE)
         grid = min(num_kb * num_mb, cfg.pop("PROGS_PER_SM") * num_sms(data.device))
         _permute_requant_colwise_kernel[(grid,)](

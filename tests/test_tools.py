@@ -24,12 +24,13 @@ def test_bench_quant_runs_on_cpu(tmp_path):
 
     out = tmp_path / "quant.json"
     tool = Path(__file__).resolve().parent.parent / "tools" / "bench_quant.py"
-    r = subprocess.run([sys.executable, str(tool), "--only", "rowwise,requant_colwise", "--repeat", "2", "--shapes",
+    r = subprocess.run([sys.executable, str(tool), "--only", "rowwise,requant_colwise,permute_requant_colwise",
+                        "--repeat", "2", "--shapes",
                         "256x256", "--weight-shapes", "1x256x256", "--out", str(out)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["case"].split()[0] for row in rows] == ["rowwise", "requant_colwise"]
+    assert [row["case"].split()[0] for row in rows] == ["rowwise", "requant_colwise", "permute_requant_colwise"]
     for row in rows:
         assert len(row["ms_runs"]) == 2 and row["ms"] == min(row["ms_runs"])
         assert row["ratio_vs_same_bytes_copy"] > 0 and row["bit_exact_vs_ref"]

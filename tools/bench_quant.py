@@ -1,7 +1,8 @@
 """Quantization kernels' throughput against the device's copy bandwidth (docs/design.md §6 JSON).
 
 Inputs carry the scale layouts the training step gives each kernel (requant_colwise: column-major
-"1x128" scales, as the MoE layer's permute writes them; the others' row-major). For each kernel
+"1x128" scales, as the MoE layer's permute writes them; the others' row-major; permute_requant_colwise:
+M / 4 tokens routed top-4 of 32 experts, gathered into EP = 1's static row bound). For each kernel
 on DeepSeek-V3 shapes: median time (the best of --repeat medians), GB/s counting the bytes each
 kernel must read and write once (data and scales), the device-to-device copy bandwidth measured in
 the same run (1 GiB: the speed-of-light for a memory-bound kernel) and their ratio, and the ratio
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from moefp8.fp8 import Fp8Tensor, col_major  # noqa: E402
+from moefp8.kernels import permute as P  # noqa: E402
 from moefp8.kernels import quant as Q  # noqa: E402
 from moefp8.kernels import swiglu as S  # noqa: E402
 from moefp8.testing import bench, copy_bandwidth_gbs, print_table, results_path, save_results  # noqa: E402
@@ -36,6 +38,9 @@ SWEEP = {
     "weight": [dict(num_warps=w) for w in (4, 8, 16)],
     "requant_colwise": [dict(BLOCK_K=k, num_warps=4, GROUP_K=8, STAGES=s, PROGS_PER_SM=p, **r)
                         for k, s, p, r in itertools.product((64, 128), (3, 4, 5), (2, 3), ({}, {"maxnreg": 168}))],
+    "permute_requant_colwise": [dict(BLOCK_K=k, num_warps=4, GROUP_K=g, STAGES=st, PROGS_PER_SM=p, **r)
+                                for k, g, st, p, r in itertools.product((64, 128), (4, 8), (3, 4, 6), (2, 3, 4),
+                                                                        ({}, {"maxnreg": 168}))],
     "swiglu_quant": [dict(BLOCK_M=m, num_warps=w) for m, w in itertools.product((8, 16, 32, 64), (2, 4, 8))],
     # strips kernel: (128 / BLOCK_K) * num_warps threads along the rows, at most 32
     "dequant_swiglu_quant_colwise": [dict(BLOCK_K=k, num_warps=w, GROUP_K=g)
@@ -69,6 +74,9 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
     half_row = out_row // 2  # a = swiglu(h) has half of h's columns
     half_col = (K // 2) * M + (K // 2) * -(-M // 128) * 4
     da = torch.randn(M, K // 2, device=dev, dtype=torch.bfloat16)
+    x8t = Q.quant_rowwise_ref(torch.randn(max(M // 4, 1), K, device=dev, dtype=torch.bfloat16))
+    topk = torch.rand(x8t.data.shape[0], 32, device=dev).topk(4, dim=1).indices
+    layout = P.build_layout(topk, 32, bound=True)
     return {
         "rowwise": (x, Q.quant_rowwise, Q.quant_rowwise_ref, nbytes(x) + out_row),
         "colwise": (x, Q.quant_colwise, Q.quant_colwise_ref, nbytes(x) + out_col),
@@ -83,6 +91,10 @@ def cases(M: int, K: int, w_shape: tuple, dev: str):
                                                                                          launch=launch),
                                lambda h, f="pow2": Q.swiglu_quant_cache(h, f, "ref", colmajor_scale=True),
                                nbytes(x) + out_row + half_row),
+        # the fc1 wgrad's x: M rows gathered from M / 4 tokens' top-4 of 32 experts (EP = 1's static row bound)
+        "permute_requant_colwise": ((x8t, layout), lambda i, f="pow2", launch=None: P.permute_requant_colwise(
+            *i, f, launch=launch), lambda i, f="pow2": P.permute_requant_colwise_ref(*i, f),
+            topk.numel() * (K + K // 128 * 4) + layout.M * K + K * -(-layout.M // 128) * 4),  # rows read, written
         "swiglu_backward_quant": ((x8c, da), lambda i, f="pow2", launch=None: S.swiglu_backward_quant(*i, f,
                                                                                                      launch=launch),
                                   lambda i, f="pow2": S.swiglu_backward_quant(*i, f, "ref"),
