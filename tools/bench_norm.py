@@ -15,8 +15,9 @@ against torch's, and the largest error of y and dx against torch's relative to t
 value. These are eager calls, so each time includes the host's launches where they outlast the
 kernels: at 32768 x 2048 moefp8's add + norm read 0.618 ms through autograd while its two kernels,
 called directly, take 0.299 (the "(swept)" row; one H200, session 55), and the training step, which
-replays them in CUDA graphs, sees the latter. (Timing every variant as a graph replay failed: the
-leaves' AccumulateGrad nodes, made on the default stream, invalidated the capture; not fixed yet.)
+replays them in CUDA graphs, sees the latter. --graphs times each variant as a CUDA graph's replay
+instead (fresh leaves made and first used on the capture's stream: a first try with the default
+stream's leaves invalidated the capture through their AccumulateGrad nodes; not yet run on a GPU).
 
 With --sweep it first times the kernels' launch configs (`SWEEP`, forward and backward apart, the
 add + norm pair) and adds a row "moefp8 add+norm (swept)" of the fastest pair, for
@@ -99,6 +100,22 @@ def sweep(x, a, w, dh, dy) -> tuple[dict, dict, list]:
     return best["fwd"][1], best["bwd"][1], log
 
 
+def graphed_step(kind, fn, x, a, w, dh, dy):
+    """`step` captured in a CUDA graph -> its replay. The leaves are copies made and first used on the
+    capture's stream (their AccumulateGrad nodes then live there, not on the default stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        xs, as_, ws = (t.detach().clone().requires_grad_() for t in (x, a, w))
+        for _ in range(3):
+            step(kind, fn, xs, as_, ws, dh, dy)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        step(kind, fn, xs, as_, ws, dh, dy)
+    torch.cuda.current_stream().wait_stream(side)
+    return g.replay
+
+
 def max_rel(u, v) -> float:
     u, v = u.detach().float(), v.detach().float()
     return float((u - v).abs().max() / (v.abs().max() + 1e-30))
@@ -111,6 +128,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3 if gpu else 1, help="medians per variant; the best is reported")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/norm-<device>.json)")
     p.add_argument("--sweep", action="store_true", help="time the kernels' launch configs first (GPU)")
+    p.add_argument("--graphs", action="store_true", help="time each variant as a CUDA graph's replay (GPU)")
     args = p.parse_args()
     dev = "cuda" if gpu else "cpu"
     copy_gbs = copy_bandwidth_gbs(1 << 30 if gpu else 1 << 26, repeat=args.repeat)
@@ -124,7 +142,9 @@ def main() -> None:
         for name, (kind, fn) in variants(gpu).items():
             try:
                 out = step(kind, fn, x, a, w, dh, dy)
-                ms = min(bench(lambda: step(kind, fn, x, a, w, dh, dy)) for _ in range(max(args.repeat, 1)))
+                run = graphed_step(kind, fn, x, a, w, dh, dy) if args.graphs and gpu else \
+                    (lambda: step(kind, fn, x, a, w, dh, dy))
+                ms = min(bench(run) for _ in range(max(args.repeat, 1)))
             except Exception as e:  # torch.compile where Inductor cannot build: the row says why
                 rows.append({"case": f"{name} {T}x{H}", "error": f"{type(e).__name__}: {e}"[:200]})
                 continue
@@ -159,7 +179,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     path = Path(args.out) if args.out else results_path("norm")
     save_results("bench_norm", rows, {"what": "device-to-device copy (read + write)", "value": round(copy_gbs, 1),
-                                      "unit": "GB/s"}, path=path, sweeps=sweeps)
+                                      "unit": "GB/s"}, path=path, sweeps=sweeps,
+                 timing="graph replay" if args.graphs and gpu else "eager")
     print_table(rows, ["case", "ms", "sol_ms", "value", "ratio", "vs_torch", "y_err", "dx_err", "dw_err", "error"])
     print(f"speed-of-light: copy {copy_gbs:.0f} GB/s (sol_ms: the bytes at that speed); vs_torch: torch's time "
           f"over this one's; errors: max |difference| / max |torch's|. saved {path}")
