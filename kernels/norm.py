@@ -2,6 +2,8 @@
 autograd Functions -> `_ref` twins.
 
     rms_norm(x_TH, w, eps) -> y_TH                   y = x * rsqrt(mean(x^2) + eps) * w
+    rms_norm_split(x_TH, w, eps) -> (y_TH, x_TH)     the same, x passed through for a second consumer
+                                                       whose gradient the backward adds in its pass
     add_rms_norm(x_TH, a_TH, w, eps) -> (h_TH, y_TH)   h = x + a (BF16, the bits of torch's add),
                                                        y = rms_norm(h)
 
@@ -186,6 +188,27 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw.to(w.dtype), None
 
 
+class RMSNormSplitFunction(torch.autograd.Function):
+    """apply(x [T, H] bf16, w [H] fp32, eps) -> (y = rms_norm(x), x itself (a view)) by the kernels: where x
+    has a second consumer (each block's input: its attention's norm and the residual add), that consumer
+    takes the view, and the backward adds its gradient into dx in its pass (dx = dx' + J^T dy), not
+    autograd in a pass of its own."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        _, y, r = rms_norm_fwd(x, w, eps)
+        ctx.save_for_backward(x, w, r)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_res):
+        x, w, r = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, dw = rms_norm_bwd(x, dy, w, r, dx_res)
+        return dx, dw.to(w.dtype), None
+
+
 class AddRMSNormFunction(torch.autograd.Function):
     """apply(x, a [T, H] bf16, w [H] fp32, eps) -> (h = x + a, y = rms_norm(h)) by the kernels; the
     backward adds h's own gradient (the residual's) into dx in its pass: dx = da = dh + J^T dy."""
@@ -210,6 +233,15 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, impl: str | None = None) -> Tenso
     if not use_triton(x, impl):
         return rms_norm_ref(x, w, eps)
     return RMSNormFunction.apply(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
+
+
+def rms_norm_split(x: Tensor, w: Tensor, eps: float, impl: str | None = None) -> tuple[Tensor, Tensor]:
+    """x [..., H] bf16 -> (RMSNorm(x) * w, x for its other consumer): on CUDA the gradient that consumer
+    gives x is added in the norm's backward pass (`RMSNormSplitFunction`); CPU: (the reference, x)."""
+    if not use_triton(x, impl):
+        return rms_norm_ref(x, w, eps), x
+    y, xr = RMSNormSplitFunction.apply(x.reshape(-1, x.shape[-1]), w, eps)
+    return y.view(x.shape), xr.view(x.shape)
 
 
 def add_rms_norm(x: Tensor, a: Tensor, w: Tensor, eps: float, impl: str | None = None) -> tuple[Tensor, Tensor]:

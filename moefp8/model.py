@@ -35,7 +35,7 @@ from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.fp8 import TILE, ScaleStats
 from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
-from moefp8.kernels.norm import add_rms_norm, rms_norm
+from moefp8.kernels.norm import add_rms_norm, rms_norm, rms_norm_split
 from moefp8.kernels.rope import rope_qkv, rope_tables
 from moefp8.linear import Fp8Linear, make_linear
 from moefp8.loss import linear_cross_entropy
@@ -74,6 +74,13 @@ class RMSNorm(nn.Module):
         if self.fused:
             return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (the norm of x, x for its other consumer): where fused, the gradient that consumer gives x is
+        added in the norm's backward pass, not by autograd in a pass of its own."""
+        if self.fused:
+            return rms_norm_split(x, self.weight, self.eps)
+        return self(x), x
 
     def add(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
         """-> (h = x + a, the norm of h): one pass each way where fused."""
@@ -139,7 +146,8 @@ class Block(nn.Module):
 
     def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The block up to its MLP: -> (attention output a, x + a, the MLP's input RMSNorm(x + a))."""
-        a = self.attn(self.attn_norm(x), cos, sin)
+        n, x = self.attn_norm.split(x)  # x feeds the norm and the residual: one gradient pass for both
+        a = self.attn(n, cos, sin)
         h, m = self.mlp_norm.add(x, a)
         return a, h, m
 

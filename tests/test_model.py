@@ -292,14 +292,16 @@ def test_rms_norm_rounds_once_to_bf16():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fused_norm_is_the_same_function(device, monkeypatch):
     """model.fused_norm: every RMSNorm by kernels/norm.py, each block's residual add before its MLP's
-    norm in the same call. CPU: the same code (bit for bit); CUDA: the kernels, whose roundings differ
+    norm in the same call, and its input's two gradients (its norm's, the residual's) summed in the
+    attention norm's backward pass. CPU: the same code (bit for bit); CUDA: the kernels, whose roundings differ
     from torch's by BF16 ulps (a loss within 1e-3, gradients within 2% relative: BF16 rounding flips
     through a few layers; a wrong gradient is O(1))."""
     import moefp8.model as M
 
-    calls = []
-    fused_add = M.add_rms_norm
+    calls, splits = [], []
+    fused_add, fused_split = M.add_rms_norm, M.rms_norm_split
     monkeypatch.setattr(M, "add_rms_norm", lambda *a, **k: calls.append(1) or fused_add(*a, **k))
+    monkeypatch.setattr(M, "rms_norm_split", lambda *a, **k: splits.append(1) or fused_split(*a, **k))
     t = tokens(B=2, S=64).to(device)
     runs = []
     for fused in (False, True):
@@ -307,7 +309,7 @@ def test_fused_norm_is_the_same_function(device, monkeypatch):
         loss = m(t[:, :-1], t[:, 1:]).out
         loss.backward()
         runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    assert len(calls) == TINY.n_layers
+    assert len(calls) == len(splits) == TINY.n_layers  # each block's input: its norm and the residual in one
     (l0, g0), (l1, g1) = runs
     assert g0.keys() == g1.keys() and any("norm" in n for n in g0)
     if device == "cpu":

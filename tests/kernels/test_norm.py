@@ -64,6 +64,15 @@ def check(T, H, device, impl, slack):
     # reaches the fp32 master through its BF16 weight copy, rounded to BF16 once (2**-8 relative)
     dw_rtol = 2.0**-7 if impl == "ref" else 1e-3
     assert torch.allclose(wg.grad.double(), dw64, rtol=dw_rtol, atol=1e-4 * float(dw64.abs().max()) + 1e-30)
+    # rms_norm_split: y and x passed through; the pass-through's gradient (dh here) added into dx
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y, xr = N.rms_norm_split(xg, wg, EPS, impl=impl)
+    close_bf16(y, norm_f64(x, w), slack)
+    assert torch.equal(xr, x)
+    torch.autograd.backward([y, xr], [dy, dh])
+    dx64, dw64 = grads_f64(x, w, dy, dh)
+    close_bf16(xg.grad, dx64, slack, size=(dx64 - dh.double()).abs() + dh.double().abs())
+    assert torch.allclose(wg.grad.double(), dw64, rtol=dw_rtol, atol=1e-4 * float(dw64.abs().max()) + 1e-30)
     # add_rms_norm: h = x + a, the bits of torch's BF16 add (GPU); the residual's gradient dh added into dx
     xg, ag, wg = x.clone().requires_grad_(), a.clone().requires_grad_(), w.clone().requires_grad_()
     h, y = N.add_rms_norm(xg, ag, wg, EPS, impl=impl)
