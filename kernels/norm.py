@@ -25,7 +25,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.nn import functional as F
 
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import num_sms, use_triton
+from moefp8.kernels.quant import _abs_nan0, _scale_from_amax, _scales, _to_fp8, quant_rowwise_ref
 
 
 # Launch configs: rows per tile and warps (forward); rows per tile, warps and programs per SM of the
@@ -59,6 +61,31 @@ def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, st
     w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
     tl.store(y_ptr + offs_t[:, None] * stride_y + offs[None, :], (x * r[:, None] * w[None, :]).to(tl.bfloat16), mask=m)
+    tl.store(r_ptr + offs_t, r, mask=offs_t < T)
+
+
+@triton.jit
+def _rms_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, s_ptr, r_ptr, T, H, stride_x, stride_q, stride_st, stride_sg, eps,
+                          POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`_rms_fwd_kernel`'s y (the same expression, the same BF16 rounding) quantized "1x128" in registers
+    as `quant_rowwise` quantizes BF16 rows (kernels/quant.py's helpers): codes and one scale per row and
+    128 columns; the BF16 y is never written. H % 128 == 0."""
+    G: tl.constexpr = BLOCK_H // 128
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs = tl.arange(0, BLOCK_H)
+    m = (offs_t < T)[:, None] & (offs < H)[None, :]
+    x = tl.load(x_ptr + offs_t[:, None] * stride_x + offs[None, :], mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
+    y = (x * r[:, None] * w[None, :]).to(tl.bfloat16).to(tl.float32)  # (columns past H: 0)
+    y3 = tl.reshape(y, (BLOCK_T, G, 128))
+    amax = tl.max(_abs_nan0(y3), axis=2)
+    scale, inv = _scale_from_amax(amax, POW2)
+    q = tl.reshape(_to_fp8(y3, scale[:, :, None], inv[:, :, None], POW2), (BLOCK_T, BLOCK_H))
+    tl.store(q_ptr + offs_t[:, None] * stride_q + offs[None, :], q, mask=m)
+    offs_g = tl.arange(0, G)
+    tl.store(s_ptr + offs_t[:, None] * stride_st + offs_g[None, :] * stride_sg, scale,
+             mask=(offs_t < T)[:, None] & (offs_g * 128 < H)[None, :])
     tl.store(r_ptr + offs_t, r, mask=offs_t < T)
 
 
@@ -138,6 +165,33 @@ def rms_norm_fwd(x_TH: Tensor, w: Tensor, eps: float, a_TH: Tensor | None = None
             x_TH, a, w, h, y, r, T, H, x_TH.stride(0), a.stride(0), h.stride(0), y.stride(0), eps,
             ADD=a_TH is not None, BLOCK_H=triton.next_power_of_2(H), **cfg)
     return h, y, r
+
+
+def rms_norm_quant_fwd(x_TH: Tensor, w: Tensor, eps: float, scale_fmt: str = "pow2", *,
+                       launch: dict | None = None) -> tuple[Fp8Tensor, Tensor]:
+    """RMSNorm quantized for an FP8 GEMM in one pass: -> (`quant_rowwise(rms_norm(x), colmajor_scale=True)`
+    bit for bit, "1x128" [T, H] with column-major scales; r [T] fp32 for `rms_norm_bwd`). H % 128 == 0.
+    launch: `launch_for(H)["fwd"]`'s keys."""
+    _check("rms_norm_quant", w, x_TH)
+    pow2 = check_scale_fmt(scale_fmt)
+    T, H = x_TH.shape
+    if H % TILE:
+        raise ValueError(f"rms_norm_quant: H={H} must be a multiple of {TILE}")
+    q = torch.empty(T, H, dtype=FP8_DTYPE, device=x_TH.device)
+    s = _scales(T, H // TILE, x_TH.device, True)
+    r = torch.empty(T, dtype=torch.float32, device=x_TH.device)
+    if T:
+        cfg = launch or launch_for(H)["fwd"]
+        _rms_quant_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+            x_TH, w, q, s, r, T, H, x_TH.stride(0), q.stride(0), s.stride(0), s.stride(1), eps, POW2=pow2,
+            BLOCK_H=triton.next_power_of_2(H), **cfg)
+    return Fp8Tensor(q, s, "1x128"), r
+
+
+def rms_norm_quant_ref(x_TH: Tensor, w: Tensor, eps: float, scale_fmt: str = "pow2") -> tuple[Fp8Tensor, Tensor]:
+    """`rms_norm_quant_fwd`'s twin: the reference norm, quantized by the reference."""
+    r = torch.rsqrt(x_TH.float().pow(2).mean(-1) + eps)
+    return quant_rowwise_ref(rms_norm_ref(x_TH, w, eps), scale_fmt, colmajor_scale=True), r
 
 
 def rms_norm_bwd(h_TH: Tensor, dy_TH: Tensor, w: Tensor, r_T: Tensor, dh_TH: Tensor | None = None, *,

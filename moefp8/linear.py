@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from moefp8.fp8 import TILE, Fp8Tensor, ScaleStats
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import GemmPolicy
+from moefp8.kernels.norm import rms_norm_bwd, rms_norm_quant_fwd
 from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight, requant_colwise
 from moefp8.kernels.rope import rope_qkv_backward_quant, rope_qkv_forward
 from moefp8.recipe import Recipe
@@ -49,14 +50,16 @@ def quant_operand(x2: Tensor, scale_fmt: str, colwise: bool, kind: str,
 
 
 def _fp8_linear_forward(ctx, x: Tensor, weight: Tensor, scale_fmt: str, stats: ScaleStats,
-                        gemm: GemmPolicy) -> tuple[Tensor, tuple]:
-    """y = x · wᵀ in FP8 -> (y [..., N] bf16, the tensors its backward needs); ctx gets the rest."""
+                        gemm: GemmPolicy, quantized: tuple | None = None) -> tuple[Tensor, tuple]:
+    """y = x · wᵀ in FP8 -> (y [..., N] bf16, the tensors its backward needs); ctx gets the rest.
+    quantized: x's operands made already, ("1x128" with column-major scales, its "128x1" copy or None
+    where the weight wants no gradient), recorded by the caller; x then only gives the shape."""
     N, K = weight.shape
     _check_dims("Fp8Linear", N, K)
     if x.shape[-1] != K:
         raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
-    x2 = x.reshape(-1, K)
-    x8, xc = quant_operand(x2, scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
+    x8, xc = quantized if quantized is not None else \
+        quant_operand(x.reshape(-1, K), scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
     # the dgrad's Wᵀ from the same pass over the weight (no transpose kernel in the backward)
     w8, w8t = quant_weight(weight, scale_fmt, transposed=True) if ctx.needs_input_grad[0] else \
         (quant_weight(weight, scale_fmt), None)
@@ -124,6 +127,46 @@ class Fp8QKVRopeFunction(torch.autograd.Function):
         dy8 = ctx.stats.record("grad", rope_qkv_backward_quant(dq, dk, dv, cos, sin, ctx.scale_fmt))
         dy_col = requant_colwise(dy8, ctx.scale_fmt) if ctx.needs_input_grad[1] else None
         return (*_fp8_linear_backward(ctx, saved, dy8, dy_col), None, None, None, None, None, None)
+
+
+class Fp8NormQKVRopeFunction(torch.autograd.Function):
+    """RMSNorm, then `Fp8QKVRopeFunction`, as one function: x [B, S, K] (the block's input), the norm's
+    weight -> (q, k, v as `Fp8QKVRopeFunction`'s, x again for the residual). The norm's output goes
+    straight to FP8 in the norm's pass (`rms_norm_quant_fwd`: the bits of `quant_rowwise` of the BF16
+    norm, which is never written nor read back); the backward feeds the QKV's dgrad to the norm's
+    backward, which adds the residual's gradient in the same pass (as `rms_norm_split`). Inputs in this
+    order so that needs_input_grad[0] / [1] are x / the QKV weight, as `_fp8_linear_backward` reads them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, norm_w: Tensor, eps: float, cos: Tensor, sin: Tensor, n_heads: int,
+                scale_fmt: str, stats: ScaleStats, gemm: GemmPolicy):
+        B, S, K = x.shape
+        x2 = x.reshape(-1, K)
+        x8, r = rms_norm_quant_fwd(x2, norm_w, eps, scale_fmt)
+        stats.record("act", x8)
+        xc = requant_colwise(x8, scale_fmt) if weight.requires_grad else None
+        y, saved = _fp8_linear_forward(ctx, x, weight, scale_fmt, stats, gemm, quantized=(x8, xc))
+        ctx.save_for_backward(*saved, cos, sin, x2, norm_w, r)
+        return (*rope_qkv_forward(y.view(B, S, 3, n_heads, -1), cos, sin), x.view_as(x))
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dx_res: Tensor | None):
+        *saved, cos, sin, x2, norm_w, r = ctx.saved_tensors
+        dy8 = ctx.stats.record("grad", rope_qkv_backward_quant(dq, dk, dv, cos, sin, ctx.scale_fmt))
+        dy_col = requant_colwise(dy8, ctx.scale_fmt) if ctx.needs_input_grad[1] else None
+        dn, dw = _fp8_linear_backward(ctx, saved, dy8, dy_col)
+        K = x2.shape[1]
+        dx, dnw = rms_norm_bwd(x2, dn.reshape(-1, K), norm_w, r,
+                               dx_res.reshape(-1, K) if dx_res is not None else None)
+        return dx.view(ctx.x_shape), dw, dnw.to(norm_w.dtype), None, None, None, None, None, None, None
+
+
+def fuses_norm(wqkv: nn.Module, head_dim: int, norm_fused: bool, x: Tensor) -> bool:
+    """Whether the attention's norm runs inside its QKV function (`Fp8NormQKVRopeFunction`): fused norms
+    (model.fused_norm), an FP8 QKV with 128-wide heads, CUDA, and x wanting a gradient (training's case;
+    the norm's backward needs the QKV's dgrad) or no autograd at all."""
+    return (norm_fused and x.is_cuda and isinstance(wqkv, Fp8Linear) and head_dim == TILE
+            and (x.requires_grad or not torch.is_grad_enabled()))
 
 
 class Fp8Linear(nn.Module):

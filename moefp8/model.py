@@ -37,7 +37,7 @@ from moefp8.graphs import replays
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.norm import add_rms_norm, rms_norm, rms_norm_split
 from moefp8.kernels.rope import rope_qkv, rope_tables
-from moefp8.linear import Fp8Linear, make_linear
+from moefp8.linear import Fp8Linear, Fp8NormQKVRopeFunction, fuses_norm, make_linear
 from moefp8.loss import linear_cross_entropy
 from moefp8.mlp import MLP
 from moefp8.moe import MoELayer
@@ -108,6 +108,23 @@ class Attention(nn.Module):
             q, k, v = self.wqkv.qkv_rope(x_BSH, cos, sin, self.n_heads)
         else:
             q, k, v = rope_qkv(self.wqkv(x_BSH).view(B, S, 3, self.n_heads, self.head_dim), cos, sin)
+        return self._core(q, k, v)
+
+    def normed(self, x_BSH: Tensor, norm: "RMSNorm", cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """norm, then this attention: -> (its output, x for the residual, whose gradient the norm's backward
+        adds). With fused norms and an FP8 QKV the norm quantizes its output for the QKV GEMM in its own pass
+        (`Fp8NormQKVRopeFunction`); else `norm.split` and `forward`."""
+        if fuses_norm(self.wqkv, self.head_dim, norm.fused, x_BSH):
+            w = self.wqkv
+            q, k, v, x_res = Fp8NormQKVRopeFunction.apply(x_BSH, w.weight, norm.weight, norm.eps, cos, sin,
+                                                          self.n_heads, w.scale_fmt, w.stats, w.gemm)
+            return self._core(q, k, v), x_res
+        n, x_res = norm.split(x_BSH)
+        return self(n, cos, sin), x_res
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q, k [B, nh, S, hd] (rotated), v [B, S, nh, hd] -> the attention's output projection [B, S, H]."""
+        B, _, S, _ = q.shape
         v = v.transpose(1, 2)  # q, k, v: [B, nh, S, hd] views of heads-last memory
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, S, hd] bf16
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
@@ -146,8 +163,7 @@ class Block(nn.Module):
 
     def attend(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The block up to its MLP: -> (attention output a, x + a, the MLP's input RMSNorm(x + a))."""
-        n, x = self.attn_norm.split(x)  # x feeds the norm and the residual: one gradient pass for both
-        a = self.attn(n, cos, sin)
+        a, x = self.attn.normed(x, self.attn_norm, cos, sin)  # x feeds the norm and the residual: one gradient pass
         h, m = self.mlp_norm.add(x, a)
         return a, h, m
 

@@ -119,6 +119,64 @@ def test_fp8_qkv_rope_equals_the_linear_then_rope():
     assert rel(x1.grad, x64.grad) <= 1.02 * rel(x2.grad, x64.grad) and rel(dw1, w64.grad) <= 1.02 * rel(dw2, w64.grad)
 
 
+def _norm_qkv_rope_pair(device: str):
+    """The fused norm + QKV + RoPE function and the unfused composition (rms_norm_split, then qkv_rope) on
+    the same inputs and output gradients -> ((outputs, dx, dW, d norm weight) fused, the same unfused)."""
+    from moefp8.kernels.norm import rms_norm_split
+    from moefp8.kernels.rope import rope_tables
+    from moefp8.linear import Fp8NormQKVRopeFunction
+
+    torch.manual_seed(1)
+    B, S, nh, K = 2, 64, 2, 256
+    lin = Fp8Linear(K, 3 * nh * 128, device=device)
+    nw = (1 + 0.3 * torch.randn(K, device=device)).requires_grad_()
+    cos, sin = rope_tables(S, 128, 10000.0, device)
+    x = torch.randn(B, S, K, device=device).bfloat16()
+    x[0, 3] = 0  # a zero row
+    grads = None
+    runs = []
+    for fused in (True, False):
+        xg = x.clone().requires_grad_()
+        if fused:
+            out = Fp8NormQKVRopeFunction.apply(xg, lin.weight, nw, 1e-6, cos, sin, nh, "pow2", lin.stats, lin.gemm)
+        else:
+            n, xr = rms_norm_split(xg, nw, 1e-6, impl="triton")
+            out = (*lin.qkv_rope(n, cos, sin, nh), xr)
+        grads = grads or [torch.randn(t.shape, device=device).bfloat16() for t in out]
+        torch.autograd.backward(out, grads)
+        runs.append(([t.detach() for t in out], xg.grad, lin.weight.grad, nw.grad))
+        lin.weight.grad = nw.grad = None
+    return runs
+
+
+@pytest.mark.interp
+def test_fp8_norm_qkv_rope_is_the_norm_then_qkv_rope(monkeypatch):
+    """Fp8NormQKVRopeFunction (fused norms, FP8 QKV): the norm's output quantized in the norm's pass, the
+    QKV's dgrad into the norm's backward with the residual's gradient: the same function as the norm
+    (rms_norm_split) then qkv_rope, bit for bit. Under the interpreter the unfused path quantizes the
+    norm's output with the row-wise kernel too (its CPU default is the reference, whose fp8 cast rounds
+    where the interpreter's truncates); everything else is the same code on both sides."""
+    import moefp8.linear as L
+    from moefp8.kernels.quant import quant_rowwise, requant_colwise
+
+    def operand(x2, fmt, colwise, kind, stats):
+        q = stats.record(kind, quant_rowwise(x2, fmt, impl="triton", colmajor_scale=True))
+        return q, (requant_colwise(q, fmt) if colwise else None)
+
+    monkeypatch.setattr(L, "quant_operand", operand)
+    (o1, dx1, dw1, dn1), (o2, dx2, dw2, dn2) = _norm_qkv_rope_pair("cpu")
+    assert all(torch.isfinite(t).all() for t in (*o1, dx1, dw1, dn1))
+    assert all(torch.equal(a, b) for a, b in zip(o1, o2))
+    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2) and torch.equal(dn1, dn2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_norm_qkv_rope_is_the_norm_then_qkv_rope_bit_for_bit():
+    (o1, dx1, dw1, dn1), (o2, dx2, dw2, dn2) = _norm_qkv_rope_pair("cuda")
+    assert all(torch.equal(a, b) for a, b in zip(o1, o2))
+    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2) and torch.equal(dn1, dn2)
+
+
 def test_fp8_linear_errors():
     with pytest.raises(ValueError, match="divisible by 128"):
         Fp8Linear(100, 128)

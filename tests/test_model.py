@@ -321,6 +321,28 @@ def test_fused_norm_is_the_same_function(device, monkeypatch):
             assert err < 2e-2, (n, err)
 
 
+@pytest.mark.gpu
+def test_gpu_fp8_norm_in_the_qkv_function_changes_no_bit(monkeypatch):
+    """FP8 with fused norms: each block's attention norm runs inside its QKV function
+    (`Fp8NormQKVRopeFunction`: the normed rows quantized in the norm's pass): loss and every gradient bit
+    for bit the unfused path's (the norm's split, then the QKV function)."""
+    import moefp8.model as M
+
+    t = tokens(B=2, S=64).to("cuda")
+    fused_apply, fuses = M.Fp8NormQKVRopeFunction.apply, M.fuses_norm
+    calls, runs = [], []
+    monkeypatch.setattr(M.Fp8NormQKVRopeFunction, "apply", lambda *a: calls.append(1) or fused_apply(*a))
+    for fuse in (True, False):
+        monkeypatch.setattr(M, "fuses_norm", lambda *a: fuse and fuses(*a))
+        m = build("fp8", replace(TINY, fused_norm=True, head_dim=128)).cuda()  # (the FP8 QKV function: 128-wide heads)
+        loss = m(t[:, :-1], t[:, 1:]).out
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = runs
+    assert len(calls) == TINY.n_layers  # the fused run's blocks, each once
+    assert torch.isfinite(l0) and torch.equal(l0, l1) and g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])
 def test_dense_mlp_is_the_shared_experts_mlp(recipe):
     """The dense layers' MLP and the shared experts are one `MLP`: under FP8 the dense MLP keeps its

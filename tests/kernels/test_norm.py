@@ -153,3 +153,42 @@ def test_launch_configs_agree(fwd, bwd):
     dx0, dw0 = N.rms_norm_bwd(h0, dy, w, r0, dh)
     dx1, dw1 = N.rms_norm_bwd(h0, dy, w, r0, dh, launch=bwd)
     assert torch.equal(dx0, dx1) and torch.allclose(dw0, dw1, rtol=1e-5, atol=1e-5 * float(dw0.abs().max()))
+
+
+def quant_check(T, H, device, launch=None):
+    """rms_norm_quant_fwd: the codes and scales of `quant_rowwise` (the same device's kernel) of the BF16
+    norm that `rms_norm_fwd` writes, bit for bit, and the same r; on a GPU against the reference twin
+    (torch's norm may round a BF16 value the other way: codes one FP8 step apart at most)."""
+    from moefp8.kernels.quant import quant_rowwise
+
+    x = rows(T, H, T + H, device)
+    w = (1 + 0.3 * torch.randn(H, generator=torch.Generator().manual_seed(H))).bfloat16().float().to(device)
+    q, r = N.rms_norm_quant_fwd(x, w, EPS, launch=launch)
+    _, y, r0 = N.rms_norm_fwd(x, w, EPS)
+    q0 = quant_rowwise(y, impl="triton", colmajor_scale=True)
+    assert q.layout == "1x128" and q.scale.stride() == q0.scale.stride() == (1, T)
+    assert torch.equal(q.data.view(torch.uint8), q0.data.view(torch.uint8)) and torch.equal(q.scale, q0.scale)
+    assert torch.equal(r, r0)
+    qr, rr = N.rms_norm_quant_ref(x, w, EPS)
+    assert torch.allclose(r, rr, rtol=1e-5)
+    if device == "cuda":  # (the interpreter's fp8 cast drops values at binade edges a binade: no reference there)
+        d, want = q.dequantize(torch.float32), qr.dequantize(torch.float32)
+        s = qr.scale.float().repeat_interleave(128, dim=1)[:, :H]  # one E4M3 step of the value, or two subnormal
+        assert bool(((d - want).abs() <= 2.0**-3 * want.abs() + 2.0**-8 * s).all())
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,H,launch", [(37, 384, None), (1, 128, None), (130, 2048, dict(BLOCK_T=2, num_warps=4))])
+def test_norm_quant_is_quant_rowwise_of_the_norm(T, H, launch):
+    quant_check(T, H, "cpu", launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H", [(37, 384), (4099, 2048), (1000, 7168)])
+def test_gpu_norm_quant_is_quant_rowwise_of_the_norm(T, H):
+    quant_check(T, H, "cuda")
+
+
+def test_norm_quant_bad_width_is_named():
+    with pytest.raises(ValueError, match="rms_norm_quant: H=200 must be a multiple of 128"):
+        N.rms_norm_quant_fwd(torch.zeros(4, 200, dtype=torch.bfloat16), torch.ones(200), EPS)
