@@ -46,6 +46,15 @@ def launch_for(H: int) -> dict:
 
 
 @triton.jit
+def _normed(x, w_ptr, offs, H, eps):
+    """Rows x [BLOCK_T, BLOCK_H] fp32 (0 past H) -> (the norm in BF16, r = rsqrt(mean(x^2) + eps) fp32), w the
+    fp32 master read rounded to BF16: both forward kernels' expression, so their BF16 rows are the same bits."""
+    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
+    return (x * r[:, None] * w[None, :]).to(tl.bfloat16), r
+
+
+@triton.jit
 def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, stride_a, stride_h, stride_y, eps,
                     ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """BLOCK_T rows per program. ADD: h = bf16(x + a) stored, the norm of h."""
@@ -58,16 +67,15 @@ def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, st
         hb = (x + a).to(tl.bfloat16)
         tl.store(h_ptr + offs_t[:, None] * stride_h + offs[None, :], hb, mask=m)
         x = hb.to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
-    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
-    tl.store(y_ptr + offs_t[:, None] * stride_y + offs[None, :], (x * r[:, None] * w[None, :]).to(tl.bfloat16), mask=m)
+    y, r = _normed(x, w_ptr, offs, H, eps)
+    tl.store(y_ptr + offs_t[:, None] * stride_y + offs[None, :], y, mask=m)
     tl.store(r_ptr + offs_t, r, mask=offs_t < T)
 
 
 @triton.jit
 def _rms_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, s_ptr, r_ptr, T, H, stride_x, stride_q, stride_st, stride_sg, eps,
                           POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """`_rms_fwd_kernel`'s y (the same expression, the same BF16 rounding) quantized "1x128" in registers
+    """`_rms_fwd_kernel`'s y (`_normed`: the same BF16 rows) quantized "1x128" in registers
     as `quant_rowwise` quantizes BF16 rows (kernels/quant.py's helpers): codes and one scale per row and
     128 columns; the BF16 y is never written. H % 128 == 0."""
     G: tl.constexpr = BLOCK_H // 128
@@ -75,10 +83,8 @@ def _rms_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, s_ptr, r_ptr, T, H, stride_x, str
     offs = tl.arange(0, BLOCK_H)
     m = (offs_t < T)[:, None] & (offs < H)[None, :]
     x = tl.load(x_ptr + offs_t[:, None] * stride_x + offs[None, :], mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
-    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
-    y = (x * r[:, None] * w[None, :]).to(tl.bfloat16).to(tl.float32)  # (columns past H: 0)
-    y3 = tl.reshape(y, (BLOCK_T, G, 128))
+    y, r = _normed(x, w_ptr, offs, H, eps)
+    y3 = tl.reshape(y.to(tl.float32), (BLOCK_T, G, 128))  # (columns past H: 0)
     amax = tl.max(_abs_nan0(y3), axis=2)
     scale, inv = _scale_from_amax(amax, POW2)
     q = tl.reshape(_to_fp8(y3, scale[:, :, None], inv[:, :, None], POW2), (BLOCK_T, BLOCK_H))
@@ -226,27 +232,11 @@ def rms_norm_bwd(h_TH: Tensor, dy_TH: Tensor, w: Tensor, r_T: Tensor, dh_TH: Ten
     return dx, part.sum(0)
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """apply(x [T, H] bf16, w [H] fp32, eps) -> y [T, H] bf16 by the kernels."""
-
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        _, y, r = rms_norm_fwd(x, w, eps)
-        ctx.save_for_backward(x, w, r)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, r = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(x, dy, w, r)
-        return dx, dw.to(w.dtype), None
-
-
 class RMSNormSplitFunction(torch.autograd.Function):
     """apply(x [T, H] bf16, w [H] fp32, eps) -> (y = rms_norm(x), x itself (a view)) by the kernels: where x
     has a second consumer (each block's input: its attention's norm and the residual add), that consumer
     takes the view, and the backward adds its gradient into dx in its pass (dx = dx' + J^T dy), not
-    autograd in a pass of its own."""
+    autograd in a pass of its own. `rms_norm` is this function with the pass-through unused."""
 
     @staticmethod
     def forward(ctx, x, w, eps):
@@ -286,7 +276,7 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, impl: str | None = None) -> Tenso
     """x [..., H] bf16 -> RMSNorm(x) * w in BF16 (w fp32, read as BF16). CUDA: the kernels; CPU: the reference."""
     if not use_triton(x, impl):
         return rms_norm_ref(x, w, eps)
-    return RMSNormFunction.apply(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
+    return rms_norm_split(x, w, eps, impl)[0]  # (the pass-through unused: no gradient to add)
 
 
 def rms_norm_split(x: Tensor, w: Tensor, eps: float, impl: str | None = None) -> tuple[Tensor, Tensor]:

@@ -107,6 +107,13 @@ class Fp8LinearFunction(torch.autograd.Function):
         return (*_fp8_linear_backward(ctx, ctx.saved_tensors, dy8, dy_col), None, None, None)
 
 
+def _qkv_grad(ctx, dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """The QKV functions' output gradients -> d(qkv) "1x128", quantized in the RoPE backward, and its
+    "128x1" copy where the weight (input 1) wants a gradient."""
+    dy8 = ctx.stats.record("grad", rope_qkv_backward_quant(dq, dk, dv, cos, sin, ctx.scale_fmt))
+    return dy8, (requant_colwise(dy8, ctx.scale_fmt) if ctx.needs_input_grad[1] else None)
+
+
 class Fp8QKVRopeFunction(torch.autograd.Function):
     """The attention's QKV projection and RoPE as one function: x [B, S, K] -> (q, k [B, nh, S, 128]
     rotated, v [B, S, nh, 128]), as `rope_qkv(Fp8LinearFunction(x, w).view(B, S, 3, nh, 128))`, whose
@@ -124,9 +131,8 @@ class Fp8QKVRopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
         *saved, cos, sin = ctx.saved_tensors
-        dy8 = ctx.stats.record("grad", rope_qkv_backward_quant(dq, dk, dv, cos, sin, ctx.scale_fmt))
-        dy_col = requant_colwise(dy8, ctx.scale_fmt) if ctx.needs_input_grad[1] else None
-        return (*_fp8_linear_backward(ctx, saved, dy8, dy_col), None, None, None, None, None, None)
+        return (*_fp8_linear_backward(ctx, saved, *_qkv_grad(ctx, dq, dk, dv, cos, sin)), None, None, None, None,
+                None, None)
 
 
 class Fp8NormQKVRopeFunction(torch.autograd.Function):
@@ -152,9 +158,7 @@ class Fp8NormQKVRopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dx_res: Tensor | None):
         *saved, cos, sin, x2, norm_w, r = ctx.saved_tensors
-        dy8 = ctx.stats.record("grad", rope_qkv_backward_quant(dq, dk, dv, cos, sin, ctx.scale_fmt))
-        dy_col = requant_colwise(dy8, ctx.scale_fmt) if ctx.needs_input_grad[1] else None
-        dn, dw = _fp8_linear_backward(ctx, saved, dy8, dy_col)
+        dn, dw = _fp8_linear_backward(ctx, saved, *_qkv_grad(ctx, dq, dk, dv, cos, sin))
         K = x2.shape[1]
         dx, dnw = rms_norm_bwd(x2, dn.reshape(-1, K), norm_w, r,
                                dx_res.reshape(-1, K) if dx_res is not None else None)
