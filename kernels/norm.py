@@ -48,7 +48,9 @@ def launch_for(H: int) -> dict:
 @triton.jit
 def _normed(x, w_ptr, offs, H, eps):
     """Rows x [BLOCK_T, BLOCK_H] fp32 (0 past H) -> (the norm in BF16, r = rsqrt(mean(x^2) + eps) fp32), w the
-    fp32 master read rounded to BF16: both forward kernels' expression, so their BF16 rows are the same bits."""
+    fp32 master read rounded to BF16: both forward kernels' expression, bf16((x r) w). (Their r may still differ
+    by one fp32 step: the compiler lays each kernel's rows out its own way, so the sum of squares runs in
+    another order; H 2048 on an H200: 16 against 8 values a thread, ~1 row in 8 one step apart.)"""
     w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.bfloat16).to(tl.float32)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
     return (x * r[:, None] * w[None, :]).to(tl.bfloat16), r
@@ -75,7 +77,7 @@ def _rms_fwd_kernel(x_ptr, a_ptr, w_ptr, h_ptr, y_ptr, r_ptr, T, H, stride_x, st
 @triton.jit
 def _rms_quant_fwd_kernel(x_ptr, w_ptr, q_ptr, s_ptr, r_ptr, T, H, stride_x, stride_q, stride_st, stride_sg, eps,
                           POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """`_rms_fwd_kernel`'s y (`_normed`: the same BF16 rows) quantized "1x128" in registers
+    """`_rms_fwd_kernel`'s y (`_normed`: its expression) quantized "1x128" in registers
     as `quant_rowwise` quantizes BF16 rows (kernels/quant.py's helpers): codes and one scale per row and
     128 columns; the BF16 y is never written. H % 128 == 0."""
     G: tl.constexpr = BLOCK_H // 128
@@ -175,8 +177,9 @@ def rms_norm_fwd(x_TH: Tensor, w: Tensor, eps: float, a_TH: Tensor | None = None
 
 def rms_norm_quant_fwd(x_TH: Tensor, w: Tensor, eps: float, scale_fmt: str = "pow2", *,
                        launch: dict | None = None) -> tuple[Fp8Tensor, Tensor]:
-    """RMSNorm quantized for an FP8 GEMM in one pass: -> (`quant_rowwise(rms_norm(x), colmajor_scale=True)`
-    bit for bit, "1x128" [T, H] with column-major scales; r [T] fp32 for `rms_norm_bwd`). H % 128 == 0.
+    """RMSNorm quantized for an FP8 GEMM in one pass: -> (`quant_rowwise(bf16((x r) w), colmajor_scale=True)`
+    bit for bit, "1x128" [T, H] with column-major scales; r [T] fp32 for `rms_norm_bwd`, within one fp32 step of
+    `rms_norm_fwd`'s: the sum of squares in the compiler's order, see `_normed`). H % 128 == 0.
     launch: `launch_for(H)["fwd"]`'s keys."""
     _check("rms_norm_quant", w, x_TH)
     pow2 = check_scale_fmt(scale_fmt)

@@ -550,10 +550,10 @@ LAUNCH = {  # fastest of tools/bench_quant.py --sweep on an H200 (runs and table
     # requant (persistent): PROGS_PER_SM programs per SM, STAGES tiles' loads in flight; 168 registers
     # let two 4-warp programs share an SM (bench/notes/quant.md, session 13)
     "requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8, STAGES=4, PROGS_PER_SM=2, maxnreg=168),
-    # kernels/permute.py's requant with its rows gathered (the fc1 wgrad's x): requant_colwise's config until
-    # swept apart (tools/bench_quant.py --sweep --only permute_requant_colwise); 0.30 ms a 3B layer in the
-    # step against 0.12 at copy speed, the widest gap of the FP8-only kernels (bench/notes/scale.md, session 55)
-    "permute_requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8, STAGES=4, PROGS_PER_SM=2, maxnreg=168),
+    # kernels/permute.py's requant with its rows gathered (the fc1 wgrad's x): three programs an SM, three
+    # tiles in flight (tools/bench_quant.py --sweep --only permute_requant_colwise, H200, 131072x2048: 0.209 ms
+    # against 0.261 with requant_colwise's config; bench/notes/scale.md, session 56)
+    "permute_requant_colwise": dict(BLOCK_K=128, num_warps=4, GROUP_K=8, STAGES=3, PROGS_PER_SM=3, maxnreg=168),
     "requant_colwise_generic": dict(BLOCK_K=64, num_warps=2),  # fp32 scales or M % 16 != 0; BLOCK_K <= 128
     "swiglu_backward_quant": dict(BLOCK_M=16, num_warps=4),  # its row kernel (kernels/swiglu.py); the col-wise
                                                              # copy takes "requant_colwise"

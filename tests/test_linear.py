@@ -119,7 +119,7 @@ def test_fp8_qkv_rope_equals_the_linear_then_rope():
     assert rel(x1.grad, x64.grad) <= 1.02 * rel(x2.grad, x64.grad) and rel(dw1, w64.grad) <= 1.02 * rel(dw2, w64.grad)
 
 
-def _norm_qkv_rope_pair(device: str):
+def _norm_qkv_rope_pair(device: str, K: int = 256):
     """The fused norm + QKV + RoPE function and the unfused composition (rms_norm_split, then qkv_rope) on
     the same inputs and output gradients -> ((outputs, dx, dW, d norm weight) fused, the same unfused)."""
     from moefp8.kernels.norm import rms_norm_split
@@ -127,7 +127,7 @@ def _norm_qkv_rope_pair(device: str):
     from moefp8.linear import Fp8NormQKVRopeFunction
 
     torch.manual_seed(1)
-    B, S, nh, K = 2, 64, 2, 256
+    B, S, nh = 2, 64, 2
     lin = Fp8Linear(K, 3 * nh * 128, device=device)
     nw = (1 + 0.3 * torch.randn(K, device=device)).requires_grad_()
     cos, sin = rope_tables(S, 128, 10000.0, device)
@@ -171,10 +171,17 @@ def test_fp8_norm_qkv_rope_is_the_norm_then_qkv_rope(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_norm_qkv_rope_is_the_norm_then_qkv_rope_bit_for_bit():
-    (o1, dx1, dw1, dn1), (o2, dx2, dw2, dn2) = _norm_qkv_rope_pair("cuda")
-    assert all(torch.equal(a, b) for a, b in zip(o1, o2))
-    assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2) and torch.equal(dn1, dn2)
+@pytest.mark.parametrize("K", [256, 2048])
+def test_gpu_fp8_norm_qkv_rope_is_the_norm_then_qkv_rope(K):
+    """On a GPU the fused kernel's r may sit one fp32 step from `rms_norm_fwd`'s (kernels/norm.py `_normed`):
+    a BF16 normed value one step off now and then, its FP8 code one step off more rarely. Every output and
+    gradient within a BF16 step (2^-8) of the unfused path's, relative, and nearly all of it the same bits."""
+    (o1, dx1, dw1, dn1), (o2, dx2, dw2, dn2) = _norm_qkv_rope_pair("cuda", K)
+    for a, b in zip((*o1, dx1, dw1, dn1), (*o2, dx2, dw2, dn2)):
+        assert torch.isfinite(a).all() and a.shape == b.shape
+        err = float((a.float() - b.float()).norm() / b.float().norm())
+        same = float((a == b).float().mean())
+        assert err <= 2.0**-8 and same > 0.99, (err, same)
 
 
 def test_fp8_linear_errors():
