@@ -12,9 +12,9 @@ vocabulary.
 the forward (the loss is the last op: its gradient is known up to the incoming scale): the
 BF16 logits of a chunk, their log-sum-exp in fp32, then `g = (softmax - onehot) / T` cast to BF16
 (the reference's gradient dtype at the BF16 GEMMs), in place over the logits by one Triton
-kernel on CUDA (`moefp8.kernels.xent`; its twin the reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (a BF16 GEMM
-per chunk, summed in fp32: the reference's one BF16-output GEMM rounds once; here each chunk's
-part rounds, then adds in fp32). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward,
+kernel on CUDA (`moefp8.kernels.xent`; its twin the reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (on
+CUDA a GEMM of BF16 operands that adds into the fp32 dW in its epilogue; on CPU each chunk's BF16 product
+rounds, then adds in fp32; the reference's one BF16-output GEMM rounds once). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward,
 which scales them by the incoming gradient. Peak: chunk x V x 2 bytes on CUDA (the kernel works in
 place; ~10 through the reference twin) plus dW. Same GEMM FLOPs as the reference, no recompute.
 """
@@ -34,6 +34,19 @@ def linear_cross_entropy_ref(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor) -> T
     return F.cross_entropy(F.linear(x_TH, w_VH.to(BF16)).float(), targets_T)
 
 
+def _add_mm_(dw_VH: Tensor, g_Vc: Tensor, x_cH: Tensor) -> None:
+    """dw (fp32) += g · x of BF16 operands. On CUDA one cuBLAS GEMM that adds into dw in its epilogue,
+    fp32 throughout (`out_dtype`: torch >= 2.8); elsewhere the BF16 product cast and added (three passes
+    over a [V, H] tensor a chunk: 3B preset, 8 chunks, ~3 ms a step, bench/notes/scale.md session 56)."""
+    if dw_VH.is_cuda and _HAS_OUT_DTYPE:
+        torch.addmm(dw_VH, g_Vc, x_cH, out_dtype=torch.float32, out=dw_VH)
+    else:
+        dw_VH += (g_Vc @ x_cH).float()
+
+
+_HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: int) -> Tensor:
@@ -47,7 +60,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gb = F.linear(xc, wb)  # [c, V] BF16: the reference's logits, bit for bit, once in fp32
             loss += xent_grad_(gb, tc, T).sum()  # gb now (softmax - onehot) / T, BF16 (moefp8.kernels.xent)
             torch.mm(gb, wb, out=dx[s: s + chunk])
-            dw += (gb.t() @ xc).float()
+            _add_mm_(dw, gb.t(), xc)
             del gb
         ctx.save_for_backward(dx, dw)
         ctx.w_dtype = w_VH.dtype
