@@ -139,7 +139,8 @@ class Fp8NormQKVRopeFunction(torch.autograd.Function):
     """RMSNorm, then `Fp8QKVRopeFunction`, as one function: x [B, S, K] (the block's input), the norm's
     weight -> (q, k, v as `Fp8QKVRopeFunction`'s, x again for the residual). The norm's output goes
     straight to FP8 in the norm's pass (`rms_norm_quant_fwd`: the bits of `quant_rowwise` of the BF16
-    norm, which is never written nor read back); the backward feeds the QKV's dgrad to the norm's
+    norm, which is never written nor read back; its r may sit one fp32 step from `rms_norm_split`'s, see
+    kernels/norm.py `_normed`); the backward feeds the QKV's dgrad to the norm's
     backward, which adds the residual's gradient in the same pass (as `rms_norm_split`). Inputs in this
     order so that needs_input_grad[0] / [1] are x / the QKV weight, as `_fp8_linear_backward` reads them."""
 

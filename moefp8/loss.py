@@ -8,15 +8,15 @@ log-softmax [T, V] and the backward makes an fp32 [T, V] gradient: ~10 bytes per
 vocabulary entry at the peak (moefp8.memory's "logits"), 7.8 GiB for 8192 tokens of a 102400
 vocabulary.
 
-`linear_cross_entropy` computes the same per `chunk` tokens and takes each chunk's gradients in
-the forward (the loss is the last op: its gradient is known up to the incoming scale): the
-BF16 logits of a chunk, their log-sum-exp in fp32, then `g = (softmax - onehot) / T` cast to BF16
-(the reference's gradient dtype at the BF16 GEMMs), in place over the logits by one Triton
-kernel on CUDA (`moefp8.kernels.xent`; its twin the reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (on
-CUDA a GEMM of BF16 operands that adds into the fp32 dW in its epilogue; on CPU each chunk's BF16 product
-rounds, then adds in fp32; the reference's one BF16-output GEMM rounds once). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward,
-which scales them by the incoming gradient. Peak: chunk x V x 2 bytes on CUDA (the kernel works in
-place; ~10 through the reference twin) plus dW. Same GEMM FLOPs as the reference, no recompute.
+`linear_cross_entropy` computes the same per `chunk` tokens and takes each chunk's gradients in the forward
+(the loss is the last op: its gradient is known up to the incoming scale): the BF16 logits of a chunk, their
+log-sum-exp in fp32, then `g = (softmax - onehot) / T` cast to BF16 (the reference's gradient dtype at the
+BF16 GEMMs), in place over the logits by one Triton kernel on CUDA (`moefp8.kernels.xent`; its twin the
+reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (on CUDA a GEMM of BF16 operands that adds into the
+fp32 dW in its epilogue; on CPU each chunk's BF16 product rounds, then adds in fp32; the reference's one
+BF16-output GEMM rounds once). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward, which scales
+them by the incoming gradient. Peak: chunk x V x 2 bytes on CUDA (the kernel works in place; ~10 through the
+reference twin) plus dW. Same GEMM FLOPs as the reference, no recompute.
 """
 
 import torch
@@ -26,6 +26,7 @@ from torch import Tensor
 from moefp8.kernels.xent import xent_grad_
 
 BF16 = torch.bfloat16
+_HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)  # addmm's out_dtype (CUDA)
 
 
 def linear_cross_entropy_ref(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor) -> Tensor:
@@ -43,8 +44,6 @@ def _add_mm_(dw_VH: Tensor, g_Vc: Tensor, x_cH: Tensor) -> None:
     else:
         dw_VH += (g_Vc @ x_cH).float()
 
-
-_HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
