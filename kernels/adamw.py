@@ -8,6 +8,12 @@ Math in fp32, in the reference's order: torch.lerp for m, addcmul for v, the mom
 but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. FMA
 contraction stays on (as in torch's CUDA kernels), so the kernel and the reference agree to a few
 fp32 ulp, not bit for bit.
+
+`adamw_quant_step_` is the update of a weight that keeps a persistent FP8 copy for the GEMMs
+(moefp8.weight_copy): the same update (one formula, `_adam`), then the block's "128x128" codes and
+scale from the values just written, read back from L2 (one program per 128x128 block), so the copy
+costs the optimizer 1-2 bytes written per weight instead of a quantization pass that reads the 4-byte
+masters again. Its codes are `quant_weight`'s of the updated weight, bit for bit.
 """
 
 import torch
@@ -16,13 +22,27 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
+from moefp8.fp8 import FP8_DTYPE, TILE, Fp8Tensor, check_scale_fmt
 from moefp8.kernels import use_triton
+from moefp8.kernels.quant import _abs_nan0, _scale_from_amax, _to_fp8, quant_weight_ref, transpose_weight_ref
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 # 8 elements per thread: 128-bit loads and stores, two per fp32 tensor and one per bf16 one, when
 # numel % 16 == 0 (Triton specializes on it; all tensors of the small model) and scalar ones
 # otherwise. Not tuned on a GPU: the kernel is bandwidth-bound at any sane setting.
 BLOCK, NUM_WARPS = 1024, 4
+# The fused update + quantization: a 128x128 block per program, ROWS rows of it per pass (4 fp32 tiles of
+# ROWS x 128 live at once). Not tuned on a GPU yet.
+QUANT_LAUNCH = dict(ROWS=32, num_warps=4)
+
+
+@triton.jit
+def _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2):
+    """The update in fp32 -> (new p, m, v): both kernels' one formula."""
+    m = m + w1 * (g - m)  # torch.lerp's formula for w1 < 0.5 (beyond, g - (g - m) * (1 - w1): an ulp apart)
+    v = v * beta2 + w2 * g * g
+    denom = tl.sqrt_rn(tl.math.div_rn(v, bc2)) + eps
+    return p * decay + step_size * tl.math.div_rn(m, denom), m, v
 
 
 @triton.jit
@@ -36,12 +56,57 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, n, w1, beta2, w2, eps, dec
         g = g * tl.load(gs_ptr)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-    m = m + w1 * (g - m)  # torch.lerp's formula for w1 < 0.5 (beyond, g - (g - m) * (1 - w1): an ulp apart)
-    v = v * beta2 + w2 * g * g
+    p, m, v = _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-    denom = tl.sqrt_rn(tl.math.div_rn(v, bc2)) + eps
-    tl.store(p_ptr + offs, p * decay + step_size * tl.math.div_rn(m, denom), mask=mask)
+    tl.store(p_ptr + offs, p, mask=mask)
+
+
+@triton.jit
+def _adamw_quant_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, w1, beta2, w2, eps,
+                        decay, step_size, bc2, SCALED: tl.constexpr, POW2: tl.constexpr, TRANS: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """One 128x128 block of p [E, N, K] (contiguous, as g, m and v): the update, ROWS rows at a time,
+    then the new block's codes and scale as `quant._quant_weight_kernel` makes them from the stored
+    values (read back from L2); TRANS (N % 128 == 0): the transposed block and scale too."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_e = tl.program_id(2).to(tl.int64)
+    base = pid_e * N * K + pid_n.to(tl.int64) * 128 * K + pid_k * 128
+    rows = tl.arange(0, ROWS)
+    cols = tl.arange(0, 128)
+    n_left = N - pid_n * 128
+    amax = tl.zeros((ROWS, 128), tl.float32)
+    for r0 in tl.static_range(0, 128, ROWS):
+        offs = (r0 + rows)[:, None] * K + cols[None, :]
+        mask = (r0 + rows < n_left)[:, None]
+        p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            g = g * tl.load(gs_ptr)
+        m = tl.load(m_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        p, m, v = _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2)
+        tl.store(m_ptr + base + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + base + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+        tl.store(p_ptr + base + offs, p, mask=mask)
+        amax = tl.maximum(amax, _abs_nan0(p))  # masked rows are 0: the amax is the block's
+    scale, inv = _scale_from_amax(tl.max(tl.max(amax, axis=1), axis=0), POW2)
+    Kb = K // 128
+    tl.store(s_ptr + pid_e * tl.cdiv(N, 128) * Kb + pid_n * Kb + pid_k, scale)
+    tl.debug_barrier()  # every thread's stores of the new block made visible to the reads below
+    for r0 in tl.static_range(0, 128, ROWS):
+        offs = (r0 + rows)[:, None] * K + cols[None, :]
+        mask = (r0 + rows < n_left)[:, None]
+        p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
+        tl.store(q_ptr + base + offs, _to_fp8(p, scale, inv, POW2), mask=mask)
+    if TRANS:  # as the quantization kernel: the block read again as [k, n], the same scale
+        Nb = N // 128
+        base_t = pid_e * N * K + pid_k.to(tl.int64) * 128 * N + pid_n * 128
+        for r0 in tl.static_range(0, 128, ROWS):
+            pt = tl.load(p_ptr + base + (r0 + rows)[:, None] + cols[None, :] * K)
+            tl.store(qt_ptr + base_t + (r0 + rows)[:, None] * N + cols[None, :], _to_fp8(pt, scale, inv, POW2))
+        tl.store(st_ptr + pid_e * Kb * Nb + pid_k * Nb + pid_n, scale)
 
 
 def _check(p: Tensor, g: Tensor, m: Tensor, v: Tensor, grad_scale: Tensor | None) -> None:
@@ -80,6 +145,57 @@ def adamw_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1:
             num_warps=NUM_WARPS, enable_fp_fusion=True)  # FMAs as torch's CUDA kernels; off by default in Triton 3.10
     for t in (p, m, v):  # Triton's stores are invisible to autograd; WeightCache keys on p's version
         increment_version(t)
+
+
+def _check_copy(p: Tensor, w8: Fp8Tensor, w8t: Fp8Tensor | None) -> None:
+    if p.dim() not in (2, 3) or p.shape[-1] % TILE:
+        raise ValueError(f"adamw_quant_step_: p must be [N, K] or [E, N, K] with K % {TILE} == 0, got {tuple(p.shape)}")
+    N, K = p.shape[-2:]
+    lead = tuple(p.shape[:-2])
+    want = [("w8", w8, (*lead, N, K), (*lead, -(-N // TILE), K // TILE))]
+    if w8t is not None:
+        if N % TILE:
+            raise ValueError(f"adamw_quant_step_: a transposed copy needs N % {TILE} == 0, got N={N}")
+        want.append(("w8t", w8t, (*lead, K, N), (*lead, K // TILE, N // TILE)))
+    for name, c, shape, sshape in want:
+        if (c.layout != "128x128" or c.data.dtype != FP8_DTYPE or tuple(c.data.shape) != shape
+                or c.scale.dtype != torch.float32 or tuple(c.scale.shape) != sshape
+                or not (c.data.is_contiguous() and c.scale.is_contiguous())):
+            raise ValueError(f"adamw_quant_step_: {name} must be a contiguous \"128x128\" FP8 copy with data {shape} "
+                             f"and fp32 scales {sshape}, got {c.layout} {c.data.dtype} {tuple(c.data.shape)}, "
+                             f"scales {c.scale.dtype} {tuple(c.scale.shape)}")
+
+
+def adamw_quant_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor, w8t: Fp8Tensor | None, *,
+                      scale_fmt: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                      bc1: float, bc2: float, grad_scale: Tensor | None = None, impl: str | None = None) -> None:
+    """`adamw_step_` on a weight p [N, K] or [E, N, K] (K % 128 == 0), and its FP8 copy refreshed
+    in the same pass: w8 (and w8t, where given) get what `quant.quant_weight(p, scale_fmt,
+    transposed=w8t is not None)` of the updated p returns, written into their buffers
+    (moefp8.weight_copy: the GEMMs' persistent copies). On the GPU the copy is made from the
+    values just stored, while they are in L2, instead of a second pass over the masters."""
+    _check(p, g, m, v, grad_scale)
+    _check_copy(p, w8, w8t)
+    pow2 = check_scale_fmt(scale_fmt)
+    if not use_triton(p, impl):
+        adamw_step_ref(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
+                       bc2=bc2, grad_scale=grad_scale)
+        q8 = quant_weight_ref(p, scale_fmt)
+        for dst, src in ((w8, q8), (w8t, transpose_weight_ref(q8) if w8t is not None else None)):
+            if dst is not None:
+                dst.data.copy_(src.data)
+                dst.scale.copy_(src.scale)
+        return
+    N, K = p.shape[-2:]
+    E = p.shape[0] if p.dim() == 3 else 1
+    if p.numel():
+        t = w8t if w8t is not None else w8
+        _adamw_quant_kernel[(K // TILE, triton.cdiv(N, TILE), E)](
+            p, g, m, v, grad_scale if grad_scale is not None else p, w8.data, w8.scale, t.data, t.scale, N, K,
+            1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None,
+            POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=True, **QUANT_LAUNCH)
+    for x in (p, m, v, w8.data, w8.scale, *((w8t.data, w8t.scale) if w8t is not None else ())):
+        increment_version(x)
 
 
 @torch.no_grad()

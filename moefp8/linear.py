@@ -6,7 +6,8 @@
 * forward: x [.., K] bf16 -> "1x128" FP8; W (fp32 master or bf16) -> "128x128" FP8; fprop GEMM
   -> BF16. Saved for backward: x col-wise ("128x1", requantized from the row-wise FP8 values,
   `quant_rowwise_colwise`: 1 byte per element instead of the bf16 input) and
-  the FP8 weight's transpose for dgrad, made in the weight's quantization pass (`quant_weight(transposed=True)`).
+  the FP8 weight's transpose for dgrad, made in the weight's quantization pass (`quant_weight(transposed=True)`):
+  the persistent copy kept on the weight, which the optimizer refreshes (moefp8.weight_copy).
 * backward: dY -> "1x128" FP8 -> dgrad GEMM (BF16 dX) and, in the same pass, -> "128x1" ->
   wgrad GEMM with the saved x (FP32 dW). If the weight carries an fp32 ``main_grad`` tensor
   (Megatron style), the wgrad accumulates into it inside the GEMM and the weight gets no ``.grad``.
@@ -26,6 +27,7 @@ from moefp8.kernels.norm import rms_norm_bwd, rms_norm_quant_fwd
 from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight, requant_colwise
 from moefp8.kernels.rope import rope_qkv_backward_quant, rope_qkv_forward
 from moefp8.recipe import Recipe
+from moefp8.weight_copy import fp8_copy
 
 
 def _check_dims(name: str, N: int, K: int) -> None:
@@ -60,9 +62,14 @@ def _fp8_linear_forward(ctx, x: Tensor, weight: Tensor, scale_fmt: str, stats: S
         raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features, weight expects in_features={K}")
     x8, xc = quantized if quantized is not None else \
         quant_operand(x.reshape(-1, K), scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
-    # the dgrad's Wᵀ from the same pass over the weight (no transpose kernel in the backward)
-    w8, w8t = quant_weight(weight, scale_fmt, transposed=True) if ctx.needs_input_grad[0] else \
-        (quant_weight(weight, scale_fmt), None)
+    # the weight's persistent copy, which the optimizer refreshes (moefp8.weight_copy); else (a capture
+    # without one) quantized here, the dgrad's Wᵀ from the same pass (no transpose kernel in the backward)
+    c = fp8_copy(weight, scale_fmt, transposed=ctx.needs_input_grad[0])
+    if c is not None:
+        w8, w8t = c.low, (c.low_t if ctx.needs_input_grad[0] else None)
+    else:
+        w8, w8t = quant_weight(weight, scale_fmt, transposed=True) if ctx.needs_input_grad[0] else \
+            (quant_weight(weight, scale_fmt), None)
     y = fp8_gemm(x8, w8, policy=gemm)
     wt = (w8t.data, w8t.scale) if w8t is not None else (None, None)
     ctx.scale_fmt, ctx.stats, ctx.gemm = scale_fmt, stats, gemm

@@ -1,11 +1,18 @@
 """Fused AdamW update: the reference vs an independent float64 computation, the Triton kernel
-(interpreter on CPU, compiled on GPU) vs the reference, AdamW.step through both, input errors."""
+(interpreter on CPU, compiled on GPU) vs the reference, AdamW.step through both, input errors; the
+update that refreshes a weight's FP8 copy in its pass (`adamw_quant_step_`) vs the update and then
+`quant_weight`."""
+
+import math
 
 import pytest
 import torch
 
 from moefp8.config import OptimConfig
+from moefp8.fp8 import FP8_DTYPE, Fp8Tensor
 from moefp8.kernels import adamw as A
+from moefp8.kernels.quant import quant_weight
+from moefp8.testing import assert_fp8_equal
 from moefp8.optim import AdamW
 
 HPS = [dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, bc1=1 - 0.9**3, bc2=1 - 0.95**3),
@@ -173,6 +180,70 @@ def test_optimizer_triton_vs_ref(moment):
         tri.load_state_dict(ref.state_dict())
         for n, p in tri.params.items():
             p.data.copy_(ref.params[n])
+
+
+def weight_state(shape, moment_dtype, seed, device):
+    """make_state's values as a weight [(E,) N, K]: its first 128x128 block all zeros (p, g and the
+    moments: the block stays 0, the amax floor's scale), its last block's masters times 1e4 (a large
+    scale beside small ones)."""
+    state = [t.view(shape) for t in make_state(math.prod(shape), moment_dtype, seed=seed, device=device)]
+    for t in state:
+        t[..., :128, :128] = 0
+    state[0][..., -128:, -128:] *= 1e4
+    return state
+
+
+def stale_copy(shape, transposed, device):
+    """A copy's buffers holding other values (a previous step's), contiguous, of the weight's shape."""
+    w = torch.randn(shape, device=device) * 3
+    return quant_weight(w, "pow2", impl="ref", transposed=True) if transposed else (quant_weight(w, "pow2", impl="ref"),
+                                                                                     None)
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interp),
+                                  pytest.param(None, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("shape", [(256, 128), (2, 256, 384), (200, 256)])  # last: N % 128 != 0, no transpose
+@pytest.mark.parametrize("scale_fmt", ["pow2", "fp32"])
+def test_quant_step_is_the_update_then_quant_weight(impl, shape, scale_fmt):
+    """The weight's update and its FP8 copy from one pass: p, m and v bit for bit `adamw_step_`'s (the
+    same implementation), the copy (and its transpose) bit for bit `quant_weight` of the updated p,
+    written into the buffers given (which held other codes: a kernel that skipped a block, quantized
+    the old p or wrote the transpose wrong fails)."""
+    dev = "cuda" if impl is None else "cpu"
+    state = weight_state(shape, torch.bfloat16, seed=len(shape), device=dev)
+    trans = shape[-2] % 128 == 0
+    hp = dict(weight_decay=0.1, grad_scale=torch.tensor(0.3, device=dev), impl=impl, **HPS[0])
+    want = [t.clone() for t in state]
+    A.adamw_step_(*want, **hp)
+    q, qt = quant_weight(want[0], scale_fmt, impl=impl, transposed=True) if trans else \
+        (quant_weight(want[0], scale_fmt, impl=impl), None)
+    got = [t.clone() for t in state]
+    w8, w8t = stale_copy(shape, trans, dev)
+    A.adamw_quant_step_(*got, w8, w8t, scale_fmt=scale_fmt, **hp)
+    for a, b, what in zip(got, want, "pgmv"):
+        assert torch.equal(a, b), what
+    assert torch.isfinite(w8.data.float()).all() and w8.scale[..., 0, 0].eq(w8.scale.min()).all()  # the zero block
+    assert_fp8_equal(w8, q, exact=True)
+    if trans:
+        assert_fp8_equal(w8t, qt, exact=True)
+
+
+def test_quant_step_errors():
+    p, g, m, v = weight_state((256, 128), torch.bfloat16, seed=0, device="cpu")
+    w8, w8t = stale_copy((256, 128), True, "cpu")
+    hp = dict(weight_decay=0.0, scale_fmt="pow2", **HPS[0])
+    with pytest.raises(ValueError, match=r"w8t must be a contiguous \"128x128\" FP8 copy with data \(128, 256\)"):
+        A.adamw_quant_step_(p, g, m, v, w8, w8, **hp)
+    with pytest.raises(ValueError, match=r"w8 must be .* fp32 scales \(2, 1\), got 128x128 .* scales torch.float32 \(1, 2\)"):
+        A.adamw_quant_step_(p, g, m, v, Fp8Tensor(w8.data, w8t.scale, "128x128"), None, **hp)
+    with pytest.raises(ValueError, match=r"K % 128 == 0, got \(2, 5\)"):
+        A.adamw_quant_step_(p[:2, :5].contiguous(), g[:2, :5].contiguous(), m[:2, :5].contiguous(),
+                            v[:2, :5].contiguous(), w8, None, **hp)
+    with pytest.raises(ValueError, match=r"a transposed copy needs N % 128 == 0, got N=200"):
+        A.adamw_quant_step_(*(t[:200].contiguous() for t in (p, g, m, v)), Fp8Tensor(
+            torch.zeros(200, 128, dtype=FP8_DTYPE), torch.zeros(2, 1), "128x128"), w8t, **hp)
+    with pytest.raises(ValueError, match="scale_fmt"):
+        A.adamw_quant_step_(p, g, m, v, w8, w8t, **{**hp, "scale_fmt": "e8m0"})
 
 
 def test_errors():
