@@ -31,9 +31,11 @@ _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 # numel % 16 == 0 (Triton specializes on it; all tensors of the small model) and scalar ones
 # otherwise. Not tuned on a GPU: the kernel is bandwidth-bound at any sane setting.
 BLOCK, NUM_WARPS = 1024, 4
-# The fused update + quantization: a 128x128 block per program, ROWS rows of it per pass (4 fp32 tiles of
-# ROWS x 128 live at once). Not tuned on a GPU yet.
-QUANT_LAUNCH = dict(ROWS=32, num_warps=4)
+# The fused update + quantization: a 128x128 block per program, ROWS rows of it per pass (ROWS = 128: the
+# whole block in registers, its codes made from them). One H200, 3B expert weight [32, 2048, 2048]: 0.739 ms
+# against 0.839 for adamw_step_ + quant_weight (plain update 0.630; ROWS/warps 16/8 0.889, 64/16 0.864,
+# 128/16 1.266 (spills), 128/32 1.185; bench/notes/scale.md, session 57).
+QUANT_LAUNCH = dict(ROWS=64, num_warps=32)
 
 
 @triton.jit
@@ -63,6 +65,23 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, n, w1, beta2, w2, eps, dec
 
 
 @triton.jit
+def _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, offs, mask, w1, beta2, w2, eps, decay, step_size, bc2,
+               SCALED: tl.constexpr):
+    """The update of the elements at offs (masked: read as 0, not stored) -> their new p (stored)."""
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        g = g * tl.load(gs_ptr)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p, m, v = _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    tl.store(p_ptr + offs, p, mask=mask)
+    return p
+
+
+@triton.jit
 def _adamw_quant_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, w1, beta2, w2, eps,
                         decay, step_size, bc2, SCALED: tl.constexpr, POW2: tl.constexpr, TRANS: tl.constexpr,
                         ROWS: tl.constexpr):
@@ -76,34 +95,36 @@ def _adamw_quant_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, 128)
     n_left = N - pid_n * 128
-    amax = tl.zeros((ROWS, 128), tl.float32)
-    for r0 in tl.static_range(0, 128, ROWS):
-        offs = (r0 + rows)[:, None] * K + cols[None, :]
-        mask = (r0 + rows < n_left)[:, None]
-        p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-        if SCALED:
-            g = g * tl.load(gs_ptr)
-        m = tl.load(m_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-        p, m, v = _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2)
-        tl.store(m_ptr + base + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + base + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-        tl.store(p_ptr + base + offs, p, mask=mask)
-        amax = tl.maximum(amax, _abs_nan0(p))  # masked rows are 0: the amax is the block's
-    scale, inv = _scale_from_amax(tl.max(tl.max(amax, axis=1), axis=0), POW2)
     Kb = K // 128
-    tl.store(s_ptr + pid_e * tl.cdiv(N, 128) * Kb + pid_n * Kb + pid_k, scale)
-    tl.debug_barrier()  # every thread's stores of the new block made visible to the reads below
-    for r0 in tl.static_range(0, 128, ROWS):
-        offs = (r0 + rows)[:, None] * K + cols[None, :]
-        mask = (r0 + rows < n_left)[:, None]
-        p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
+    s_at = s_ptr + pid_e * tl.cdiv(N, 128) * Kb + pid_n * Kb + pid_k
+    if ROWS == 128:  # the whole block at once: its codes from the registers
+        offs = rows[:, None] * K + cols[None, :]
+        mask = (rows < n_left)[:, None]
+        p = _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, base + offs, mask, w1, beta2, w2, eps, decay, step_size,
+                       bc2, SCALED)
+        scale, inv = _scale_from_amax(tl.max(tl.max(_abs_nan0(p), axis=1), axis=0), POW2)
         tl.store(q_ptr + base + offs, _to_fp8(p, scale, inv, POW2), mask=mask)
+    else:  # ROWS at a time, then the codes from the stored values (read back from L2)
+        amax = tl.zeros((ROWS, 128), tl.float32)
+        for r0 in range(0, 128, ROWS):
+            offs = (r0 + rows)[:, None] * K + cols[None, :]
+            mask = (r0 + rows < n_left)[:, None]
+            p = _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, base + offs, mask, w1, beta2, w2, eps, decay,
+                           step_size, bc2, SCALED)
+            amax = tl.maximum(amax, _abs_nan0(p))  # masked rows are 0: the amax is the block's
+        scale, inv = _scale_from_amax(tl.max(tl.max(amax, axis=1), axis=0), POW2)
+        tl.debug_barrier()  # every thread's stores of the new block made visible to the reads below
+        for r0 in range(0, 128, ROWS):
+            offs = (r0 + rows)[:, None] * K + cols[None, :]
+            mask = (r0 + rows < n_left)[:, None]
+            p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
+            tl.store(q_ptr + base + offs, _to_fp8(p, scale, inv, POW2), mask=mask)
+    tl.store(s_at, scale)
     if TRANS:  # as the quantization kernel: the block read again as [k, n], the same scale
+        tl.debug_barrier()  # (the stores of other threads)
         Nb = N // 128
         base_t = pid_e * N * K + pid_k.to(tl.int64) * 128 * N + pid_n * 128
-        for r0 in tl.static_range(0, 128, ROWS):
+        for r0 in range(0, 128, ROWS):
             pt = tl.load(p_ptr + base + (r0 + rows)[:, None] + cols[None, :] * K)
             tl.store(qt_ptr + base_t + (r0 + rows)[:, None] * N + cols[None, :], _to_fp8(pt, scale, inv, POW2))
         tl.store(st_ptr + pid_e * Kb * Nb + pid_k * Nb + pid_n, scale)
@@ -168,12 +189,13 @@ def _check_copy(p: Tensor, w8: Fp8Tensor, w8t: Fp8Tensor | None) -> None:
 
 def adamw_quant_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor, w8t: Fp8Tensor | None, *,
                       scale_fmt: str, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                      bc1: float, bc2: float, grad_scale: Tensor | None = None, impl: str | None = None) -> None:
+                      bc1: float, bc2: float, grad_scale: Tensor | None = None, impl: str | None = None,
+                      launch: dict | None = None) -> None:
     """`adamw_step_` on a weight p [N, K] or [E, N, K] (K % 128 == 0), and its FP8 copy refreshed
     in the same pass: w8 (and w8t, where given) get what `quant.quant_weight(p, scale_fmt,
     transposed=w8t is not None)` of the updated p returns, written into their buffers
     (moefp8.weight_copy: the GEMMs' persistent copies). On the GPU the copy is made from the
-    values just stored, while they are in L2, instead of a second pass over the masters."""
+    values just stored, instead of a second pass over the masters. launch: replaces QUANT_LAUNCH."""
     _check(p, g, m, v, grad_scale)
     _check_copy(p, w8, w8t)
     pow2 = check_scale_fmt(scale_fmt)
@@ -193,7 +215,7 @@ def adamw_quant_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor,
         _adamw_quant_kernel[(K // TILE, triton.cdiv(N, TILE), E)](
             p, g, m, v, grad_scale if grad_scale is not None else p, w8.data, w8.scale, t.data, t.scale, N, K,
             1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None,
-            POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=True, **QUANT_LAUNCH)
+            POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
     for x in (p, m, v, w8.data, w8.scale, *((w8t.data, w8t.scale) if w8t is not None else ())):
         increment_version(x)
 

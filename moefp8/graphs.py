@@ -25,8 +25,9 @@ are capped (dispatch.rows_factor, `moe_stages.RowCap`). Such a block replays onl
 (the training loop's steps): a step run again with exact layouts, after a capped one overflowed, runs
 it eagerly. Its replays return the layouts' overflow flags as an output, which the block hands to the
 `RowCap` (`Block.whole_checked`), and do not check the dispatch inputs (`_Headers` in
-dispatch/all_to_all.py: the eager steps do). Its FP8 weight copies are made inside the captured forward
-(`experts.WeightCache` under a capture), so every replay quantizes the weights as they are then. The
+dispatch/all_to_all.py: the eager steps do). Its GEMMs read the weights' persistent FP8 copies
+(moefp8.weight_copy: made before the capture, in the warm-up, and written by the optimizer after each
+step), so every replay reads the weights as they are then. The
 router's bias is updated in place outside the graph, which reads it where it lives.
 
 Gradients: a replayed backward writes the weights' gradients into the graph's own buffers, which

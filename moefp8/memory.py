@@ -4,7 +4,7 @@
 
 `plan(cfg, world)` counts bytes per GPU in six parts, seven with CUDA graphs of both kinds (world: the processes of the run):
 
-    weights      the low-precision copies the GEMMs read (moefp8.experts.WeightCache): FP8 data
+    weights      the low-precision copies the GEMMs read (moefp8.weight_copy, experts.WeightCache): FP8 data
                  and its transpose for dgrad (2 bytes per parameter) or one BF16 cast (2 bytes)
     masters      the FP32 parameters (4 bytes), which AdamW updates
     moments      Adam's two moments (2 x 2 bytes in BF16, 2 x 4 in FP32: optim.moment_dtype)

@@ -195,7 +195,7 @@ def test_kernels_by_kind_from_their_names():
         "_dequant_swiglu_quant_colwise_strips_kernel": "fp8 quant + swiglu", "_quant_weight_kernel": "fp8 quant + swiglu",
         "_requant_colwise_words_kernel": "fp8 quant + swiglu", "_transpose_kernel": "fp8 quant + swiglu",
         "_permute_kernel": "permute + combine", "_combine_bwd_kernel": "permute + combine",
-        "_adamw_kernel": "optimizer",
+        "_adamw_kernel": "optimizer", "_adamw_quant_kernel": "optimizer",
         "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16, float": "norm",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>": "norm",
         "_rms_fwd_kernel": "norm", "_rms_bwd_kernel": "norm", "_rms_dw_kernel": "norm",  # kernels/norm.py

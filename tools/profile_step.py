@@ -131,9 +131,9 @@ KINDS = (
     ("gemm", r"gemm|nvjet|cutlass|xmma|_mgrouped|_kgrouped|wgmma_gemm|aten::mm|aten::addmm|aten::bmm|_scaled_mm|"
              r"_grouped_mm"),
     ("attention", r"sdpa|flash|fmha|attention|_rope"),
+    ("optimizer", r"adamw|adam|multi_tensor"),  # before quant: _adamw_quant_kernel refreshes the FP8 weights
     ("fp8 quant + swiglu", r"quant|swiglu|_transpose_kernel"),
     ("permute + combine", r"permute|_combine|_layout|gather|scatter"),
-    ("optimizer", r"adamw|adam|multi_tensor"),
     ("norm", r"norm|GammaBeta|_rms_"),
     ("loss", r"xent|cross_entropy|log_softmax|nll"),
     ("elementwise + copies", r"elementwise|Memcpy|Memset|CatArray|copy|fill|aten::"),

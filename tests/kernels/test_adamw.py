@@ -204,7 +204,8 @@ def stale_copy(shape, transposed, device):
                                   pytest.param(None, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("shape", [(256, 128), (2, 256, 384), (200, 256)])  # last: N % 128 != 0, no transpose
 @pytest.mark.parametrize("scale_fmt", ["pow2", "fp32"])
-def test_quant_step_is_the_update_then_quant_weight(impl, shape, scale_fmt):
+@pytest.mark.parametrize("rows", [None, 32, 128])  # QUANT_LAUNCH's; the block by 32-row passes, or whole
+def test_quant_step_is_the_update_then_quant_weight(impl, shape, scale_fmt, rows):
     """The weight's update and its FP8 copy from one pass: p, m and v bit for bit `adamw_step_`'s (the
     same implementation), the copy (and its transpose) bit for bit `quant_weight` of the updated p,
     written into the buffers given (which held other codes: a kernel that skipped a block, quantized
@@ -219,7 +220,7 @@ def test_quant_step_is_the_update_then_quant_weight(impl, shape, scale_fmt):
         (quant_weight(want[0], scale_fmt, impl=impl), None)
     got = [t.clone() for t in state]
     w8, w8t = stale_copy(shape, trans, dev)
-    A.adamw_quant_step_(*got, w8, w8t, scale_fmt=scale_fmt, **hp)
+    A.adamw_quant_step_(*got, w8, w8t, scale_fmt=scale_fmt, launch=rows and dict(ROWS=rows, num_warps=4), **hp)
     for a, b, what in zip(got, want, "pgmv"):
         assert torch.equal(a, b), what
     assert torch.isfinite(w8.data.float()).all() and w8.scale[..., 0, 0].eq(w8.scale.min()).all()  # the zero block
