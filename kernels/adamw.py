@@ -7,7 +7,8 @@ as g is read, so neither the mean nor the clipping costs a pass over the gradien
 Math in fp32, in the reference's order: torch.lerp for m, addcmul for v, the moments stored rounded
 but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. FMA
 contraction stays on (as in torch's CUDA kernels), so the kernel and the reference agree to a few
-fp32 ulp, not bit for bit.
+fp32 ulp, not bit for bit. With `low=` the same pass also writes the weight's BF16 copy
+(moefp8.weight_copy: 2 bytes more per weight instead of a cast that reads the masters again).
 
 `adamw_quant_step_` is the update of a weight that keeps a persistent FP8 copy for the GEMMs
 (moefp8.weight_copy): the same update (one formula, `_adam`), then the block's "128x128" codes and
@@ -48,8 +49,8 @@ def _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2):
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, n, w1, beta2, w2, eps, decay, step_size, bc2,
-                  SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, lo_ptr, n, w1, beta2, w2, eps, decay, step_size, bc2,
+                  SCALED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask)
@@ -62,6 +63,8 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, n, w1, beta2, w2, eps, dec
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p, mask=mask)
+    if LOW:  # the weight's BF16 copy (moefp8.weight_copy)
+        tl.store(lo_ptr + offs, p.to(lo_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -149,22 +152,30 @@ def _check(p: Tensor, g: Tensor, m: Tensor, v: Tensor, grad_scale: Tensor | None
 
 def adamw_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, bc1: float, bc2: float, grad_scale: Tensor | None = None,
-                impl: str | None = None) -> None:
+                impl: str | None = None, low: Tensor | None = None) -> None:
     """One AdamW update in place: p fp32 (contiguous), its gradient g fp32|bf16, moments m, v
     (bf16 or fp32, both alike), all of p's shape. bc1, bc2: the bias corrections 1 - beta**step;
     weight_decay 0 for parameters that do not decay. grad_scale: a float32 scalar tensor on p's
-    device the update uses g * grad_scale for (g itself is not changed); None: g."""
+    device the update uses g * grad_scale for (g itself is not changed); None: g. low: the weight's
+    BF16 copy (moefp8.weight_copy, contiguous, p's shape), written with the updated p rounded to BF16."""
     _check(p, g, m, v, grad_scale)
+    if low is not None and (low.dtype != torch.bfloat16 or low.shape != p.shape or not low.is_contiguous()):
+        raise ValueError(f"adamw_step_: low must be a contiguous bfloat16 tensor of p's shape {tuple(p.shape)}, "
+                         f"got {low.dtype} {tuple(low.shape)} (contiguous: {low.is_contiguous()})")
     if not use_triton(p, impl):
-        return adamw_step_ref(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                              bc1=bc1, bc2=bc2, grad_scale=grad_scale)
+        adamw_step_ref(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                       bc1=bc1, bc2=bc2, grad_scale=grad_scale)
+        if low is not None:
+            low.copy_(p)
+        return
     n = p.numel()
     if n:  # scalars as fp32 arguments, not constexprs: a new lr does not recompile
         _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-            p, g, m, v, grad_scale if grad_scale is not None else p, n, 1 - beta1, beta2, 1 - beta2, eps,
-            1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None, BLOCK=BLOCK,
+            p, g, m, v, grad_scale if grad_scale is not None else p, low if low is not None else p, n, 1 - beta1,
+            beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None,
+            LOW=low is not None, BLOCK=BLOCK,
             num_warps=NUM_WARPS, enable_fp_fusion=True)  # FMAs as torch's CUDA kernels; off by default in Triton 3.10
-    for t in (p, m, v):  # Triton's stores are invisible to autograd; WeightCache keys on p's version
+    for t in (p, m, v, *((low,) if low is not None else ())):  # Triton's stores are invisible to autograd
         increment_version(t)
 
 

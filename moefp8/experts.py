@@ -17,9 +17,9 @@ the saved row-wise FP8.
 BF16 recipe: the same data flow with BF16 grouped GEMMs (`torch._grouped_mm` on CUDA, a loop of
 matmuls elsewhere), fused BF16 SwiGLU kernels and h cached in BF16: the like-for-like baseline.
 
-FP8 weights are quantized by the optimizer, in its update pass: the GEMMs read the persistent copy
-kept on each weight (`moefp8.weight_copy`, through `WeightCache`, which makes the BF16 casts and the
-copies a CUDA graph capture must make itself). The FP8 functions take the GEMM
+Weights are quantized (FP8) or cast (BF16) by the optimizer, in its update pass: the GEMMs read the
+persistent copy kept on each weight (`moefp8.weight_copy`, through `WeightCache`, which makes the copies
+a CUDA graph capture must make itself). The FP8 functions take the GEMM
 policy (`moefp8.kernels.grouped_gemm.GemmPolicy`: which GEMM implementation runs) and the scale
 statistics recorder (`moefp8.fp8.ScaleStats`) of the layer that calls them.
 """
@@ -35,7 +35,7 @@ from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm, fp8_groupe
 from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 from moefp8.scope import scope
-from moefp8.weight_copy import fp8_copy
+from moefp8.weight_copy import copy_of
 
 
 class _Copy(NamedTuple):
@@ -53,16 +53,15 @@ def _capturing(w: Tensor) -> bool:
 
 
 class WeightCache:
-    """Low-precision copies of weights. fmt "pow2"/"fp32": the FP8 "128x128" quantization and its
-    transpose for dgrad (both in one pass where the backward will want it: a weight that requires grad,
-    whatever the grad mode, since the layers ask from inside their autograd Functions' forwards, where
-    it is off; else the transpose on request): the weight's persistent copy (`weight_copy.fp8_copy`),
-    which the optimizer refreshes. "bf16": a BF16 cast, made again only when the parameter changed:
-    keyed on (id, version counter), so the micro-batches of one step share them.
+    """Low-precision copies of weights: the weight's persistent copy (`weight_copy.copy_of`), which the
+    optimizer refreshes. fmt "pow2"/"fp32": the FP8 "128x128" quantization and its transpose for dgrad
+    (both in one pass where the backward will want it: a weight that requires grad, whatever the grad
+    mode, since the layers ask from inside their autograd Functions' forwards, where it is off; else the
+    transpose on request); "bf16": a BF16 cast.
 
     Where no persistent copy serves (under a CUDA graph capture, moefp8.graphs, a weight whose copy
-    does not match it) the FP8 copy is made here too: a copy made outside a capture is made again
-    inside, and the replays then quantize the weight as it is at each replay (the version check runs
+    does not match it) the copy is made here, keyed on (id, version counter): a copy made outside a
+    capture is made again inside, and the replays then quantize the weight as it is at each replay (the version check runs
     only at the capture). A copy made during the capture is reused by the rest of it (the backward's graph
     reads the forward graph's buffer, which every forward replay refills), and by nothing outside
     it: a capture runs no kernel, so until a replay fills it that buffer holds whatever its memory
@@ -72,10 +71,9 @@ class WeightCache:
         self._store: dict[int, _Copy] = {}
 
     def get(self, w: Tensor, scale_fmt: str, transposed: bool = False):
-        if scale_fmt != "bf16":  # the FP8 copy kept on the weight, which the optimizer refreshes
-            c = fp8_copy(w, scale_fmt, transposed)
-            if c is not None:
-                return c.low_t if transposed else c.low
+        c = copy_of(w, scale_fmt, transposed)  # the copy kept on the weight, which the optimizer refreshes
+        if c is not None:
+            return c.low_t if transposed else c.low
         key, ver = id(w), w._version
         capturing = _capturing(w)
         hit = self._store.get(key)

@@ -27,7 +27,9 @@ from moefp8.kernels.norm import rms_norm_bwd, rms_norm_quant_fwd
 from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight, requant_colwise
 from moefp8.kernels.rope import rope_qkv_backward_quant, rope_qkv_forward
 from moefp8.recipe import Recipe
-from moefp8.weight_copy import fp8_copy
+from moefp8.weight_copy import copy_of
+
+HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)  # mm/addmm's out_dtype (CUDA)
 
 
 def _check_dims(name: str, N: int, K: int) -> None:
@@ -64,7 +66,7 @@ def _fp8_linear_forward(ctx, x: Tensor, weight: Tensor, scale_fmt: str, stats: S
         quant_operand(x.reshape(-1, K), scale_fmt, colwise=weight.requires_grad, kind="act", stats=stats)
     # the weight's persistent copy, which the optimizer refreshes (moefp8.weight_copy); else (a capture
     # without one) quantized here, the dgrad's Wᵀ from the same pass (no transpose kernel in the backward)
-    c = fp8_copy(weight, scale_fmt, transposed=ctx.needs_input_grad[0])
+    c = copy_of(weight, scale_fmt, transposed=ctx.needs_input_grad[0])
     if c is not None:
         w8, w8t = c.low, (c.low_t if ctx.needs_input_grad[0] else None)
     else:
@@ -207,6 +209,36 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scale_fmt={self.scale_fmt}"
 
 
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a · b of BF16 operands in fp32: on CUDA one cuBLAS GEMM with an fp32 output (`out_dtype`, torch >=
+    2.8), elsewhere the BF16 product cast (what autograd of a BF16 linear and its weight's cast gives)."""
+    if a.is_cuda and HAS_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+class Bf16LinearFunction(torch.autograd.Function):
+    """y = x · wᵀ in BF16: x [..., K], w [N, K] (fp32 master) -> y [..., N] bf16. W in BF16 is the weight's
+    copy (moefp8.weight_copy), which the optimizer refreshes; dW comes out of its GEMM in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        c = copy_of(weight, "bf16")
+        wb = c.low if c is not None else weight.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        ctx.save_for_backward(xb, wb)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return F.linear(xb, wb)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        xb, wb = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.bfloat16)
+        dx = (dy2 @ wb).view(xb.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = _mm_fp32(dy2.t(), xb.reshape(-1, xb.shape[-1])).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
 class Bf16Linear(nn.Module):
     """nn.Linear without bias on an fp32 master weight [N, K], computed in BF16 (the baseline)."""
 
@@ -215,7 +247,7 @@ class Bf16Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16))
+        return Bf16LinearFunction.apply(x, self.weight)
 
 
 def make_linear(in_features: int, out_features: int, recipe: Recipe, linear: str, stats: ScaleStats | None = None,

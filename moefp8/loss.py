@@ -16,7 +16,8 @@ reference's ops), `dx = g · W_bf16` and `dW += gᵀ · x` (on CUDA a GEMM of BF
 fp32 dW in its epilogue; on CPU each chunk's BF16 product rounds, then adds in fp32; the reference's one
 BF16-output GEMM rounds once). It keeps dx (BF16 [T, H]) and dW (fp32 [V, H]) for the backward, which scales
 them by the incoming gradient. Peak: chunk x V x 2 bytes on CUDA (the kernel works in place; ~10 through the
-reference twin) plus dW. Same GEMM FLOPs as the reference, no recompute.
+reference twin) plus dW. Same GEMM FLOPs as the reference, no recompute. W_bf16 is the weight's BF16 copy,
+which the optimizer writes in its pass (moefp8.weight_copy).
 """
 
 import torch
@@ -24,9 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moefp8.kernels.xent import xent_grad_
+from moefp8.linear import HAS_OUT_DTYPE
+from moefp8.weight_copy import copy_of
 
 BF16 = torch.bfloat16
-_HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)  # addmm's out_dtype (CUDA)
 
 
 def linear_cross_entropy_ref(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor) -> Tensor:
@@ -35,11 +37,17 @@ def linear_cross_entropy_ref(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor) -> T
     return F.cross_entropy(F.linear(x_TH, w_VH.to(BF16)).float(), targets_T)
 
 
+def _bf16(w_VH: Tensor) -> Tensor:
+    """W in BF16: the weight's copy, which the optimizer refreshes (moefp8.weight_copy), or a cast."""
+    c = copy_of(w_VH, "bf16")
+    return c.low if c is not None else w_VH.to(BF16)
+
+
 def _add_mm_(dw_VH: Tensor, g_Vc: Tensor, x_cH: Tensor) -> None:
     """dw (fp32) += g · x of BF16 operands. On CUDA one cuBLAS GEMM that adds into dw in its epilogue,
     fp32 throughout (`out_dtype`: torch >= 2.8); elsewhere the BF16 product cast and added (three passes
     over a [V, H] tensor a chunk: 3B preset, 8 chunks, ~3 ms a step, bench/notes/scale.md session 56)."""
-    if dw_VH.is_cuda and _HAS_OUT_DTYPE:
+    if dw_VH.is_cuda and HAS_OUT_DTYPE:
         torch.addmm(dw_VH, g_Vc, x_cH, out_dtype=torch.float32, out=dw_VH)
     else:
         dw_VH += (g_Vc @ x_cH).float()
@@ -50,7 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: int) -> Tensor:
         T = x_TH.shape[0]
-        wb = w_VH.to(BF16)
+        wb = _bf16(w_VH)
         loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
         dx = torch.empty_like(x_TH)
         dw = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device)
@@ -78,6 +86,6 @@ def linear_cross_entropy(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: i
         return linear_cross_entropy_ref(x_TH, w_VH, targets_T)
     if torch.is_grad_enabled() and (x_TH.requires_grad or w_VH.requires_grad):
         return _LinearCrossEntropy.apply(x_TH, w_VH, targets_T, chunk)
-    wb = w_VH.to(BF16)
+    wb = _bf16(w_VH)
     return sum(F.cross_entropy(F.linear(x_TH[s: s + chunk], wb).float(), targets_T[s: s + chunk], reduction="sum")
                for s in range(0, x_TH.shape[0], chunk)) / x_TH.shape[0]

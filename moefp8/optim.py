@@ -6,9 +6,9 @@ Hand-written because torch.optim.AdamW keeps its moments in the parameters' dtyp
 The moments are stored in `moment_dtype`; each update reads them in fp32, updates in fp32 and
 stores them back rounded (DeepSeek-V3 keeps BF16 moments the same way). Each parameter's update is
 one fused Triton kernel on CUDA (`moefp8.kernels.adamw`; its pure-PyTorch twin on CPU). Parameters
-are updated in place and their version counters bumped (the BF16 casts of moefp8.experts.WeightCache
-are made again on the next forward); a weight that keeps an FP8 copy for its GEMMs (moefp8.weight_copy)
-gets the new copy from the same pass (`adamw_quant_step_`). The state is keyed by parameter
+are updated in place and their version counters bumped; a weight that keeps a low-precision copy for
+its GEMMs (moefp8.weight_copy) gets the new copy from the same pass (FP8: `adamw_quant_step_`; BF16:
+`adamw_step_(low=)`). The state is keyed by parameter
 name, so it checkpoints as plain nested dicts of tensors.
 """
 
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from moefp8.config import OptimConfig
 from moefp8.kernels.adamw import adamw_quant_step_, adamw_step_
+from moefp8.weight_copy import BF16
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -52,13 +53,16 @@ class AdamW:
                 continue
             hp = dict(lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay if decays(n, p)
                       else 0.0, bc1=bc1, bc2=bc2, grad_scale=grad_scale, impl=self.impl)
-            copy = getattr(p, "fp8_copy", None)  # the GEMMs' FP8 copy (moefp8.weight_copy): refreshed in the pass
-            if copy is not None:
+            copy = getattr(p, "low_copy", None)  # the GEMMs' copy (moefp8.weight_copy): refreshed in the pass
+            if copy is None:
+                adamw_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], **hp)
+                continue
+            if copy.fmt == BF16:
+                adamw_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], low=copy.low, **hp)
+            else:
                 adamw_quant_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], copy.low, copy.low_t,
                                   scale_fmt=copy.fmt, **hp)
-                copy.version = p._version
-            else:
-                adamw_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], **hp)
+            copy.version = p._version
 
     def zero_grad(self) -> None:
         for p in self.params.values():

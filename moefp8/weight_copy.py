@@ -1,43 +1,55 @@
-"""The FP8 copy of a weight that its GEMMs read, kept on the parameter and refreshed by the optimizer's
-update (docs/design.md §1).
+"""The low-precision copy of a weight that its GEMMs read, kept on the parameter and refreshed by the
+optimizer's update (docs/design.md §1).
 
 The FP8 recipe's GEMMs read each weight as "128x128" FP8, and its backward the transposed copy for
-dgrad (`quant_weight(transposed=True)`: both from one pass). `fp8_copy(w, fmt)` makes that copy once, the
-first time a forward asks, and stores it on the parameter (`w.fp8_copy`, a `WeightCopy`). From then on
-the optimizer writes the new codes and scales into the same buffers in its own pass over the weight
-(`optim.AdamW.step` -> `kernels.adamw.adamw_quant_step_`): no step quantizes its weights again, and a
-CUDA graph that captured a GEMM reading the copy reads each step's weights at its replays (moefp8.graphs).
+dgrad (`quant_weight(transposed=True)`: both from one pass); the BF16 recipe's (and the LM head's, in
+both recipes) a BF16 cast. `copy_of(w, fmt)` makes that copy once, the first time a forward asks, and
+stores it on the parameter (`w.low_copy`, a `WeightCopy`). From then on the optimizer writes the new
+copy into the same buffers in its own pass over the weight (`optim.AdamW.step` ->
+`kernels.adamw.adamw_quant_step_` for FP8, `adamw_step_(low=)` for BF16): no step converts its weights
+again, and a CUDA graph that captured a GEMM reading the copy reads each step's weights at its replays
+(moefp8.graphs).
 
 A copy records the parameter's version counter it matches. Where the weight changed outside the optimizer
-(a checkpoint loaded, an in-place edit), the next eager request quantizes it again into the same buffers.
+(a checkpoint loaded, an in-place edit), the next eager request converts it again into the same buffers.
 Under a CUDA graph capture nothing is made or refreshed: a copy that matches is returned (the graph reads its
-buffers), otherwise None, and the caller quantizes inside the capture as before (`experts.WeightCache`).
+buffers), otherwise None, and the caller converts inside the capture as before (`experts.WeightCache`).
 """
 
 import torch
 from torch import Tensor
 
-from moefp8.fp8 import TILE, Fp8Tensor
+from moefp8.fp8 import TILE
 from moefp8.kernels.quant import quant_weight
+
+BF16 = "bf16"  # the copy format of a BF16 cast; the FP8 ones are the scale formats, "pow2" | "fp32"
 
 
 class WeightCopy:
-    """A weight's "128x128" FP8 copy (`low`) and, where a backward wants it, its transpose (`low_t`),
-    in `fmt` ("pow2" | "fp32"), matching the parameter at version `version`."""
+    """A weight's low-precision copy (`low`) in `fmt`: the "128x128" FP8 quantization ("pow2" | "fp32")
+    and, where a backward wants it, its transpose (`low_t`); or the BF16 cast ("bf16", no transpose);
+    matching the parameter at version `version`."""
 
     def __init__(self, w: Tensor, fmt: str, transposed: bool):
         self.fmt = fmt
-        self.low, self.low_t = quant_weight(w.detach(), fmt, transposed=True) if transposed else \
-            (quant_weight(w.detach(), fmt), None)
+        if fmt == BF16:
+            self.low, self.low_t = w.detach().to(torch.bfloat16), None
+        elif transposed:
+            self.low, self.low_t = quant_weight(w.detach(), fmt, transposed=True)
+        else:
+            self.low, self.low_t = quant_weight(w.detach(), fmt), None
         self.version = w._version
 
     def refresh_(self, w: Tensor) -> None:
-        """Quantizes w again into the same buffers (which CUDA graphs may have captured)."""
-        fresh = WeightCopy(w, self.fmt, self.low_t is not None)
-        for dst, src in ((self.low, fresh.low), (self.low_t, fresh.low_t)):
-            if dst is not None:
-                dst.data.copy_(src.data)
-                dst.scale.copy_(src.scale)
+        """Converts w again into the same buffers (which CUDA graphs may have captured)."""
+        if self.fmt == BF16:
+            self.low.copy_(w.detach())
+        else:
+            fresh = WeightCopy(w, self.fmt, self.low_t is not None)
+            for dst, src in ((self.low, fresh.low), (self.low_t, fresh.low_t)):
+                if dst is not None:
+                    dst.data.copy_(src.data)
+                    dst.scale.copy_(src.scale)
         self.version = w._version
 
 
@@ -45,21 +57,23 @@ def _capturing(w: Tensor) -> bool:
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def fp8_copy(w: Tensor, fmt: str, transposed: bool = False) -> "WeightCopy | None":
-    """w's persistent FP8 copy in `fmt`, made (with its transpose where w requires grad or `transposed`
-    asks) or refreshed where w changed since; None under a CUDA graph capture where w has no copy that
-    matches it, and for weights the copy does not cover (K or, for the transpose, N not a multiple of 128)."""
-    N, K = w.shape[-2:]
-    want_t = transposed or w.requires_grad
-    if K % TILE or (want_t and N % TILE):
-        return None
-    c = getattr(w, "fp8_copy", None)
+def copy_of(w: Tensor, fmt: str, transposed: bool = False) -> "WeightCopy | None":
+    """w's persistent copy in `fmt` ("pow2" | "fp32": FP8, made with its transpose where w requires grad
+    or `transposed` asks; "bf16"), made, or refreshed where w changed since; None under a CUDA graph
+    capture where w has no copy that matches it, and for weights an FP8 copy does not cover (K or, for
+    the transpose, N not a multiple of 128)."""
+    want_t = fmt != BF16 and (transposed or w.requires_grad)
+    if fmt != BF16:
+        N, K = w.shape[-2:]
+        if K % TILE or (want_t and N % TILE):
+            return None
+    c = getattr(w, "low_copy", None)
     current = c is not None and c.fmt == fmt and (c.low_t is not None or not want_t)
     if _capturing(w):
         return c if current and c.version == w._version else None
     if not current:
         c = WeightCopy(w, fmt, want_t)
-        w.fp8_copy = c
+        w.low_copy = c
     elif c.version != w._version:
         c.refresh_(w)
     return c

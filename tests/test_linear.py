@@ -199,3 +199,35 @@ def test_gpu_fp8_linear():
     test_fp8_linear_vs_bf16(4096, 2048, 7168, torch.float32, device="cuda")
     test_fp8_linear_vs_bf16(200, 7168, 4096, torch.float32, device="cuda")
     test_fp8_linear_dgrad_is_the_fp8_product(device="cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_linear_is_the_linear_of_the_casts(device):
+    """`Bf16Linear` (the baseline's dense linears, reading the weight's BF16 copy): y and dx bit for bit
+    autograd of `F.linear(x.bfloat16(), w.bfloat16())`; dW on CPU bit for bit too (the BF16 product cast),
+    on CUDA the GEMM's fp32 output, which autograd's BF16 dW rounds: within one BF16 rounding (2^-8
+    relative). After an in-place change of the weight the next forward reads the new weight."""
+    from moefp8.linear import Bf16Linear
+
+    torch.manual_seed(0)
+    lin = Bf16Linear(256, 384).to(device)
+    torch.nn.init.normal_(lin.weight, std=0.05)
+    x = torch.randn(2, 33, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 33, 384, device=device, dtype=torch.bfloat16)
+    for _ in range(2):
+        w = lin.weight.detach().clone().requires_grad_()
+        xr = x.detach().clone().requires_grad_()
+        yr = torch.nn.functional.linear(xr, w.bfloat16())
+        yr.backward(dy)
+        y = lin(x)
+        y.backward(dy)
+        assert torch.equal(y, yr) and torch.equal(x.grad, xr.grad)
+        assert lin.weight.grad.dtype == torch.float32
+        if device == "cpu":
+            assert torch.equal(lin.weight.grad, w.grad)
+        else:
+            err = (lin.weight.grad - w.grad).abs() / (w.grad.abs() + 1e-30)
+            assert float(err.max()) <= 2.0**-8
+        x.grad = lin.weight.grad = None
+        with torch.no_grad():
+            lin.weight.mul_(-2.0)  # the copy must follow

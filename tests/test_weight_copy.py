@@ -1,12 +1,13 @@
-"""The FP8 copies kept on the weights (moefp8.weight_copy): made once, refreshed where the weight
-changed, what a CUDA graph capture gets, the optimizer's refresh, `experts.WeightCache` around them,
-and FP8 training with them repeating training without them bit for bit."""
+"""The low-precision copies kept on the weights (moefp8.weight_copy): made once, refreshed where the
+weight changed, what a CUDA graph capture gets, the optimizer's refresh (FP8 and BF16),
+`experts.WeightCache` around them, and training with them repeating training without them bit for bit."""
 
 import pytest
 import torch
 
 from moefp8 import experts as X
 from moefp8 import linear as L
+from moefp8 import loss as LOSS
 from moefp8 import weight_copy as W
 from moefp8.config import ModelConfig, OptimConfig
 from moefp8.kernels.quant import quant_weight_ref, transpose_weight_ref
@@ -39,21 +40,27 @@ def test_made_once_with_its_transpose_and_refreshed_in_place(monkeypatch):
     calls = count_quant(monkeypatch)
     w = torch.nn.Parameter(torch.randn(4, 256, 128))
     with torch.no_grad():
-        c = W.fp8_copy(w, "pow2")
-        assert W.fp8_copy(w, "pow2", transposed=True) is c and w.fp8_copy is c
+        c = W.copy_of(w, "pow2")
+        assert W.copy_of(w, "pow2", transposed=True) is c and w.low_copy is c
     assert calls == [True] and c.low_t is not None
     assert_copy_of(c, w)
     ptrs = [t.data_ptr() for t in (c.low.data, c.low.scale, c.low_t.data, c.low_t.scale)]
     with torch.no_grad():
         w.mul_(-3.0)
-    assert W.fp8_copy(w, "pow2") is c and calls == [True, True] and c.version == w._version
+    assert W.copy_of(w, "pow2") is c and calls == [True, True] and c.version == w._version
     assert ptrs == [t.data_ptr() for t in (c.low.data, c.low.scale, c.low_t.data, c.low_t.scale)]
     assert_copy_of(c, w)
-    assert W.fp8_copy(w, "fp32").fmt == "fp32" and calls[-1] is True  # another format: a copy of its own
+    assert W.copy_of(w, "fp32").fmt == "fp32" and calls[-1] is True  # another format: a copy of its own
     frozen = torch.nn.Parameter(torch.randn(256, 128), requires_grad=False)
-    assert W.fp8_copy(frozen, "pow2").low_t is None and calls[-1] is False
-    assert W.fp8_copy(frozen, "pow2", transposed=True).low_t is not None and calls[-1] is True
-    assert W.fp8_copy(torch.nn.Parameter(torch.randn(200, 128)), "pow2") is None  # N % 128: no transpose to keep
+    assert W.copy_of(frozen, "pow2").low_t is None and calls[-1] is False
+    assert W.copy_of(frozen, "pow2", transposed=True).low_t is not None and calls[-1] is True
+    assert W.copy_of(torch.nn.Parameter(torch.randn(200, 128)), "pow2") is None  # N % 128: no transpose to keep
+    b = W.copy_of(w, "bf16")  # the BF16 cast, any shape
+    assert b.low_t is None and torch.equal(b.low, w.detach().bfloat16()) and w.low_copy is b
+    with torch.no_grad():
+        w.add_(0.5)
+    ptr = b.low.data_ptr()
+    assert W.copy_of(w, "bf16") is b and b.low.data_ptr() == ptr and torch.equal(b.low, w.detach().bfloat16())
 
 
 def test_under_a_capture_only_a_matching_copy(monkeypatch):
@@ -64,34 +71,40 @@ def test_under_a_capture_only_a_matching_copy(monkeypatch):
     monkeypatch.setattr(W, "_capturing", lambda w: capturing[0])
     calls = count_quant(monkeypatch)
     w = torch.nn.Parameter(torch.randn(2, 256, 128))
-    assert W.fp8_copy(w, "pow2") is None and calls == []
+    assert W.copy_of(w, "pow2") is None and calls == []
     capturing[0] = False
-    c = W.fp8_copy(w, "pow2")
+    c = W.copy_of(w, "pow2")
     capturing[0] = True
-    assert W.fp8_copy(w, "pow2") is c
+    assert W.copy_of(w, "pow2") is c
     with torch.no_grad():
         w.add_(1.0)
-    assert W.fp8_copy(w, "pow2") is None and len(calls) == 1
+    assert W.copy_of(w, "pow2") is None and len(calls) == 1
 
 
 @pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interp)])
 def test_the_optimizer_refreshes_the_copy(monkeypatch, impl):
-    """AdamW.step writes the updated weight's copy in its pass: afterwards the copy is `quant_weight` of
-    the new weight, matches its version, and the next forward's request quantizes nothing; a weight
-    without a copy (the embedding) gets the plain update."""
+    """AdamW.step writes the updated weight's copy in its pass: afterwards the FP8 copy is `quant_weight`
+    of the new weight and the BF16 copy its cast, each matches its weight's version, and the next forward's
+    request converts nothing; a weight without a copy (the embedding) gets the plain update."""
     w = torch.nn.Parameter(torch.randn(2, 256, 384))
+    h = torch.nn.Parameter(torch.randn(300, 128))
     e = torch.nn.Parameter(torch.randn(300, 128))
-    opt = AdamW([("layers.0.w1", w), ("embed.weight", e)], OptimConfig())
+    opt = AdamW([("layers.0.w1", w), ("head.weight", h), ("embed.weight", e)], OptimConfig())
     opt.impl = impl
-    c = W.fp8_copy(w, "pow2")
+    c, hc = W.copy_of(w, "pow2"), W.copy_of(h, "bf16")
     calls = count_quant(monkeypatch)
     for _ in range(2):
-        w.grad, e.grad = torch.randn_like(w), torch.randn_like(e)
+        w.grad, h.grad, e.grad = torch.randn_like(w), torch.randn_like(h), torch.randn_like(e)
         before = w.detach().clone()
         opt.step(1e-2)
-        assert not torch.equal(before, w) and c.version == w._version and not hasattr(e, "fp8_copy")
-        assert W.fp8_copy(w, "pow2") is c and calls == []
+        assert not torch.equal(before, w) and c.version == w._version and not hasattr(e, "low_copy")
+        assert W.copy_of(w, "pow2") is c and W.copy_of(h, "bf16") is hc and calls == []
         assert_copy_of(c, w, exact=impl == "ref")
+        assert hc.version == h._version
+        if impl == "ref":
+            assert torch.equal(hc.low, h.detach().bfloat16())
+        else:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): within one bf16 step
+            assert torch.allclose(hc.low.float(), h.detach(), rtol=2.0**-7, atol=0)
 
 
 def test_weight_cache_falls_back_inside_a_capture(monkeypatch):
@@ -105,7 +118,7 @@ def test_weight_cache_falls_back_inside_a_capture(monkeypatch):
     w = torch.nn.Parameter(torch.randn(2, 256, 128))
     cache = X.WeightCache()
     eager = cache.get(w, "pow2")
-    assert eager is w.fp8_copy.low and cache.get(w, "pow2", transposed=True) is w.fp8_copy.low_t
+    assert eager is w.low_copy.low and cache.get(w, "pow2", transposed=True) is w.low_copy.low_t
     capturing[0] = True
     assert cache.get(w, "pow2") is eager  # the copy matches: the graph reads its buffers
     with torch.no_grad():
@@ -118,8 +131,8 @@ def test_weight_cache_falls_back_inside_a_capture(monkeypatch):
     assert_fp8_equal(after, inside, exact=True)
 
 
-def train_losses(steps=3, seed=0, device="cpu"):
-    model = Transformer(ModelConfig(), Recipe("fp8"), seed=seed).to(device)
+def train_losses(recipe, steps=3, seed=0, device="cpu"):
+    model = Transformer(ModelConfig(), Recipe(recipe), seed=seed, loss_chunk=48).to(device)  # the head by chunks
     opt = AdamW(model.named_parameters(), OptimConfig())
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -130,22 +143,25 @@ def train_losses(steps=3, seed=0, device="cpu"):
         opt.step(3e-3)
         opt.zero_grad()
         losses.append(o.out.item())
-    copies = sum(hasattr(p, "fp8_copy") for p in model.parameters())
+    copies = sum(hasattr(p, "low_copy") for p in model.parameters())
     return losses, copies
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_fp8_training_with_copies_repeats_training_without(monkeypatch, device):
-    """The tiny FP8 model, three optimizer steps: with the copies (the optimizer quantizes) and without
-    (each forward quantizes the weights it reads), the same losses bit for bit; the copies cover every
-    FP8 weight: the routed and shared experts', the dense MLP's and the dense linears'."""
-    losses, copies = train_losses(device=device)
-    model = Transformer(ModelConfig(), Recipe("fp8"))
-    fp8_weights = sum(p.dim() >= 2 for n, p in model.named_parameters()
-                      if not n.startswith(("embed.", "head.")) and "router" not in n)
-    assert copies == fp8_weights > 0
-    monkeypatch.setattr(X, "fp8_copy", lambda *a, **k: None)
-    monkeypatch.setattr(L, "fp8_copy", lambda *a, **k: None)
-    plain, none = train_losses(device=device)
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_training_with_copies_repeats_training_without(monkeypatch, device, recipe):
+    """The tiny model, three optimizer steps: with the copies (the optimizer quantizes or casts) and without
+    (each forward converts the weights it reads), the same losses bit for bit. The copies cover every
+    weight a GEMM reads in low precision: under FP8 the routed and shared experts', the dense MLP's and the
+    dense linears' (FP8) and the LM head's (BF16); under BF16 the same, all BF16."""
+    losses, copies = train_losses(recipe, device=device)
+    model = Transformer(ModelConfig(), Recipe(recipe))
+    gemm_weights = sum(p.dim() >= 2 for n, p in model.named_parameters() if not n.startswith("embed.")
+                       and "router" not in n)
+    assert copies == gemm_weights > 0
+    monkeypatch.setattr(X, "copy_of", lambda *a, **k: None)
+    monkeypatch.setattr(L, "copy_of", lambda *a, **k: None)
+    monkeypatch.setattr(LOSS, "copy_of", lambda *a, **k: None)
+    plain, none = train_losses(recipe, device=device)
     assert none == 0 and all(torch.isfinite(torch.tensor(losses)))
     assert losses == plain, (losses, plain)

@@ -182,6 +182,30 @@ def test_optimizer_triton_vs_ref(moment):
             p.data.copy_(ref.params[n])
 
 
+@pytest.mark.parametrize("impl", ["ref", pytest.param("triton", marks=pytest.mark.interp),
+                                  pytest.param(None, marks=pytest.mark.gpu)])
+def test_low_copy_is_the_updated_weight_in_bf16(impl):
+    """`low=`: the same pass writes the weight's BF16 copy: p, m and v bit for bit the update without it,
+    low the new p rounded to BF16 (the interpreter truncates: within one BF16 step); the buffer held
+    other values before (a kernel that skipped the store, or wrote the old p, fails)."""
+    dev = "cuda" if impl is None else "cpu"
+    state = make_state(3 * A.BLOCK + 5, torch.bfloat16, seed=7, device=dev)
+    hp = dict(weight_decay=0.1, impl=impl, **HPS[0])
+    want = [t.clone() for t in state]
+    A.adamw_step_(*want, **hp)
+    got = [t.clone() for t in state]
+    low = torch.full_like(state[0], 7.0, dtype=torch.bfloat16)
+    A.adamw_step_(*got, low=low, **hp)
+    for a, b, what in zip(got, want, "pgmv"):
+        assert torch.equal(a, b), what
+    if impl == "triton":
+        assert torch.allclose(low.float(), got[0], rtol=2.0**-7, atol=0)
+    else:
+        assert torch.equal(low, got[0].bfloat16())
+    with pytest.raises(ValueError, match="low must be a contiguous bfloat16 tensor of p's shape"):
+        A.adamw_step_(*got, low=low.float(), **hp)
+
+
 def weight_state(shape, moment_dtype, seed, device):
     """make_state's values as a weight [(E,) N, K]: its first 128x128 block all zeros (p, g and the
     moments: the block stays 0, the amax floor's scale), its last block's masters times 1e4 (a large
