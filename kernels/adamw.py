@@ -49,25 +49,6 @@ def _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2):
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, lo_ptr, n, w1, beta2, w2, eps, decay, step_size, bc2,
-                  SCALED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    if SCALED:
-        g = g * tl.load(gs_ptr)
-    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-    p, m, v = _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-    tl.store(p_ptr + offs, p, mask=mask)
-    if LOW:  # the weight's BF16 copy (moefp8.weight_copy)
-        tl.store(lo_ptr + offs, p.to(lo_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, offs, mask, w1, beta2, w2, eps, decay, step_size, bc2,
                SCALED: tl.constexpr):
     """The update of the elements at offs (masked: read as 0, not stored) -> their new p (stored)."""
@@ -82,6 +63,16 @@ def _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, offs, mask, w1, beta2, w2, ep
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p, mask=mask)
     return p
+
+
+@triton.jit
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, lo_ptr, n, w1, beta2, w2, eps, decay, step_size, bc2,
+                  SCALED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    p = _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, offs, offs < n, w1, beta2, w2, eps, decay, step_size, bc2,
+                   SCALED)
+    if LOW:  # the weight's BF16 copy (moefp8.weight_copy)
+        tl.store(lo_ptr + offs, p.to(lo_ptr.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from moefp8.kernels.grouped_gemm import GemmPolicy, fp8_grouped_gemm, fp8_groupe
 from moefp8.kernels.quant import dequant_swiglu_quant_colwise, quant_weight, swiglu_quant_cache
 from moefp8.kernels.swiglu import swiglu_backward_bf16, swiglu_backward_quant, swiglu_bf16
 from moefp8.scope import scope
-from moefp8.weight_copy import copy_of
+from moefp8.weight_copy import capturing as weight_capturing, copy_of
 
 
 class _Copy(NamedTuple):
@@ -45,11 +45,6 @@ class _Copy(NamedTuple):
     low: "Fp8Tensor | Tensor"  # the FP8 "128x128" copy, or the BF16 cast
     low_t: "Fp8Tensor | None"  # its transpose for dgrad (FP8), made with it or on the first request
     captured: bool  # made during a CUDA graph capture
-
-
-def _capturing(w: Tensor) -> bool:
-    """Whether w's device stream is capturing a CUDA graph (moefp8.graphs)."""
-    return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class WeightCache:
@@ -75,7 +70,7 @@ class WeightCache:
         if c is not None:
             return c.low_t if transposed else c.low
         key, ver = id(w), w._version
-        capturing = _capturing(w)
+        capturing = weight_capturing(w)
         hit = self._store.get(key)
         if hit is None or hit.version != ver or hit.fmt != scale_fmt or capturing != hit.captured:
             if scale_fmt == "bf16":

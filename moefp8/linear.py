@@ -27,7 +27,7 @@ from moefp8.kernels.norm import rms_norm_bwd, rms_norm_quant_fwd
 from moefp8.kernels.quant import quant_rowwise, quant_rowwise_colwise, quant_weight, requant_colwise
 from moefp8.kernels.rope import rope_qkv_backward_quant, rope_qkv_forward
 from moefp8.recipe import Recipe
-from moefp8.weight_copy import copy_of
+from moefp8.weight_copy import bf16_of, copy_of
 
 HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)  # mm/addmm's out_dtype (CUDA)
 
@@ -223,8 +223,7 @@ class Bf16LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
-        c = copy_of(weight, "bf16")
-        wb = c.low if c is not None else weight.to(torch.bfloat16)
+        wb = bf16_of(weight)
         xb = x.to(torch.bfloat16)
         ctx.save_for_backward(xb, wb)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype

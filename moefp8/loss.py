@@ -26,7 +26,7 @@ from torch import Tensor
 
 from moefp8.kernels.xent import xent_grad_
 from moefp8.linear import HAS_OUT_DTYPE
-from moefp8.weight_copy import copy_of
+from moefp8.weight_copy import bf16_of
 
 BF16 = torch.bfloat16
 
@@ -35,12 +35,6 @@ def linear_cross_entropy_ref(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor) -> T
     """Mean cross-entropy of F.linear(x, W_bf16) in fp32: x BF16 [T, H], w [V, H] (fp32 master),
     targets int64 [T] -> fp32 scalar."""
     return F.cross_entropy(F.linear(x_TH, w_VH.to(BF16)).float(), targets_T)
-
-
-def _bf16(w_VH: Tensor) -> Tensor:
-    """W in BF16: the weight's copy, which the optimizer refreshes (moefp8.weight_copy), or a cast."""
-    c = copy_of(w_VH, "bf16")
-    return c.low if c is not None else w_VH.to(BF16)
 
 
 def _add_mm_(dw_VH: Tensor, g_Vc: Tensor, x_cH: Tensor) -> None:
@@ -58,7 +52,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: int) -> Tensor:
         T = x_TH.shape[0]
-        wb = _bf16(w_VH)
+        wb = bf16_of(w_VH)
         loss = torch.zeros((), dtype=torch.float32, device=x_TH.device)
         dx = torch.empty_like(x_TH)
         dw = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device)
@@ -86,6 +80,6 @@ def linear_cross_entropy(x_TH: Tensor, w_VH: Tensor, targets_T: Tensor, chunk: i
         return linear_cross_entropy_ref(x_TH, w_VH, targets_T)
     if torch.is_grad_enabled() and (x_TH.requires_grad or w_VH.requires_grad):
         return _LinearCrossEntropy.apply(x_TH, w_VH, targets_T, chunk)
-    wb = _bf16(w_VH)
+    wb = bf16_of(w_VH)
     return sum(F.cross_entropy(F.linear(x_TH[s: s + chunk], wb).float(), targets_T[s: s + chunk], reduction="sum")
                for s in range(0, x_TH.shape[0], chunk)) / x_TH.shape[0]

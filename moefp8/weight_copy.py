@@ -53,7 +53,8 @@ class WeightCopy:
         self.version = w._version
 
 
-def _capturing(w: Tensor) -> bool:
+def capturing(w: Tensor) -> bool:
+    """Whether w's device stream is capturing a CUDA graph (moefp8.graphs)."""
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -69,7 +70,7 @@ def copy_of(w: Tensor, fmt: str, transposed: bool = False) -> "WeightCopy | None
             return None
     c = getattr(w, "low_copy", None)
     current = c is not None and c.fmt == fmt and (c.low_t is not None or not want_t)
-    if _capturing(w):
+    if capturing(w):
         return c if current and c.version == w._version else None
     if not current:
         c = WeightCopy(w, fmt, want_t)
@@ -77,3 +78,9 @@ def copy_of(w: Tensor, fmt: str, transposed: bool = False) -> "WeightCopy | None
     elif c.version != w._version:
         c.refresh_(w)
     return c
+
+
+def bf16_of(w: Tensor) -> Tensor:
+    """W in BF16 for a GEMM: its copy (`copy_of(w, "bf16")`), or a cast where a capture has none."""
+    c = copy_of(w, BF16)
+    return c.low if c is not None else w.to(torch.bfloat16)

@@ -7,7 +7,6 @@ import torch
 
 from moefp8 import experts as X
 from moefp8 import linear as L
-from moefp8 import loss as LOSS
 from moefp8 import weight_copy as W
 from moefp8.config import ModelConfig, OptimConfig
 from moefp8.kernels.quant import quant_weight_ref, transpose_weight_ref
@@ -68,7 +67,7 @@ def test_under_a_capture_only_a_matching_copy(monkeypatch):
     returned (the graph reads its buffers), a missing or stale one gives None (the caller quantizes
     inside the capture). (The capture faked: CPU.)"""
     capturing = [True]
-    monkeypatch.setattr(W, "_capturing", lambda w: capturing[0])
+    monkeypatch.setattr(W, "capturing", lambda w: capturing[0])
     calls = count_quant(monkeypatch)
     w = torch.nn.Parameter(torch.randn(2, 256, 128))
     assert W.copy_of(w, "pow2") is None and calls == []
@@ -113,8 +112,8 @@ def test_weight_cache_falls_back_inside_a_capture(monkeypatch):
     kernel: that buffer holds values only once a replay fills it), and which nothing after the capture
     reads. (The capture faked: CPU.)"""
     capturing = [False]
-    monkeypatch.setattr(W, "_capturing", lambda w: capturing[0])
-    monkeypatch.setattr(X, "_capturing", lambda w: capturing[0])
+    monkeypatch.setattr(W, "capturing", lambda w: capturing[0])
+    monkeypatch.setattr(X, "weight_capturing", lambda w: capturing[0])
     w = torch.nn.Parameter(torch.randn(2, 256, 128))
     cache = X.WeightCache()
     eager = cache.get(w, "pow2")
@@ -161,7 +160,7 @@ def test_training_with_copies_repeats_training_without(monkeypatch, device, reci
     assert copies == gemm_weights > 0
     monkeypatch.setattr(X, "copy_of", lambda *a, **k: None)
     monkeypatch.setattr(L, "copy_of", lambda *a, **k: None)
-    monkeypatch.setattr(LOSS, "copy_of", lambda *a, **k: None)
+    monkeypatch.setattr(W, "copy_of", lambda *a, **k: None)  # bf16_of's
     plain, none = train_losses(recipe, device=device)
     assert none == 0 and all(torch.isfinite(torch.tensor(losses)))
     assert losses == plain, (losses, plain)
