@@ -15,6 +15,10 @@ fp32 ulp, not bit for bit. With `low=` the same pass also writes the weight's BF
 scale from the values just written, read back from L2 (one program per 128x128 block), so the copy
 costs the optimizer 1-2 bytes written per weight instead of a quantization pass that reads the 4-byte
 masters again. Its codes are `quant_weight`'s of the updated weight, bit for bit.
+`adamw_quant_multi_step_` runs it on several weights of one shape in one launch (the kernel reads their
+addresses from a table): a [2048, 2048] weight alone is 256 blocks, one wave of latency-bound programs
+(27 such weights: 0.64 ms in one launch against 0.89 ms one launch each, one H200, bench/notes/scale.md
+session 58), the same bits.
 """
 
 import torch
@@ -79,12 +83,42 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, lo_ptr, n, w1, beta2, w2, 
 def _adamw_quant_kernel(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, w1, beta2, w2, eps,
                         decay, step_size, bc2, SCALED: tl.constexpr, POW2: tl.constexpr, TRANS: tl.constexpr,
                         ROWS: tl.constexpr):
-    """One 128x128 block of p [E, N, K] (contiguous, as g, m and v): the update, ROWS rows at a time,
-    then the new block's codes and scale as `quant._quant_weight_kernel` makes them from the stored
-    values (read back from L2); TRANS (N % 128 == 0): the transposed block and scale too."""
-    pid_k = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_e = tl.program_id(2).to(tl.int64)
+    """One 128x128 block of p [E, N, K] (contiguous, as g, m and v) a program (`_adamw_quant_block`)."""
+    _adamw_quant_block(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tl.program_id(0),
+                       tl.program_id(1), tl.program_id(2).to(tl.int64), N, K, w1, beta2, w2, eps, decay, step_size,
+                       bc2, SCALED, POW2, TRANS, ROWS)
+
+
+@triton.jit
+def _typed(tab_ptr, i, dtype: tl.constexpr):
+    """Entry i of a pointer table row: an int64 address -> a pointer to dtype (16-byte aligned: torch's
+    allocations and the wrapper's check)."""
+    return tl.multiple_of(tl.load(tab_ptr + i).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _adamw_quant_multi_kernel(tab_ptr, gs_ptr, N, K, w1, beta2, w2, eps, decay, step_size, bc2,
+                              G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, SCALED: tl.constexpr,
+                              POW2: tl.constexpr, TRANS: tl.constexpr, ROWS: tl.constexpr):
+    """`_adamw_quant_kernel` over T weights of one shape [N, K] in one launch: program (k, n, t) takes
+    block (n, k) of weight t, whose eight addresses (p, g, m, v, codes, scales, transposed codes and
+    scales) are row t of the int64 table [T, 8]. One launch fills the GPU where a small weight's own
+    grid is a single wave of latency-bound programs ([2048, 2048]: 256 blocks)."""
+    row = tab_ptr + tl.program_id(2).to(tl.int64) * 8
+    _adamw_quant_block(_typed(row, 0, tl.float32), _typed(row, 1, G_DTYPE), _typed(row, 2, M_DTYPE),
+                       _typed(row, 3, M_DTYPE), gs_ptr, _typed(row, 4, tl.float8e4nv), _typed(row, 5, tl.float32),
+                       _typed(row, 6, tl.float8e4nv), _typed(row, 7, tl.float32), tl.program_id(0), tl.program_id(1),
+                       tl.full([], 0, tl.int64), N, K, w1, beta2, w2, eps, decay, step_size, bc2, SCALED, POW2, TRANS,
+                       ROWS)
+
+
+@triton.jit
+def _adamw_quant_block(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, pid_k, pid_n, pid_e, N, K,
+                       w1, beta2, w2, eps, decay, step_size, bc2, SCALED: tl.constexpr, POW2: tl.constexpr,
+                       TRANS: tl.constexpr, ROWS: tl.constexpr):
+    """Block (pid_n, pid_k) of p[pid_e]: the update, ROWS rows at a time, then the new block's codes
+    and scale as `quant._quant_weight_kernel` makes them from the stored values (read back from L2);
+    TRANS (N % 128 == 0): the transposed block and scale too."""
     base = pid_e * N * K + pid_n.to(tl.int64) * 128 * K + pid_k * 128
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, 128)
@@ -220,6 +254,51 @@ def adamw_quant_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor,
             POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
     for x in (p, m, v, w8.data, w8.scale, *((w8t.data, w8t.scale) if w8t is not None else ())):
         increment_version(x)
+
+
+def adamw_quant_multi_step_(ps: list, gs: list, ms: list, vs: list, copies: list, *, scale_fmt: str, lr: float,
+                            beta1: float, beta2: float, eps: float, weight_decay: float, bc1: float, bc2: float,
+                            grad_scale: Tensor | None = None, impl: str | None = None,
+                            launch: dict | None = None) -> None:
+    """`adamw_quant_step_` on several weights of one shape [N, K] (2-D, each its own tensors: p, g, m,
+    v and a (w8, w8t) copy pair), the same results bit for bit, in one launch on the GPU (a table of
+    their addresses): the small weights' own launches are single waves of latency-bound programs."""
+    if not (len(ps) == len(gs) == len(ms) == len(vs) == len(copies)) or not ps:
+        raise ValueError(f"adamw_quant_multi_step_: expected equally many p, g, m, v and copies (at least one), "
+                         f"got {len(ps)}, {len(gs)}, {len(ms)}, {len(vs)}, {len(copies)}")
+    p0, g0, m0 = ps[0], gs[0], ms[0]
+    trans = copies[0][1] is not None
+    for p, g, m, v, (w8, w8t) in zip(ps, gs, ms, vs, copies):
+        _check(p, g, m, v, grad_scale)
+        _check_copy(p, w8, w8t)
+        if (p.dim() != 2 or p.shape != p0.shape or g.dtype != g0.dtype or m.dtype != m0.dtype
+                or (w8t is not None) != trans):
+            raise ValueError(f"adamw_quant_multi_step_: every weight must be 2-D of one shape with the same "
+                             f"gradient and moment dtypes and copies, got {tuple(p.shape)} {g.dtype} {m.dtype} "
+                             f"(transposed copy: {w8t is not None}) beside {tuple(p0.shape)} {g0.dtype} {m0.dtype} "
+                             f"({trans})")
+    hp = dict(scale_fmt=scale_fmt, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bc1=bc1,
+              bc2=bc2, grad_scale=grad_scale)
+    rows = [(p, g, m, v, w8.data, w8.scale, *((w8t.data, w8t.scale) if trans else (w8.data, w8.scale)))
+            for p, g, m, v, (w8, w8t) in zip(ps, gs, ms, vs, copies)]
+    # a launch each: on CPU, for one weight, and where a tensor is not 16-byte aligned (a gradient viewed
+    # in a bucket, say: the table's addresses are promised aligned to the kernel, a launch's own are checked)
+    if not use_triton(p0, impl) or len(ps) == 1 or any(t.data_ptr() % 16 for r in rows for t in r):
+        for p, g, m, v, (w8, w8t) in zip(ps, gs, ms, vs, copies):
+            adamw_quant_step_(p, g, m, v, w8, w8t, impl=impl, launch=launch, **hp)
+        return
+    pow2 = check_scale_fmt(scale_fmt)
+    tab = torch.tensor([t.data_ptr() for r in rows for t in r], dtype=torch.int64, pin_memory=p0.is_cuda)
+    tab = tab.to(p0.device, non_blocking=True)  # pinned: no wait for the stream
+    N, K = p0.shape
+    dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+    _adamw_quant_multi_kernel[(K // TILE, triton.cdiv(N, TILE), len(ps))](
+        tab, grad_scale if grad_scale is not None else p0, N, K, 1 - beta1, beta2, 1 - beta2, eps,
+        1 - lr * weight_decay, -lr / bc1, bc2, G_DTYPE=dt[g0.dtype], M_DTYPE=dt[m0.dtype],
+        SCALED=grad_scale is not None, POW2=pow2, TRANS=trans, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
+    for r in rows:
+        for x in (r[0], r[2], r[3], *r[4:]):
+            increment_version(x)
 
 
 @torch.no_grad()

@@ -7,9 +7,9 @@ The moments are stored in `moment_dtype`; each update reads them in fp32, update
 stores them back rounded (DeepSeek-V3 keeps BF16 moments the same way). Each parameter's update is
 one fused Triton kernel on CUDA (`moefp8.kernels.adamw`; its pure-PyTorch twin on CPU). Parameters
 are updated in place and their version counters bumped; a weight that keeps a low-precision copy for
-its GEMMs (moefp8.weight_copy) gets the new copy from the same pass (FP8: `adamw_quant_step_`; BF16:
-`adamw_step_(low=)`). The state is keyed by parameter
-name, so it checkpoints as plain nested dicts of tensors.
+its GEMMs (moefp8.weight_copy) gets the new copy from the same pass (FP8: `adamw_quant_step_`, the
+matrices of one shape together in one launch, `adamw_quant_multi_step_`; BF16: `adamw_step_(low=)`).
+The state is keyed by parameter name, so it checkpoints as plain nested dicts of tensors.
 """
 
 import math
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from moefp8.config import OptimConfig
-from moefp8.kernels.adamw import adamw_quant_step_, adamw_step_
+from moefp8.kernels.adamw import adamw_quant_multi_step_, adamw_quant_step_, adamw_step_
 from moefp8.weight_copy import BF16
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -48,6 +48,7 @@ class AdamW:
         c = self.cfg
         self.step_count += 1
         bc1, bc2 = 1 - c.beta1 ** self.step_count, 1 - c.beta2 ** self.step_count
+        batches = {}  # the FP8-copy matrices of one shape and update: one launch (adamw_quant_multi_step_)
         for n, p in self.params.items():
             if p.grad is None:
                 continue
@@ -59,10 +60,21 @@ class AdamW:
                 continue
             if copy.fmt == BF16:
                 adamw_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], low=copy.low, **hp)
+                copy.version = p._version
+            elif p.dim() == 2:
+                key = (tuple(p.shape), p.grad.dtype, hp["weight_decay"], copy.fmt, copy.low_t is not None)
+                batches.setdefault(key, []).append((n, p, copy, hp))
             else:
                 adamw_quant_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], copy.low, copy.low_t,
                                   scale_fmt=copy.fmt, **hp)
-            copy.version = p._version
+                copy.version = p._version
+        for batch in batches.values():
+            hp = batch[0][3]
+            adamw_quant_multi_step_([p for _, p, _, _ in batch], [p.grad for _, p, _, _ in batch],
+                                    [self.exp_avg[n] for n, *_ in batch], [self.exp_avg_sq[n] for n, *_ in batch],
+                                    [(cp.low, cp.low_t) for _, _, cp, _ in batch], scale_fmt=batch[0][2].fmt, **hp)
+            for _, p, cp, _ in batch:
+                cp.version = p._version
 
     def zero_grad(self) -> None:
         for p in self.params.values():
