@@ -63,18 +63,19 @@ class AdamW:
                 copy.version = p._version
             elif p.dim() == 2:
                 key = (tuple(p.shape), p.grad.dtype, hp["weight_decay"], copy.fmt, copy.low_t is not None)
-                batches.setdefault(key, []).append((n, p, copy, hp))
+                batches.setdefault(key, (hp, []))[1].append(n)
             else:
                 adamw_quant_step_(p, p.grad, self.exp_avg[n], self.exp_avg_sq[n], copy.low, copy.low_t,
                                   scale_fmt=copy.fmt, **hp)
                 copy.version = p._version
-        for batch in batches.values():
-            hp = batch[0][3]
-            adamw_quant_multi_step_([p for _, p, _, _ in batch], [p.grad for _, p, _, _ in batch],
-                                    [self.exp_avg[n] for n, *_ in batch], [self.exp_avg_sq[n] for n, *_ in batch],
-                                    [(cp.low, cp.low_t) for _, _, cp, _ in batch], scale_fmt=batch[0][2].fmt, **hp)
-            for _, p, cp, _ in batch:
-                cp.version = p._version
+        for hp, names in batches.values():
+            ps = [self.params[n] for n in names]
+            copies = [p.low_copy for p in ps]
+            adamw_quant_multi_step_(ps, [p.grad for p in ps], [self.exp_avg[n] for n in names],
+                                    [self.exp_avg_sq[n] for n in names], [(c.low, c.low_t) for c in copies],
+                                    scale_fmt=copies[0].fmt, **hp)
+            for p in ps:
+                p.low_copy.version = p._version
 
     def zero_grad(self) -> None:
         for p in self.params.values():

@@ -341,7 +341,8 @@ def test_optimizer_updates_the_fp8_matrices_of_one_shape_in_one_launch(monkeypat
         p.grad = grads[next(n for n, q in opt.params.items() if q is p)].clone()
     calls = []
     real = optim.adamw_quant_multi_step_
-    monkeypatch.setattr(optim, "adamw_quant_multi_step_", lambda ps, *a, **k: (calls.append(len(ps)), real(ps, *a, **k)))
+    monkeypatch.setattr(optim, "adamw_quant_multi_step_",
+                        lambda ps, *a, **k: (calls.append(len(ps)), real(ps, *a, **k)))
     opt.step(1e-2)
     assert sorted(calls) == [1, 2]  # (a.w, b.w) together, c.w alone; the expert weight not through it
     c = opt.cfg
