@@ -252,6 +252,11 @@ def adamw_quant_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor,
             p, g, m, v, grad_scale if grad_scale is not None else p, w8.data, w8.scale, t.data, t.scale, N, K,
             1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None,
             POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
+    _bump_versions(p, m, v, w8, w8t)
+
+
+def _bump_versions(p: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor, w8t: Fp8Tensor | None) -> None:
+    """Triton's stores are invisible to autograd: the version counters of what a quantizing update wrote."""
     for x in (p, m, v, w8.data, w8.scale, *((w8t.data, w8t.scale) if w8t is not None else ())):
         increment_version(x)
 
@@ -296,9 +301,8 @@ def adamw_quant_multi_step_(ps: list, gs: list, ms: list, vs: list, copies: list
         tab, grad_scale if grad_scale is not None else p0, N, K, 1 - beta1, beta2, 1 - beta2, eps,
         1 - lr * weight_decay, -lr / bc1, bc2, G_DTYPE=dt[g0.dtype], M_DTYPE=dt[m0.dtype],
         SCALED=grad_scale is not None, POW2=pow2, TRANS=trans, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
-    for r in rows:
-        for x in (r[0], r[2], r[3], *r[4:]):
-            increment_version(x)
+    for p, m, v, (w8, w8t) in zip(ps, ms, vs, copies):
+        _bump_versions(p, m, v, w8, w8t)
 
 
 @torch.no_grad()
