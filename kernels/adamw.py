@@ -5,9 +5,14 @@ which replaces the reference's dozen elementwise passes. An optional gradient mu
 scalar: the clipping factor times 1/world where the gradients hold sums over the ranks) is applied
 as g is read, so neither the mean nor the clipping costs a pass over the gradients of its own.
 Math in fp32, in the reference's order: torch.lerp for m, addcmul for v, the moments stored rounded
-but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. FMA
-contraction stays on (as in torch's CUDA kernels), so the kernel and the reference agree to a few
-fp32 ulp, not bit for bit. With `low=` the same pass also writes the weight's BF16 copy
+but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. The FMAs
+are written out (`tl.fma` where the reference's lerp, addcmul and addcdiv make one) and the compiler's
+own contraction is off: which products it fused depended on how the gradient was loaded (a BF16
+gradient 2 bytes off a 16-byte boundary moved v by an ulp in ~9% of its elements on an H200), and it
+also fused the gradient's scaling into lerp's subtraction. Now a weight's update is the same bits
+whatever its alignment, in either kernel, and against the CUDA reference (torch 2.11, one H200) m is
+equal bit for bit, p in 99.6% of the elements, v in 85% (fp32 moments: torch groups addcmul's product
+its own way); before, 75%, 91% and 85% (bench/notes/scale.md, session 59). With `low=` the same pass also writes the weight's BF16 copy
 (moefp8.weight_copy: 2 bytes more per weight instead of a cast that reads the masters again).
 
 `adamw_quant_step_` is the update of a weight that keeps a persistent FP8 copy for the GEMMs
@@ -46,10 +51,10 @@ QUANT_LAUNCH = dict(ROWS=64, num_warps=32)
 @triton.jit
 def _adam(p, g, m, v, w1, beta2, w2, eps, decay, step_size, bc2):
     """The update in fp32 -> (new p, m, v): both kernels' one formula."""
-    m = m + w1 * (g - m)  # torch.lerp's formula for w1 < 0.5 (beyond, g - (g - m) * (1 - w1): an ulp apart)
-    v = v * beta2 + w2 * g * g
+    m = tl.fma(w1, g - m, m)  # torch.lerp's formula for w1 < 0.5 (beyond, g - (g - m) * (1 - w1): an ulp apart)
+    v = tl.fma(w2 * g, g, v * beta2)  # v.mul(beta2).addcmul_(g, g, value=w2)
     denom = tl.sqrt_rn(tl.math.div_rn(v, bc2)) + eps
-    return p * decay + step_size * tl.math.div_rn(m, denom), m, v
+    return tl.fma(step_size, tl.math.div_rn(m, denom), p * decay), m, v  # p.mul_(decay).addcdiv_(m, denom)
 
 
 @triton.jit
@@ -199,7 +204,7 @@ def adamw_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1:
             p, g, m, v, grad_scale if grad_scale is not None else p, low if low is not None else p, n, 1 - beta1,
             beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None,
             LOW=low is not None, BLOCK=BLOCK,
-            num_warps=NUM_WARPS, enable_fp_fusion=True)  # FMAs as torch's CUDA kernels; off by default in Triton 3.10
+            num_warps=NUM_WARPS, enable_fp_fusion=False)  # the FMAs are `_adam`'s own (module docstring)
     for t in (p, m, v, *((low,) if low is not None else ())):  # Triton's stores are invisible to autograd
         increment_version(t)
 
@@ -251,7 +256,7 @@ def adamw_quant_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, w8: Fp8Tensor,
         _adamw_quant_kernel[(K // TILE, triton.cdiv(N, TILE), E)](
             p, g, m, v, grad_scale if grad_scale is not None else p, w8.data, w8.scale, t.data, t.scale, N, K,
             1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, bc2, SCALED=grad_scale is not None,
-            POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
+            POW2=pow2, TRANS=w8t is not None, enable_fp_fusion=False, **(launch or QUANT_LAUNCH))
     _bump_versions(p, m, v, w8, w8t)
 
 
@@ -300,7 +305,7 @@ def adamw_quant_multi_step_(ps: list, gs: list, ms: list, vs: list, copies: list
     _adamw_quant_multi_kernel[(K // TILE, triton.cdiv(N, TILE), len(ps))](
         tab, grad_scale if grad_scale is not None else p0, N, K, 1 - beta1, beta2, 1 - beta2, eps,
         1 - lr * weight_decay, -lr / bc1, bc2, G_DTYPE=dt[g0.dtype], M_DTYPE=dt[m0.dtype],
-        SCALED=grad_scale is not None, POW2=pow2, TRANS=trans, enable_fp_fusion=True, **(launch or QUANT_LAUNCH))
+        SCALED=grad_scale is not None, POW2=pow2, TRANS=trans, enable_fp_fusion=False, **(launch or QUANT_LAUNCH))
     for p, m, v, (w8, w8t) in zip(ps, ms, vs, copies):
         _bump_versions(p, m, v, w8, w8t)
 
