@@ -9,6 +9,8 @@ the kernel table from rank 0.
     python tools/profile_step.py experiment=small_gpu
     python tools/profile_step.py experiment=small_gpu model.hidden=2048 model.moe_inter=1024 --top 30
     torchrun --standalone --nproc_per_node 4 tools/profile_step.py experiment=v2_lite_ep4
+    python tools/profile_step.py experiment=v2_lite_ep4 dispatch=local dispatch.ep_size=1 model.n_experts=16 \
+        dispatch.shared_overlap=false train.cuda_graphs=true train.cuda_graphs_mlp=true   # one EP4 rank's compute, one GPU
     python tools/profile_step.py model=tiny train.device=cpu --steps 2    # CPU smoke run
 
 Every argument that is not an option is a Hydra override for both recipes. The step time is the
