@@ -7,13 +7,12 @@ as g is read, so neither the mean nor the clipping costs a pass over the gradien
 Math in fp32, in the reference's order: torch.lerp for m, addcmul for v, the moments stored rounded
 but the update made from the fp32 values, then decay and addcdiv with IEEE division and sqrt. The FMAs
 are written out (`tl.fma` where the reference's lerp, addcmul and addcdiv make one) and the compiler's
-own contraction is off: which products it fused depended on how the gradient was loaded (a BF16
-gradient 2 bytes off a 16-byte boundary moved v by an ulp in ~9% of its elements on an H200), and it
-also fused the gradient's scaling into lerp's subtraction. Now a weight's update is the same bits
-whatever its alignment, in either kernel, and against the CUDA reference (torch 2.11, one H200) m is
-equal bit for bit, p in 99.6% of the elements, v in 85% (fp32 moments: torch groups addcmul's product
-its own way); before, 75%, 91% and 85% (bench/notes/scale.md, session 59). With `low=` the same pass also writes the weight's BF16 copy
-(moefp8.weight_copy: 2 bytes more per weight instead of a cast that reads the masters again).
+own contraction is off: the products it fused depended on how the gradient was loaded (a BF16 gradient
+2 bytes off a 16-byte boundary moved v by an ulp), so now an update is the same bits at any alignment.
+Against the CUDA reference (torch 2.11) m agrees bit for bit, p in 99.6% and v in 85% of the elements,
+the rest within the tests' few-ulp tolerance (bench/notes/scale.md, session 59). With `low=` the same
+pass also writes the weight's BF16 copy (moefp8.weight_copy: 2 bytes more per weight instead of a cast
+that reads the masters again).
 
 `adamw_quant_step_` is the update of a weight that keeps a persistent FP8 copy for the GEMMs
 (moefp8.weight_copy): the same update (one formula, `_adam`), then the block's "128x128" codes and
