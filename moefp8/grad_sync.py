@@ -6,22 +6,28 @@ expert shard (`Parallel.expert_dp_group`) for the routed experts.
 
 `GradBuckets` lays the gradients of consecutive parameters of one reduction group (in reverse
 registration order: roughly the order the backward produces them) into flat buffers of about
-`bucket_mb` each and makes every `p.grad` a view of its buffer (DDP's gradient_as_bucket_view: no
-copies). On the last micro-batch of a step (`arm(last=True)`), a hook after each parameter's
-gradient accumulation counts the bucket's arrivals; a full bucket starts its all-reduce (async)
-at once, so the reductions run under the rest of the backward. Buckets start strictly in index
+`bucket_mb` each, and every `p.grad` ends a backward as a view of its buffer (DDP's
+gradient_as_bucket_view). As DDP's reducer does with `zero_grad(set_to_none=True)`: `zero_grad`
+sets the gradients to None instead of zeroing the buffers, autograd takes a parameter's first
+gradient of the step as it was made (the wgrad GEMM's output, or a replayed graph's buffer), and
+the hook after its accumulation copies it into the view and makes the view its `.grad`; further
+micro-batches add into the view (autograd's accumulation). One copy per gradient instead of a
+zeroing pass plus autograd's add (8 bytes a parameter less: ~11 GB a step on the 16B preset's
+1.4B replicated parameters). On the last micro-batch of a step (`arm(last=True)`), the same hook
+counts the bucket's arrivals; a full bucket starts its all-reduce (async) at once, so the
+reductions run under the rest of the backward. Buckets start strictly in index
 order (a bucket that fills early waits for the ones before it): every rank issues the same
 collectives in the same order, whatever order its backward produced the gradients in.
-`finish()` starts what is left (parameters that got no gradient on this step reduce zeros; their
-bucket, and every one after it, starts only then) and waits. The gradients then hold the SUMS over
-the ranks: the mean's 1 / world is applied by the optimizer as it reads them (`optim.clip_scale`,
+`finish()` starts what is left (parameters that got no gradient on this step reduce zeros, written
+into their views then; their bucket, and every one after it, starts only then) and waits. The
+gradients then hold the SUMS over the ranks: the mean's 1 / world is applied by the optimizer as it reads them (`optim.clip_scale`,
 `AdamW.step(grad_scale=...)`), not by a pass over every gradient here (at the 16B preset's EP4 that
 pass took 10.8 ms of a 680 ms step, on the critical path after the backward). Sums are in fp32;
 with two ranks each element is the same a + b as the per-tensor reduction's, bit for bit.
 
 Parameters whose group is this rank alone (the routed experts when dispatch.ep_size is the world:
 no other rank holds them) get no bucket: there is nothing to sum, and a bucket view would cost a
-zeroing pass and autograd's add of each new gradient into it (~22 ms of a 660 ms step on the 16B
+copy of each gradient into it (with the former zeroing and add, ~22 ms of a 660 ms step on the 16B
 preset at EP4, both recipes). Their `.grad` is autograd's as on one process: the wgrad GEMM's
 output, taken without a copy; `zero_grad` sets it to None.
 
@@ -82,7 +88,7 @@ class GradBuckets:
         for i, b in enumerate(self.buckets):
             for (_, p), v in zip(b.params, b.views):
                 p.grad = v
-                self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i, v=v: self._arrived(i, p, v)))
 
     def arm(self, last: bool) -> None:
         """Before a micro-batch's backward: last=True on the step's last one (its gradients complete
@@ -92,7 +98,10 @@ class GradBuckets:
             for b in self.buckets:
                 b.ready = 0
 
-    def _arrived(self, i: int) -> None:
+    def _arrived(self, i: int, p: Tensor, view: Tensor) -> None:
+        if p.grad.data_ptr() != view.data_ptr():  # the step's first gradient, as autograd took it: into the bucket
+            view.copy_(p.grad)
+            p.grad = view
         if not (self.armed and self.overlap):
             return
         self.buckets[i].ready += 1
@@ -107,6 +116,11 @@ class GradBuckets:
     def finish(self) -> None:
         """Starts the buckets still waiting, in order; waits for all. The gradients (p.grad) then hold
         the sum over the ranks; `grad_scale` (1 / world) makes it their mean."""
+        for b in self.buckets[self.next:]:  # (a bucket with such a parameter cannot have started)
+            for (_, p), v in zip(b.params, b.views):
+                if p.grad is None:  # no gradient on this step: zeros (the view holds an earlier step's)
+                    v.zero_()
+                    p.grad = v
         while self.next < len(self.buckets):
             self._start(self.next)
         for p in self.local:  # no gradient on this step: zeros, as a bucket would have held
@@ -123,16 +137,14 @@ class GradBuckets:
         return 1.0 / self.world
 
     def zero_grad(self) -> None:
-        """Zeros the buffers (one multi-tensor launch, not one per bucket); every p.grad stays its view
-        (AdamW.zero_grad's None would detach it); the parameters without a bucket get None."""
-        if self.buckets:
-            torch._foreach_zero_([b.buffer for b in self.buckets])
+        """Every gradient None: the bucketed ones become their views again as the next backward
+        makes them (the hook copies the first one in) or in `finish()` (zeros); the buffers are not
+        zeroed."""
         for p in self.local:
             p.grad = None
         for b in self.buckets:
-            for (_, p), v in zip(b.params, b.views):
-                if p.grad is None or p.grad.data_ptr() != v.data_ptr():  # replaced (None, another tensor)
-                    p.grad = v
+            for _, p in b.params:
+                p.grad = None
 
     def remove(self) -> None:
         """Removes the hooks and leaves the gradients as plain tensors (None)."""

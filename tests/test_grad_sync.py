@@ -1,8 +1,9 @@
 """moefp8/grad_sync.py: bucketed gradient all-reduce during the backward, on 2 gloo ranks: the same
 gradients (sums over the ranks; `grad_scale` makes them the mean) as one all-reduce per tensor after
 the backward (bit for bit at 2 ranks), with gradient
-accumulation, expert groups (here each rank its own: no bucket), parameters without a gradient,
-and buckets that start before the backward ends."""
+accumulation, expert groups (here each rank its own: no bucket), parameters without a gradient
+(on any step, or on every other one), buckets whose buffers hold garbage after `zero_grad`, and
+buckets that start before the backward ends."""
 
 import pytest
 import torch
@@ -21,14 +22,16 @@ def _batch(rank: int, i: int, dev):
     return t[:, :-1], t[:, 1:]
 
 
-def _grads_after(model, named, accum: int, rank: int, reduce, dev) -> dict:
-    """Gradients of `accum` micro-batches of this rank's data, then reduce(named)."""
+def _grads_after(model, named, accum: int, rank: int, reduce, dev, extra=None) -> dict:
+    """Gradients of `accum` micro-batches of this rank's data (plus extra's squared sum in the loss),
+    then reduce(named)."""
     for i in range(accum):
         if isinstance(reduce, GradBuckets):
             reduce.arm(last=i == accum - 1)
         x, y = _batch(rank, i, dev)
         out = model(x, y)
-        ((out.out + out.aux_loss) / accum).backward()
+        loss = out.out + out.aux_loss + (extra.square().sum() * (rank + 1) if extra is not None else 0)
+        (loss / accum).backward()
     started_in_backward = reduce.next if isinstance(reduce, GradBuckets) else None
     reduce.finish() if isinstance(reduce, GradBuckets) else reduce(named)
     return {n: p.grad.clone() for n, p in named.items()}, started_in_backward
@@ -45,6 +48,7 @@ def _check(rank, world, dev):
     # no gradient on any step: reduces zeros. First in registration order, so in the last bucket
     # (a bucket with a parameter that gets no gradient starts only in finish(), and so the ones after it)
     named = {"unused": torch.nn.Parameter(torch.ones(3, 5, device=dev)),
+             "sometimes": torch.nn.Parameter(torch.full((6,), 2.0, device=dev)),  # a gradient on every other step
              "spare.mlp.w9": torch.nn.Parameter(torch.ones(4, device=dev)),  # an expert weight without gradient
              **dict(model.named_parameters())}
 
@@ -63,19 +67,28 @@ def _check_experts_in(experts, model, named, rank, world, dev):
             dist.all_reduce(p.grad, group=group_of(n))
 
     for accum in (1, 2):
-        for n, p in named.items():
-            p.grad = None
-        want, _ = _grads_after(model, named, accum, rank, per_tensor, dev)
+        want = []
+        for extra in (named["sometimes"], None):  # its gradient on even steps only
+            for n, p in named.items():
+                p.grad = None
+            want.append(_grads_after(model, named, accum, rank, per_tensor, dev, extra)[0])
+        assert want[0]["sometimes"].abs().min() > 0 and not want[1]["sometimes"].any()
         for mb, overlap in ((0.01, True), (25, True), (0.01, False)):  # many small buckets; a few large ones
             grads = GradBuckets(named, group_of, world, bucket_mb=mb, overlap=overlap)
             assert grads.grad_scale == 1 / world  # the buckets hold sums; the optimizer applies the mean
-            for step in range(2):  # and again after zero_grad: the views stay the gradients
+            view_of = {id(p): v for b in grads.buckets for (_, p), v in zip(b.params, b.views)}
+            for step in range(4):  # and again after zero_grad: the views become the gradients again
                 grads.zero_grad()
-                got, started = _grads_after(model, named, accum, rank, grads, dev)
-                for n in want:
-                    assert torch.equal(got[n], want[n]), (n, accum, mb, step)
+                assert all(p.grad is None for p in named.values())
+                for b in grads.buckets:  # zero_grad leaves the buffers as they were: nothing may read them
+                    b.buffer.fill_(float("nan"))
+                got, started = _grads_after(model, named, accum, rank, grads, dev,
+                                            named["sometimes"] if step % 2 == 0 else None)
+                for n, w in want[step % 2].items():
+                    assert torch.equal(got[n], w), (n, accum, mb, step)
                 assert torch.equal(got["unused"], torch.zeros(3, 5, device=dev))
                 assert torch.equal(got["spare.mlp.w9"], torch.zeros(4, device=dev))  # finish() made it, as a bucket
+                assert all(p.grad is view_of[id(p)] for p in named.values() if id(p) in view_of)
                 if mb < 1:  # reductions began inside the backward, or (overlap=False) all after it
                     assert len(grads.buckets) > 5 and (started > 0 if overlap else started == 0)
             alone = dist.get_world_size(experts) == 1
