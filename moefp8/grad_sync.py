@@ -45,7 +45,8 @@ class _Bucket:
     def __init__(self, params: list[tuple[str, Tensor]], group):
         self.params, self.group = params, group
         p0 = params[0][1]
-        self.buffer = torch.zeros(sum(p.numel() for _, p in params), dtype=p0.dtype, device=p0.device)
+        # never read before written: a backward copies each gradient in first, finish() zeros the rest
+        self.buffer = torch.empty(sum(p.numel() for _, p in params), dtype=p0.dtype, device=p0.device)
         self.views, off = [], 0
         for _, p in params:
             self.views.append(self.buffer[off: off + p.numel()].view_as(p))
@@ -87,7 +88,7 @@ class GradBuckets:
         self._handles = []
         for i, b in enumerate(self.buckets):
             for (_, p), v in zip(b.params, b.views):
-                p.grad = v
+                p.grad = None  # as after zero_grad: the first backward's gradients are copied into the views
                 self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i, v=v: self._arrived(i, p, v)))
 
     def arm(self, last: bool) -> None:
