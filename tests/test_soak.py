@@ -34,3 +34,14 @@ def test_soak_smoke(tmp_path, data_dir):
     assert "# sample " in log and "# soak: " in log and "checkpoint " in log
     steps = sorted(p.name for p in (tmp_path / "run").glob("step_*") if not p.name.endswith(".tmp"))
     assert 1 <= len(steps) <= 3  # the tool keeps the newest two (a third may land after the last prune)
+
+
+def test_soak_without_a_verdict_exits_2_with_one_line(tmp_path):
+    """A run that dies (here a config group that does not exist) is no verdict: status 2, not 1 (not flat), and no JSON."""
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, "tools/soak.py", "--minutes", "0.5", "--sample-s", "0.2", "--device", "cpu",
+                        "--out-dir", str(tmp_path / "run"), "--json", str(out), "model=no_such_model"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("soak: no verdict: the run exited with status ")
+    assert not out.exists()

@@ -8,8 +8,9 @@ with periodic checkpoints, sampling memory and throughput, then checking that bo
 Every `--sample-s` seconds it records the run's resident memory (/proc/<pid>/status VmRSS, and
 the CUDA allocator's allocated/reserved MB from metrics.jsonl on GPUs), the steps done, and the
 tokens/s since the last sample per wall-clock second and per CPU-second the run consumed
-(/proc/<pid>/stat utime + stime). At the end (SIGTERM after `--minutes`; a soak run is
-meant to be cut) it drops a warm-up (the first `--warmup-frac` of the samples) and compares the
+(/proc/<pid>/stat utime + stime). The `--minutes` count from the run's first logged step (start-up,
+imports and data preparation, is not soak time; it may take up to `--start-timeout-s`). At the end
+(SIGTERM after `--minutes`; a soak run is meant to be cut) it drops a warm-up (the first `--warmup-frac` of the samples) and compares the
 last third of the rest with the first third (medians):
 
   * memory: last <= first * (1 + --mem-tol) + --mem-slack-mb. A leak of L bytes per step
@@ -27,7 +28,7 @@ last third of the rest with the first third (medians):
 The run keeps its two newest checkpoints (train.keep_last=2, as a cluster job would). Writes
 bench/results/soak-<device>.json (rows: the two comparisons, docs/design.md §6; the
 samples) and the log (the run's output and the samples) beside it, or --json/--log. Exit status
-1 if memory or throughput was not flat.
+0: flat; 1: memory or throughput was not flat; 2: no verdict (the run failed, or too few samples).
 """
 
 import argparse
@@ -89,11 +90,13 @@ def thirds(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs[:n]), statistics.median(xs[-n:])
 
 
-def analyse(samples: list[dict], steps: list[dict], a) -> list[dict]:
-    """The comparisons: one row per figure, first third (baseline) vs last third after warm-up."""
-    body = samples[int(len(samples) * a.warmup_frac):]
-    if len(body) < 6:
-        raise SystemExit(f"soak: only {len(body)} samples after warm-up; run longer or sample more often")
+def no_verdict(why: str) -> int:
+    print(f"soak: no verdict: {why}", file=sys.stderr)
+    return 2
+
+
+def analyse(body: list[dict], steps: list[dict], a) -> list[dict]:
+    """The comparisons: one row per figure, first third (baseline) vs last third of the samples after warm-up."""
     t_lo, t_hi = body[0]["t_s"], body[-1]["t_s"]
     rows = []
     mem_key = "cuda_reserved_mb" if all(s.get("cuda_reserved_mb") is not None for s in body) else "rss_mb"
@@ -118,7 +121,8 @@ def analyse(samples: list[dict], steps: list[dict], a) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--minutes", type=float, default=30.0, help="of training, from the run's first logged step")
+    ap.add_argument("--start-timeout-s", type=float, default=900.0, help="longest wait for the first logged step")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0, help="OMP/MKL threads of the run (0: torch's default)")
     ap.add_argument("--sample-s", type=float, default=10.0)
@@ -161,13 +165,16 @@ def main() -> int:
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     metrics, samples, steps = Metrics(run_dir / "metrics.jsonl"), [], []
-    last_t, last_step, last_cpu, started = None, 0, None, None
+    last_t, last_step, last_cpu, started, now = None, 0, None, None, 0.0
     try:
-        while time.time() - t0 < a.minutes * 60:
+        while started is None or now - started < a.minutes * 60:
             time.sleep(a.sample_s)
             if proc.poll() is not None:
-                raise SystemExit(f"soak: the run exited with status {proc.returncode} (see {log_path})")
+                return no_verdict(f"the run exited with status {proc.returncode} (see {log_path})")
             now = time.time() - t0
+            if started is None and now > a.start_timeout_s:
+                return no_verdict(f"no step logged in {a.start_timeout_s:g} s (see {log_path}); "
+                                  f"raise --start-timeout-s if start-up is that slow")
             for m in metrics.poll():
                 steps.append({"t_s": now, **m})
             if not steps:
@@ -191,10 +198,11 @@ def main() -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-    if len(samples) < 3:
-        raise SystemExit(f"soak: only {len(samples)} samples in {a.minutes:g} min (the run was still starting); "
-                         f"give it more --minutes (see {log_path})")
-    rows = analyse(samples, steps, a)
+    body = samples[int(len(samples) * a.warmup_frac):]
+    if len(body) < 6:
+        return no_verdict(f"only {len(body)} samples after warm-up in {a.minutes:g} min (see {log_path}); "
+                          f"run longer (--minutes) or sample more often (--sample-s)")
+    rows = analyse(body, steps, a)
     ok = all(r["ok"] for r in rows if r["decides"])
     summary = (f"soak: {samples[-1]['step']} steps in {samples[-1]['t_s'] / 60:.1f} min; "
                + "; ".join(f"{r['case']} {r['baseline_value']:.1f} -> {r['value']:.1f} (bound {r['bound']:.1f}"
