@@ -24,7 +24,8 @@ from moefp8.parallel import file_digest, same_file
 from moefp8.testing import spawn_group, torchrun_worker_pid
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# PYTHONFAULTHANDLER: a worker aborted by `finish` prints where its threads were
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def free_port() -> int:
@@ -64,6 +65,29 @@ def two_nodes(args: list[str], device: str = "cpu", **kw) -> list[subprocess.Pop
     return procs
 
 
+def finish(procs: list[subprocess.Popen], timeout_s: float, workers: int = 2) -> list[str]:
+    """The launchers' outputs (stdout=PIPE, stderr=STDOUT) once all have exited. Past timeout_s the
+    test fails with where each worker was: the workers are aborted (PYTHONFAULTHANDLER prints their
+    threads' stacks), their launchers then exit, and the message holds each launcher's last lines."""
+    deadline = time.time() + timeout_s
+    try:
+        return [p.communicate(timeout=max(deadline - time.time(), 1))[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            for r in range(workers):
+                if (pid := torchrun_worker_pid(p.pid, r)) is not None:
+                    os.kill(pid, signal.SIGABRT)
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=60)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs.append(p.communicate()[0])
+        pytest.fail(f"no exit in {timeout_s:g} s; the workers were aborted:\n"
+                    + "\n".join(f"--- launcher {i} ---\n{o[-6000:]}" for i, o in enumerate(outs)))
+
+
 def losses(run: Path) -> list[tuple]:
     return [(m["step"], m["loss"], m["grad_norm"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
@@ -76,19 +100,21 @@ def test_two_nodes_train_as_one_launcher_bit_for_bit(data_dir, tmp_path, device)
     launcher told they are 2 nodes of 2, with the flat dispatch. (Two launchers with the flat
     dispatch matched too, when tried; not repeated here for CI time.)"""
     need_gpus(device)
-    steps = ["train.steps=3", "dispatch.max_nodes=1", f"train.device={device}"]
-    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                          *train_args(data_dir, tmp_path / "one", *steps, "dispatch.ranks_per_node=2")],
-                         cwd=REPO, env=ENV if device == "cpu" else {**ENV, **NCCL_ENV}, capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    # a collective stuck for 120 s raises on gloo (NCCL's watchdog aborts): a hang becomes a report
+    steps = ["train.steps=3", "dispatch.max_nodes=1", f"train.device={device}", "train.dist_timeout_s=120"]
+    one = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                            *train_args(data_dir, tmp_path / "one", *steps, "dispatch.ranks_per_node=2")],
+                           cwd=REPO, env=ENV if device == "cpu" else {**ENV, **NCCL_ENV}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    out = finish([one], 300, workers=4)[0]
+    assert one.returncode == 0, out[-3000:]
     want = losses(tmp_path / "one")
     assert len(want) == 3
     for hierarchical in ("true",):
         run = tmp_path / f"nodes-{hierarchical}"
         procs = two_nodes(train_args(data_dir, run, *steps, f"dispatch.hierarchical={hierarchical}"), device,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        outs = [p.communicate(timeout=300)[0] for p in procs]
+        outs = finish(procs, 300)
         assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
         assert ("dispatch: hierarchical, 2 nodes x 2 ranks" in outs[0]) == (hierarchical == "true")
         assert losses(run) == want, hierarchical
