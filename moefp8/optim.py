@@ -108,21 +108,28 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def grad_norm(params, sharded=(), group=None, scale: float = 1.0) -> Tensor:
+def grad_sq(params, device=None) -> Tensor:
+    """The sum of the squares of the parameters' gradients (fp32 scalar tensor; those without a
+    gradient count 0; no gradient at all: a zero on `device`, else the first parameter's): torch's
+    multi-tensor norm, one kernel for all of them, not three per gradient."""
+    params = list(params)
+    gs = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params if p.grad is not None]
+    if not gs:
+        return torch.zeros((), device=device or (params[0].device if params else None))
+    return torch.stack(torch._foreach_norm(gs)).square().sum()
+
+
+def grad_norm(params, sharded=(), group=None, scale: float = 1.0, sharded_sq: Tensor | None = None) -> Tensor:
     """Global L2 norm of scale x all gradients (fp32 scalar tensor; the gradients are not changed).
     `params` are replicated on every rank (counted once); `sharded` hold a different slice on each
     rank of `group` (the routed experts over the EP group): their squared norms are summed over the
-    group. scale: 1 / world where the gradients hold sums over the ranks (moefp8.grad_sync)."""
+    group. scale: 1 / world where the gradients hold sums over the ranks (moefp8.grad_sync).
+    sharded_sq: `grad_sq(sharded)` already made (`grad_sync.reduced_grad_norm`)."""
     params, sharded = list(params), list(sharded)
     dev = (params + sharded)[0].device if params or sharded else None
-
-    def sq(ps):  # torch's multi-tensor norm: one kernel for all of them, not three per gradient
-        gs = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in ps if p.grad is not None]
-        return torch.stack(torch._foreach_norm(gs)).square().sum() if gs else torch.zeros((), device=dev)
-
-    total = sq(params)
+    total = grad_sq(params, dev)
     if sharded:
-        shard_sq = sq(sharded)
+        shard_sq = grad_sq(sharded, dev) if sharded_sq is None else sharded_sq
         if group is not None:
             torch.distributed.all_reduce(shard_sq, group=group)
         total = total + shard_sq

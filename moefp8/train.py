@@ -29,6 +29,7 @@ from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, ope
 from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
+from moefp8.grad_sync import reduced_grad_norm
 from moefp8.graphs import prepare_grads, release
 from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
@@ -150,13 +151,14 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         overflowed = model.row_cap.take()  # dispatch.rows_factor: the capped layouts that were too small
         if overflowed is not None:
             sums[4:] = overflowed
+        # the norm is the mean's, and the update applies the mean and the clipping as it reads them (clip_scale)
         if grads:  # gradients of the mean loss over all ranks' tokens
-            grads.finish()
+            gnorm = reduced_grad_norm(grads, replicated_params, sharded_params, par.ep_group)
             par.all_reduce_(sums)
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
+        else:
+            gnorm = grad_norm(replicated_params, sharded_params, par.ep_group, mean)
         model.scale_stats.on = model.row_cap.on = False
-        # the norm is the mean's, and the update applies the mean and the clipping as it reads them (clip_scale)
-        gnorm = grad_norm(replicated_params, sharded_params, par.ep_group, mean)
         # the expert loads ride on the same sync (a pinned copy queued before it): per-layer statistics
         # read on the host, not five device syncs per MoE layer
         load_host = load_LE.to("cpu", non_blocking=True) if load_LE.is_cuda else load_LE

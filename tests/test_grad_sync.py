@@ -3,15 +3,18 @@ gradients (sums over the ranks; `grad_scale` makes them the mean) as one all-red
 the backward (bit for bit at 2 ranks), with gradient
 accumulation, expert groups (here each rank its own: no bucket), parameters without a gradient
 (on any step, or on every other one), buckets whose buffers hold garbage after `zero_grad`, and
-buckets that start before the backward ends."""
+buckets that start before the backward ends; `reduced_grad_norm` is finish() then `grad_norm`, bit for
+bit, with the local shards' squares made before the waits."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from moefp8.config import ModelConfig
-from moefp8.grad_sync import GradBuckets
+import moefp8.grad_sync as grad_sync
+from moefp8.grad_sync import GradBuckets, reduced_grad_norm
 from moefp8.model import Transformer
+from moefp8.optim import grad_norm
 from moefp8.recipe import Recipe
 from moefp8.testing import spawn_group
 
@@ -54,6 +57,39 @@ def _check(rank, world, dev):
 
     for experts in (solo[rank], both):
         _check_experts_in(experts, model, named, rank, world, dev)
+        _check_norm(experts, both, model, named, rank, world, dev)
+
+
+def _check_norm(experts, both, model, named, rank, world, dev):
+    """reduced_grad_norm against finish() then grad_norm: the same bits; where the experts are this
+    rank's alone (EP = world: their squares summed over the EP group, all ranks) their squared norm
+    is made between the buckets' start and their waits, else inside grad_norm after the waits."""
+    alone = dist.get_world_size(experts) == 1
+    replicated = [p for n, p in named.items() if ".mlp.w" not in n]
+    sharded = [p for n, p in named.items() if ".mlp.w" in n]
+    norms, calls = [], []
+    real_sq = grad_sync.grad_sq
+    grad_sync.grad_sq = lambda ps: (calls.append("sq"), real_sq(ps))[1]
+    try:
+        for fused in (False, True):
+            grads = GradBuckets(named, lambda n: experts if ".mlp.w" in n else None, world, bucket_mb=0.01)
+            real_wait = grads.wait
+            grads.wait = lambda real_wait=real_wait: (calls.append("wait"), real_wait())[1]
+            for i in range(2):
+                grads.arm(last=i == 1)
+                x, y = _batch(rank, i, dev)
+                out = model(x, y)
+                ((out.out + out.aux_loss) / 2).backward()
+            if fused:
+                norms.append(reduced_grad_norm(grads, replicated, sharded, both if alone else None))
+            else:
+                grads.finish()
+                norms.append(grad_norm(replicated, sharded, both if alone else None, grads.grad_scale))
+            grads.remove()
+    finally:
+        grad_sync.grad_sq = real_sq
+    assert torch.isfinite(norms[0]) and norms[0] > 0 and torch.equal(norms[0], norms[1]), norms
+    assert calls == ["wait"] + (["sq", "wait"] if alone else ["wait"]), calls
 
 
 def _check_experts_in(experts, model, named, rank, world, dev):
