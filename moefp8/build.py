@@ -102,11 +102,12 @@ def norm_split(par: Parallel | None, model: Transformer, opt: AdamW) -> tuple[li
 
 def grad_buckets(cfg: Config, par: Parallel | None, model: Transformer, opt: AdamW) -> GradBuckets | None:
     """The data-parallel gradient buckets (moefp8.grad_sync): replicated parameters summed over all
-    ranks, the routed experts over their expert-data-parallel group; None on one process."""
+    ranks (`Parallel.grad_group`), the routed experts over their expert-data-parallel group; None on
+    one process."""
     if par is None or par.world == 1:
         return None
     sharded = _sharded(par, model)
-    return GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else None, par.world,
+    return GradBuckets(opt.params, lambda n: par.expert_dp_group if n in sharded else par.grad_group, par.world,
                        cfg.train.grad_bucket_mb, overlap=not cfg.train.deterministic)
 
 

@@ -190,6 +190,10 @@ class TrainConfig:
     # estimate: false runs anyway, e.g. to find the largest micro-batch by trying)
     check_memory: bool = True
     grad_bucket_mb: float = 25.0  # data-parallel gradient all-reduce buckets (moefp8.grad_sync), MB
+    # the most CTAs (SMs) each gradient all-reduce may use: ncclConfig max_ctas of the communicators the
+    # buckets reduce on (NCCL only, 1-64; 0: NCCL's choice, on the default group). Fewer leave SMs to the
+    # backward's GEMMs, which the reductions run beside; too few and the last buckets reduce after it
+    grad_reduce_ctas: int = 0
     # selective activation recompute: [attention] keeps only each block's input for its attention
     # and runs norm, QKV, attention, output projection again in the backward; [expert_out] (FP8
     # recipe) keeps fc2's FP8 input instead of the experts' BF16 output y and recomputes y for the
@@ -323,6 +327,9 @@ def validate(cfg: Config) -> None:
     _positive("optim.lr", o.lr)
     _positive("train.dist_timeout_s", t.dist_timeout_s)
     _positive("train.grad_bucket_mb", t.grad_bucket_mb)
+    if not isinstance(t.grad_reduce_ctas, int) or not 0 <= t.grad_reduce_ctas <= 64:
+        raise ValueError(f"train.grad_reduce_ctas={t.grad_reduce_ctas!r}: expected 0 (NCCL's choice) to 64 CTAs "
+                         f"per gradient all-reduce")
     if t.loss_chunk < 0:
         raise ValueError(f"train.loss_chunk={t.loss_chunk}: must be >= 0 (0: off)")
     if t.time_limit_s < 0:

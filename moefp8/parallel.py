@@ -62,7 +62,9 @@ class Parallel:
     shard (rank % ep_size equal), over which the experts' gradients are summed; None when alone.
     ranks_per_node: the node size (`ranks_per_node`); spans_nodes: the EP group holds several
     nodes; node_groups: (this rank's node group, its local-rank group) inside the EP group for
-    dispatch.hierarchical, else None."""
+    dispatch.hierarchical, else None. grad_group: the group the replicated parameters' gradients are
+    summed over, all ranks: None (the default group) unless train.grad_reduce_ctas caps its NCCL CTAs
+    (then a communicator of its own, as are the expert_dp_groups)."""
 
     def __init__(self, cfg: Config, device: torch.device):
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -70,7 +72,7 @@ class Parallel:
         ep, d = cfg.dispatch.ep_size, cfg.dispatch
         check_parallel(cfg, self.world)
         self.ep_size, self.ep_rank = ep, self.rank % ep
-        self.ep_group = self.expert_dp_group = self.node_groups = None
+        self.ep_group = self.expert_dp_group = self.node_groups = self.grad_group = None
         self.ranks_per_node = ranks_per_node(cfg, self.world)
         self.spans_nodes = ep > self.ranks_per_node and ep % self.ranks_per_node == 0
         if self.world == 1:
@@ -87,8 +89,13 @@ class Parallel:
             from moefp8.dispatch.hierarchical import build_node_groups
 
             self.node_groups = build_node_groups(self.world, ep, self.ranks_per_node, timeout)
+        grad_opts = None  # train.grad_reduce_ctas: the gradient reductions' communicators capped
+        if cfg.train.grad_reduce_ctas and dist.get_backend() == "nccl":
+            grad_opts = dist.ProcessGroupNCCL.Options()
+            grad_opts.config.min_ctas, grad_opts.config.max_ctas = 1, cfg.train.grad_reduce_ctas
+            self.grad_group = dist.new_group(list(range(self.world)), timeout=timeout, pg_options=grad_opts)
         for r in range(ep):
-            g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout)
+            g = dist.new_group(list(range(r, self.world, ep)), timeout=timeout, pg_options=grad_opts)
             if r == self.ep_rank:
                 self.expert_dp_group = g
         # rank 0's long jobs before training (data preparation at first use: minutes, more for a large

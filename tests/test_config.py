@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
      "dispatch.transport=copy_engine moves the all_to_all backend's capacity-mode blocks only"),
     (["dispatch=all_to_all", "dispatch.slots=1"], "dispatch.slots=1: must be >= 2"),
     (["dispatch=all_to_all", "dispatch.nccl_ctas=65"], "dispatch.nccl_ctas=65: expected 0 (NCCL's choice) to 64"),
+    (["train.grad_reduce_ctas=-1"], "train.grad_reduce_ctas=-1: expected 0 (NCCL's choice) to 64 CTAs"),
     (["dispatch=deepep", "dispatch.nccl_ctas=8"], "dispatch.nccl_ctas=8: caps the all_to_all backend's NCCL"),
     (["dispatch=all_to_all", "dispatch.overlap=true", "dispatch.gemm_sm_reserve=-1"],
      "dispatch.gemm_sm_reserve=-1: expected an integer >= 0"),

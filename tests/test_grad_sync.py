@@ -58,6 +58,11 @@ def _check(rank, world, dev):
     for experts in (solo[rank], both):
         _check_experts_in(experts, model, named, rank, world, dev)
         _check_norm(experts, both, model, named, rank, world, dev)
+    if dev == "cuda":  # train.grad_reduce_ctas: the replicated buckets on a communicator capped at 2 CTAs
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.min_ctas, opts.config.max_ctas = 1, 2
+        _check_experts_in(solo[rank], model, named, rank, world, dev,
+                          dist.new_group(list(range(world)), pg_options=opts))
 
 
 def _check_norm(experts, both, model, named, rank, world, dev):
@@ -92,15 +97,17 @@ def _check_norm(experts, both, model, named, rank, world, dev):
     assert calls == ["wait"] + (["sq", "wait"] if alone else ["wait"]), calls
 
 
-def _check_experts_in(experts, model, named, rank, world, dev):
+def _check_experts_in(experts, model, named, rank, world, dev, replicated=None):
+    """replicated: the group the buckets sum the other parameters over (None: the default group, the
+    reference's)."""
     def group_of(n):
-        return experts if ".mlp.w" in n else None
+        return experts if ".mlp.w" in n else replicated
 
     def per_tensor(params):  # the loop's former reduction: one blocking all-reduce per tensor (sums)
         for n, p in params.items():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group_of(n))
+            dist.all_reduce(p.grad, group=experts if ".mlp.w" in n else None)
 
     for accum in (1, 2):
         want = []
@@ -130,7 +137,7 @@ def _check_experts_in(experts, model, named, rank, world, dev):
             alone = dist.get_world_size(experts) == 1
             # the experts' group is this rank alone: no bucket, autograd's own gradient (no view, no add)
             assert len(grads.local) == (sum(".mlp.w" in n for n in named) if alone else 0)
-            assert any(b.group is experts for b in grads.buckets) != alone and any(b.group is None for b in grads.buckets)
+            assert any(b.group is experts for b in grads.buckets) != alone and any(b.group is replicated for b in grads.buckets)
             views = {v.data_ptr() for b in grads.buckets for v in b.views}
             assert all(p.grad is not None and p.grad.data_ptr() not in views for p in grads.local)
             grads.zero_grad()
