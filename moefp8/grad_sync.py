@@ -162,20 +162,19 @@ class GradBuckets:
         """Removes the hooks and leaves the gradients as plain tensors (None)."""
         for h in self._handles:
             h.remove()
-        for p in self.local:
-            p.grad = None
-        for b in self.buckets:
-            for _, p in b.params:
-                p.grad = None
+        self.zero_grad()
 
 
-def reduced_grad_norm(grads: GradBuckets, replicated: list[Tensor], sharded: list[Tensor], group) -> Tensor:
+def reduced_grad_norm(grads: GradBuckets | None, replicated: list[Tensor], sharded: list[Tensor], group) -> Tensor:
     """`grads.finish()`, then the global norm of the mean gradient (`optim.grad_norm`: replicated
-    parameters once, the sharded ones' squares summed over `group`). Where every sharded parameter
+    parameters once, the sharded ones' squares summed over `group`; grads None, one process: the
+    norm of the gradients as they are). Where every sharded parameter
     is this rank's alone (`grads.local`: the routed experts at EP = world), their squared norm is
     enqueued after the last bucket has started and before the waits, so it runs beside the last
     reductions instead of after them (at the 16B preset's EP4, ~3.6B expert gradients: ~4 ms of
     reading). The same kernels on the same gradients: the same bits."""
+    if grads is None:
+        return grad_norm(replicated, sharded, group)
     grads.start_rest()
     local = {id(p) for p in grads.local}
     early = grad_sq(sharded) if sharded and all(id(p) in local for p in sharded) else None

@@ -35,7 +35,7 @@ from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, out_of_memory, plan
 from moefp8.model import Transformer, flops_per_token
-from moefp8.optim import AdamW, clip_scale, grad_norm, lr_at
+from moefp8.optim import AdamW, clip_scale, lr_at
 from moefp8.parallel import Parallel, StepWatchdog, same_file, same_on_every_rank
 from moefp8.rundir import LOCK, take
 from moefp8.runlog import RunLog, describe_run, record_start, start_wandb
@@ -152,12 +152,10 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         if overflowed is not None:
             sums[4:] = overflowed
         # the norm is the mean's, and the update applies the mean and the clipping as it reads them (clip_scale)
+        gnorm = reduced_grad_norm(grads, replicated_params, sharded_params, par.ep_group)
         if grads:  # gradients of the mean loss over all ranks' tokens
-            gnorm = reduced_grad_norm(grads, replicated_params, sharded_params, par.ep_group)
             par.all_reduce_(sums)
             par.all_reduce_(load_LE)  # tokens per expert over all ranks: the same bias update everywhere
-        else:
-            gnorm = grad_norm(replicated_params, sharded_params, par.ep_group, mean)
         model.scale_stats.on = model.row_cap.on = False
         # the expert loads ride on the same sync (a pinned copy queued before it): per-layer statistics
         # read on the host, not five device syncs per MoE layer

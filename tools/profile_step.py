@@ -64,7 +64,7 @@ from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, ope
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.grad_sync import reduced_grad_norm  # noqa: E402
-from moefp8.optim import AdamW, clip_scale, grad_norm  # noqa: E402
+from moefp8.optim import AdamW, clip_scale  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
 from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 from moefp8.memory import plan  # noqa: E402
@@ -108,11 +108,9 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
             step.overflowed = over if step.overflowed is None else step.overflowed + over
         # the training loop's update: the mean over ranks and the clipping ride on the optimizer's read
         mean = grads.grad_scale if grads is not None else 1.0
+        norm = reduced_grad_norm(grads, replicated, sharded, ep_group)
         if grads is not None:
-            norm = reduced_grad_norm(grads, replicated, sharded, ep_group)
             torch.distributed.all_reduce(load_LE)
-        else:
-            norm = grad_norm(replicated, sharded, ep_group, mean)
         opt.step(cfg.optim.lr, grad_scale=clip_scale(norm, cfg.optim.grad_clip, mean))
         grads.zero_grad() if grads is not None else opt.zero_grad()
         for router, load_E in zip(model.routers(), load_LE):
