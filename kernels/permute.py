@@ -224,11 +224,22 @@ def _combine_kernel(y_ptr, row_ptr, w_ptr, o_ptr, a_ptr, H, stride_y, stride_o, 
 
 
 @triton.jit
-def _combine_bwd_kernel(dz_ptr, s_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, H, stride_dz, stride_st, stride_sc,
-                        stride_y, stride_dy, K: tl.constexpr, K_PAD: tl.constexpr, WANT_DW: tl.constexpr,
-                        WANT_DY: tl.constexpr, DZ_FP8: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_bwd_kernel(dz_ptr, s_ptr, y_ptr, row_ptr, w_ptr, dw_ptr, dy_ptr, src_ptr, T, M, H, stride_dz, stride_st,
+                        stride_sc, stride_y, stride_dy, K: tl.constexpr, K_PAD: tl.constexpr, WANT_DW: tl.constexpr,
+                        WANT_DY: tl.constexpr, DZ_FP8: tl.constexpr, BLOCK_H: tl.constexpr, PAD_ROWS: tl.constexpr):
     """DZ_FP8: dz is "1x128" FP8 with scales s [T, H/128] (any strides), dequantized here to the BF16
-    value `Fp8Tensor.dequantize(bf16)` gives (q x s in fp32, rounded to bf16): no pass of its own."""
+    value `Fp8Tensor.dequantize(bf16)` gives (q x s in fp32, rounded to bf16): no pass of its own.
+    Programs past T (WANT_DY) write the zeros of dy's padding rows (src -1), PAD_ROWS rows each: dy
+    needs no zeroing pass over all M rows."""
+    if tl.program_id(0) >= T:
+        offs_m = (tl.program_id(0) - T).to(tl.int64) * PAD_ROWS + tl.arange(0, PAD_ROWS)
+        pad = tl.load(src_ptr + offs_m, mask=offs_m < M, other=0) < 0
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(dy_ptr + offs_m[:, None] * stride_dy + offs_h[None, :],
+                     tl.zeros((PAD_ROWS, BLOCK_H), dtype=dy_ptr.dtype.element_ty),
+                     mask=pad[:, None] & (offs_h < H)[None, :])
+        return
     t = tl.program_id(0).to(tl.int64)  # one token per program: dw needs all of H
     offs_k = tl.arange(0, K_PAD)
     rows = tl.load(row_ptr + t * K + offs_k, mask=offs_k < K, other=-1)
@@ -447,8 +458,11 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
     want_dw = y_MH is not None
     dev = w_TK.device
     dw = torch.empty(T, K, dtype=torch.float32, device=dev) if want_dw else None
-    dy = torch.zeros(layout.M, H, dtype=torch.bfloat16, device=dev) if want_dy else None
-    if T and (want_dw or want_dy):
+    # dy's padding rows: zeros from the kernel's programs past T (no zeroing pass over all M rows)
+    dy = (torch.empty if T else torch.zeros)(layout.M, H, dtype=torch.bfloat16, device=dev) if want_dy else None
+    pad_rows = 32
+    grid = 0 if not T else T + (triton.cdiv(layout.M, pad_rows) if want_dy else 0)
+    if grid:
         if fp8:  # rows with any stride (the receive buffer's), elements contiguous
             dz = dz_TH.data if dz_TH.data.stride(1) == 1 else dz_TH.data.contiguous()
             s = dz_TH.scale
@@ -456,11 +470,11 @@ def combine_backward(dz_TH: Tensor, y_MH: Tensor | None, layout: PermuteLayout, 
             dz = dz_TH.contiguous()
             s = dz
         y = y_MH if want_dw else dz
-        _combine_bwd_kernel[(T,)](dz, s, y, layout.row_TK, w_TK.float().contiguous(), dw if want_dw else dz,
-                                  dy if want_dy else dz, H, dz.stride(0), s.stride(0), s.stride(1) if fp8 else 0,
-                                  y.stride(0), dy.stride(0) if want_dy else 0, K=K, K_PAD=triton.next_power_of_2(K),
-                                  WANT_DW=want_dw, WANT_DY=want_dy, DZ_FP8=fp8,
-                                  BLOCK_H=min(512, triton.next_power_of_2(H)), num_warps=4)
+        _combine_bwd_kernel[(grid,)](dz, s, y, layout.row_TK, w_TK.float().contiguous(), dw if want_dw else dz,
+                                     dy if want_dy else dz, layout.src_M, T, layout.M, H, dz.stride(0), s.stride(0),
+                                     s.stride(1) if fp8 else 0, y.stride(0), dy.stride(0) if want_dy else 0, K=K,
+                                     K_PAD=triton.next_power_of_2(K), WANT_DW=want_dw, WANT_DY=want_dy, DZ_FP8=fp8,
+                                     BLOCK_H=min(512, triton.next_power_of_2(H)), PAD_ROWS=pad_rows, num_warps=4)
     return dy, dw
 
 

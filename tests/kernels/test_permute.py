@@ -309,6 +309,45 @@ def test_triton_interpreter_vs_ref(T, K, E, kind):
     _compare_all(T, K, E, kind, 384, "cpu", exact=False)
 
 
+def _check_dy_padding(T, K, E, kind, H, device, monkeypatch):
+    """combine_backward's dy comes from torch.empty: its padding rows (per-expert alignment, the rows
+    past offsets[E] of a bound layout, a capped layout's) must be written as zeros by the kernel.
+    Every bf16 allocation here starts as NaN, so a row the kernel skips fails the comparison."""
+    empty = torch.empty
+
+    def nan_empty(*size, dtype=None, **kw):
+        t = empty(*size, dtype=dtype, **kw)
+        return t.fill_(float("nan")) if dtype == torch.bfloat16 else t
+
+    idx = routing(T, K, E, kind, seed=T + 3 * K, device=device)
+    exact = P.build_layout(idx, E)
+    layouts = [exact, P.build_layout(idx.clamp(max=E - 1), E, bound=True), P.build_layout(idx, E, cap=exact.M + 256)]
+    w = torch.rand(T, K, device=device)
+    dz = torch.randn(T, H, device=device).bfloat16()
+    for L in layouts:
+        assert int((L.src_M < 0).sum()) > 0  # padding to write
+        y = torch.randn(L.M, H, device=device).bfloat16()
+        ref = P.combine_backward_ref(dz, y, L, w)[0]
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", nan_empty)
+            for y_ in (y, None):  # with dw and without
+                dy = P.combine_backward(dz, y_, L, w, impl="triton")[0]
+                assert not dy.isnan().any()
+                assert torch.all((dy.float() - ref.float()).abs() <= ref.float().abs() * 2**-7)
+                assert torch.equal(dy[L.src_M < 0], torch.zeros_like(dy[L.src_M < 0]))
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("T,K,E,kind", [(37, 2, 3, "random"), (5, 4, 8, "skewed")])
+def test_combine_backward_writes_dy_padding_interpreter(monkeypatch, T, K, E, kind):
+    _check_dy_padding(T, K, E, kind, 256, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_combine_backward_writes_dy_padding_gpu(monkeypatch):
+    _check_dy_padding(4097, 8, 64, "skewed", 2048, "cuda", monkeypatch)
+
+
 def _check_permute_requant(T, K, E, kind, H, device, exact: bool, cut: int | None = None):
     """permute_requant_colwise against requant_colwise(permute_fp8(...)) (the two kernels it
     replaces: bit for bit, the interpreter too) and the reference (exact on a GPU); x8's scales in
