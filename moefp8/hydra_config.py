@@ -157,9 +157,23 @@ def load_config(overrides: list[str] = (), auto_model: bool = False) -> Config:
                           f"python -m moefp8.train --cfg job lists the keys)")
     try:
         validate(cfg)
+        _check_new_data_path(cfg, overrides)
     except ValueError as e:  # already `key=value: why`
         raise ConfigError(str(e)) from e
     return cfg
+
+
+def _check_new_data_path(cfg: Config, overrides: list[str]) -> None:
+    """A data.path given on the command line that does not exist, with data.prepare_from left at its
+    preset's value: most likely a mistyped path to prepared data, which would otherwise be made and
+    filled from the preset's source (e.g. the standard library) and trained on. Preparing a new
+    folder needs data.prepare_from said as well. ValueError (one line) naming both."""
+    keys = {ov.lstrip("+~").split("=", 1)[0] for ov in overrides}
+    d = cfg.data
+    if "data.path" in keys and "data.prepare_from" not in keys and d.prepare_from and not os.path.exists(d.path):
+        raise ValueError(f"data.path={d.path!r} does not exist, and data.prepare_from={d.prepare_from!r} is the "
+                         f"data preset's, not given: correct the path to your prepared data, or add "
+                         f"data.prepare_from={d.prepare_from} to prepare {d.path} from it")
 
 
 def compose_config(overrides: list[str] = ()) -> Config:

@@ -59,6 +59,10 @@ REPO = Path(__file__).resolve().parent.parent
     (["train.cuda_graphs_mlp=true"], "train.cuda_graphs_mlp=true: captures the blocks' MLPs beside their attention; "
                                      "set train.cuda_graphs=true too"),
     (["dispatch.rows_factor=0.5"], "dispatch.rows_factor=0.5: below 1 every step would overflow and run twice; use >= 1"),
+    (["dispatch.send_factor=0.5", "dispatch.rows_factor=1.25"],
+     "dispatch.send_factor=0.5: expected 0 (off) or a factor >= 1 of a rank's average tokens per destination"),
+    (["dispatch.send_factor=1.2"], "dispatch.send_factor=1.2: its overflows are caught and run again as "
+                                   "dispatch.rows_factor's; set dispatch.rows_factor too"),
     (["dispatch.rows_factor=-1"], "dispatch.rows_factor=-1.0: expected 0 (off) or a factor > 0 of the balanced load"),
     (["dispatch.shared_overlap=true"], "dispatch.shared_overlap=true: the shared experts hide the all_to_all capacity "
                                        "mode's exchanges under EP; got dispatch=local, dispatch.ep_size=1"),
@@ -68,6 +72,10 @@ REPO = Path(__file__).resolve().parent.parent
     # data that is not there and cannot be prepared
     (["data.path=/nonexistent/d", "data.prepare_from="], "data.path='/nonexistent/d': no index.json there and "
                                                          "data.prepare_from is empty"),
+    # a mistyped path to prepared data: not made and filled from the preset's source without being asked
+    (["data.path=/nonexistent/d"], "data.path='/nonexistent/d' does not exist, and data.prepare_from='stdlib' is the "
+                                   "data preset's, not given: correct the path to your prepared data, or add "
+                                   "data.prepare_from=stdlib to prepare /nonexistent/d from it"),
     (["data.path=/nonexistent/d", "data.prepare_from='stdlib,/nonexistent/src'"],
      "data.prepare_from='stdlib,/nonexistent/src': '/nonexistent/src' is not a directory (nor 'stdlib' or "
      "'site-packages')"),
@@ -77,6 +85,16 @@ def test_config_errors_are_one_line(overrides, error):
         load_config(overrides)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(error), msg
+
+
+def test_a_new_data_path_is_prepared_when_asked(tmp_path):
+    """data.prepare_from given (here the preset's own value), or data.path left at its preset's: the
+    config passes, and the run will prepare the folder; an existing folder needs no prepare_from."""
+    new = tmp_path / "new"
+    assert load_config([f"data.path={new}", "data.prepare_from=stdlib"]).data.path == str(new)
+    assert load_config(["data=stdlib"]).data.prepare_from == "stdlib"
+    (tmp_path / "made").mkdir()
+    assert load_config([f"data.path={tmp_path / 'made'}"]).data.path == str(tmp_path / "made")
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path, monkeypatch):

@@ -173,7 +173,8 @@ def test_convergence_tool_cpu(tmp_path, capsys, monkeypatch):
     losses; every FP8 run is compared with every BF16 run."""
     cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--noise-floor", "--noise-kind", "seed",
            "--runs", "fp8_again", "model=tiny", "train.steps=6", "optim.warmup_steps=2", "data.max_bytes=2000000",
-           "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled", f"data.path={tmp_path / 'data'}",
+           "train.log_every=3", "train.ckpt_every=0", "logger.mode=disabled",
+           f"data.path={tmp_path / 'data'}", "data.prepare_from=stdlib",
            "train.eval_every=2", "data.val_windows=4", "train.micro_batch=2"]
     r = subprocess.run([*cmd, "--train", "bf16,fp8,bf16_seed+1"], cwd=REPO, capture_output=True, text=True,
                        timeout=600)
@@ -275,7 +276,7 @@ def test_convergence_tool_data_parallel_resumes(tmp_path):
     the loss curve goes on as it was."""
     cmd = [sys.executable, "tools/convergence.py", "--out", str(tmp_path), "--nproc", "2", "model=tiny",
            "train.steps=4", "optim.warmup_steps=1", "data.max_bytes=1000000", "train.ckpt_every=2",
-           "logger.mode=disabled", f"data.path={tmp_path / 'data'}", "train.grad_accum=2",
+           "logger.mode=disabled", f"data.path={tmp_path / 'data'}", "data.prepare_from=stdlib", "train.grad_accum=2",
            "train.micro_batch=2"]
     r = subprocess.run([*cmd, "train.time_limit_s=1e-9"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "runs not finished: bf16 at step 1 of 4, fp8 at step 1 of 4" in r.stderr, r.stderr

@@ -26,7 +26,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 def tiny_args(tmp_path: Path, *overrides: str) -> list[str]:
     """`python -m moefp8.train` on the tiny model, small data, no wandb, run dir tmp_path/run."""
     return [sys.executable, "-m", "moefp8.train", "model=tiny", "logger.mode=disabled", "optim.warmup_steps=1",
-            "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}",
+            "data.max_bytes=2000000",
+            f"data.path={tmp_path / 'data'}", "data.prepare_from=stdlib", f"train.out_dir={tmp_path / 'run'}",
             *overrides]
 
 
@@ -58,7 +59,7 @@ def test_sigkill_at_random_points_then_resume(tmp_path):
     args = [sys.executable, "-m", "moefp8.train", "model=tiny", "train.steps=24", "train.ckpt_every=3",
             "train.log_every=1", "logger.mode=disabled", "optim.warmup_steps=2", "data.max_bytes=2000000",
             "train.micro_batch=4", "train.seq_len=128",  # short steps (CI time); kills still land mid-step and mid-save
-            f"data.path={tmp_path / 'data'}"]
+            f"data.path={tmp_path / 'data'}", "data.prepare_from=stdlib"]
     subprocess.run(args + [f"train.out_dir={tmp_path / 'ref'}"], cwd=REPO, check=True, capture_output=True,
                    timeout=600, env=ENV)  # uninterrupted reference (and the data, prepared once)
     ref = losses(tmp_path / "ref")
@@ -107,7 +108,8 @@ def test_a_dead_rank_ends_the_run_quickly_and_is_named(tmp_path):
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
             "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "model=tiny", "train.steps=500",
             "train.micro_batch=2", "train.log_every=1", "train.ckpt_every=0", "logger.mode=disabled",
-            "optim.warmup_steps=2", "data.max_bytes=2000000", f"data.path={tmp_path / 'data'}",
+            "optim.warmup_steps=2", "data.max_bytes=2000000",
+            f"data.path={tmp_path / 'data'}", "data.prepare_from=stdlib",
             f"train.out_dir={run}"]
     p = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
