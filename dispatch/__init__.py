@@ -44,6 +44,9 @@ class Dispatched(NamedTuple):
     # (token, slot) pairs received per local expert, where the backend has them on the host anyway (the
     # all_to_all exact mode's count exchange, DeepEP's dispatch): the layout then reads back nothing
     counts: list | None = None
+    # int32 [1] on the device: 1 where a dispatch of compacted blocks (all_to_all capacity mode, `rows=`)
+    # dropped a token of this rank's for want of rows; None where nothing can be dropped
+    overflow: Tensor | None = None
 
 
 class Dispatcher(Protocol):

@@ -81,6 +81,7 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                              gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
                              recompute=tuple(t.recompute), loss_chunk=t.loss_chunk,
                              rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0,
+                             send_factor=d.send_factor if par is not None and par.ep_size > 1 else 0.0,
                              shared_overlap=d.shared_overlap and par is not None and par.ep_size > 1)
 
 

@@ -238,7 +238,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: Recipe = Recipe(), dispatcher: Dispatcher | None = None,
                  ep_rank: int = 0, seed: int = 0, overlap: OverlapPolicy | None = None,
                  gemm: GemmPolicy = GemmPolicy(), recompute: tuple[str, ...] = (), loss_chunk: int = 0,
-                 rows_factor: float = 0.0, shared_overlap: bool = False):
+                 rows_factor: float = 0.0, shared_overlap: bool = False, send_factor: float = 0.0):
         """recipe: the `Recipe` (training builds it with `Recipe.from_config`); dispatcher: this
         rank's expert-parallel dispatcher, shared by the MoE layers (default: the EP=1 `local`
         backend); ep_rank: this rank's index in its EP group (it holds global experts
@@ -251,12 +251,13 @@ class Transformer(nn.Module):
         never whole (moefp8.loss; train.loss_chunk; 0: off); rows_factor: the MoE layers' permuted rows
         under EP sized for that factor of the balanced load without a read-back (`row_cap`, a
         `moe_stages.RowCap`: the training loop reads its overflow flags; dispatch.rows_factor; 0: off);
+        send_factor: with it, the capacity mode's send blocks sized likewise (dispatch.send_factor; 0: off);
         shared_overlap: the MoE layers' shared experts behind their dispatches (`MoELayer`; dispatch.shared_overlap).
         `scale_stats`: the model's FP8 tile-scale recorder (off until the caller turns it on)."""
         super().__init__()
         self.cfg, self.recipe, self.gemm, self.loss_chunk = cfg, recipe, gemm, loss_chunk
         self.scale_stats = ScaleStats()
-        self.row_cap = RowCap(rows_factor)
+        self.row_cap = RowCap(rows_factor, send_factor)
         self.dispatcher = dispatcher = dispatcher or build_dispatcher("local", cfg.n_experts)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg, i, recipe, dispatcher, self.scale_stats, overlap, gemm,

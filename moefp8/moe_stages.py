@@ -62,11 +62,14 @@ class RowCap:
 
     MAX_WAIT = 64
 
-    def __init__(self, factor: float = 0.0):
+    def __init__(self, factor: float = 0.0, send_factor: float = 0.0):
         if not isinstance(factor, (int, float)) or not 0 <= factor < 1e6:
             raise ValueError(f"dispatch.rows_factor={factor!r}: expected 0 (off) or a factor > 0 of the balanced "
                              f"load, e.g. 1.5")
-        self.factor, self.on = float(factor), False
+        if send_factor and not factor:
+            raise ValueError(f"dispatch.send_factor={send_factor!r} needs dispatch.rows_factor > 0 (its overflows "
+                             f"run again as the layouts' do)")
+        self.factor, self.send_factor, self.on = float(factor), float(send_factor), False
         self._overflowed: Tensor | None = None  # int32 [1]: a running sum (no list growing where nobody takes)
         self._wait, self._skip = 1, 0  # the backoff: steps to skip after the next overflow, steps left to skip
 
@@ -93,6 +96,18 @@ class RowCap:
         if not self.factor or not self.on:
             return None
         return rows_bound(math.ceil(self.factor * n_tokens * topk), n_experts)
+
+    def send_rows(self, disp, topk: int) -> int | None:
+        """dispatch.send_factor: the rows of the capacity mode's compacted send blocks (`AllToAllDispatcher.
+        dispatch(rows=)`) for `disp` at top-k: send_factor x p x capacity, p the chance that a token has an
+        expert on a given rank under uniform routing; None: whole blocks (off, not `on`, or a dispatcher
+        without a capacity). The same on every rank (capacity, experts and group size are)."""
+        cap = getattr(disp, "capacity", None)
+        if not (self.send_factor and self.on and cap):
+            return None
+        E, E_l = disp.num_experts, disp.num_local_experts
+        p = 1 - math.comb(E - E_l, topk) / math.comb(E, topk)
+        return min(cap, math.ceil(self.send_factor * p * cap))
 
     def note(self, overflow: Tensor) -> None:
         self._overflowed = overflow if self._overflowed is None else self._overflowed + overflow
@@ -180,7 +195,13 @@ def fwd_dispatch(layer, x_TH: Tensor, topk_idx_TK: Tensor, topk_w_TK: Tensor, ev
         with scope("quant"):
             xin = _wire_rows(layer, x_TH, "act")
     with scope("dispatch"):
-        return _send(layer.dispatcher, xin, evented, topk_idx_TK, topk_w_TK)
+        rows = None if evented else layer.row_cap.send_rows(layer.dispatcher, topk_idx_TK.shape[1])
+        if rows is None:
+            return _send(layer.dispatcher, xin, evented, topk_idx_TK, topk_w_TK)
+        d = layer.dispatcher.dispatch(xin, topk_idx_TK, topk_w_TK, rows=rows)  # compacted blocks (send_factor)
+        if d.overflow is not None:
+            layer.row_cap.note(d.overflow)
+        return d
 
 
 def fwd_layout(layer, d) -> PermuteLayout:

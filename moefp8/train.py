@@ -177,8 +177,10 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         if got[0][4]:  # a capped layout overflowed on some rank (the same figure everywhere): the step again, exact
             retried += 1
             if retried & (retried - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... time
-                console.print(f"step {step + 1}: {int(got[0][4])} MoE layout(s) needed more rows than "
-                              f"dispatch.rows_factor={cfg.dispatch.rows_factor:g} gives; the step ran again with exact "
+                console.print(f"step {step + 1}: {int(got[0][4])} MoE layout(s) or send block(s) needed more rows "
+                              f"than dispatch.rows_factor={cfg.dispatch.rows_factor:g}"
+                              f"{f' / send_factor={cfg.dispatch.send_factor:g}' if cfg.dispatch.send_factor else ''} "
+                              f"give; the step ran again with exact "
                               f"layouts, and the next {skip} run exact ones at once ({retried} step(s) run again so "
                               f"far; raise the factor if this is frequent)")
             zero_grad()

@@ -243,24 +243,28 @@ def test_torchrun_dp_x_ep_matches_one_process(data_dir, tmp_path):
 
 def rows_factor_runs(data_dir, tmp_path, *extra) -> tuple[dict, dict]:
     """dispatch.rows_factor at EP2 (capacity-mode dispatch), factors 0 / 1.0 / 2.0 plain and 0 / 1.0 overlapped,
-    and 0 with dispatch.shared_overlap (the plain schedule's shared experts behind its exchanges: the same bits)
-    -> ({run: [(loss, grad norm)] per step}, {run: the steps said to have run again})."""
+    and 0 with dispatch.shared_overlap (the plain schedule's shared experts behind its exchanges: the same bits);
+    2.0 with dispatch.send_factor=1.0 (compacted send blocks of 0.79 of the capacity at top-2 of 8 experts over 2
+    ranks), plain and overlapped -> ({run: [(loss, grad norm)] per step}, {run: the steps said to have run again})."""
     runs, said = {}, {}
-    for f in ("0", "1.0", "2.0", "0 overlap", "1.0 overlap", "0 shared"):  # (the two micro-batch overlap: a cap per half)
+    for f in ("0", "1.0", "2.0", "0 overlap", "1.0 overlap", "0 shared", "2.0 send", "2.0 overlap send"):
+        # (the two micro-batch overlap: a cap per half)
         factor, overlap, shared = f.split()[0], "overlap" in f, "shared" in f
+        send = ["dispatch.send_factor=1.0"] if "send" in f else []
         out = tmp_path / f.replace(" ", "_")
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2", "dispatch.mode=capacity",
                             f"dispatch.rows_factor={factor}", f"dispatch.overlap={overlap}",
-                            f"dispatch.shared_overlap={shared}", *extra,
+                            f"dispatch.shared_overlap={shared}", *send, *extra,
                             *base(data_dir, out, **{"train.steps": 3, "train.ckpt_every": 0, "train.log_every": 1,
                                                     "train.seq_len": 256})],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[f] = [(x["loss"], x["grad_norm"]) for x in metrics(out)]
-        said[f] = re.findall(r"step (\d+): \d+ MoE layout\(s\) needed more rows than dispatch.rows_factor", r.stdout)
-    assert len(runs["0"]) == 3 and runs["1.0"] == runs["0"] == runs["2.0"] == runs["0 shared"], runs
-    assert runs["1.0 overlap"] == runs["0 overlap"], runs
+        said[f] = re.findall(r"step (\d+): \d+ MoE layout\(s\) or send block\(s\) needed more rows than "
+                             r"dispatch.rows_factor", r.stdout)
+    assert len(runs["0"]) == 3 and runs["1.0"] == runs["0"] == runs["2.0"] == runs["0 shared"] == runs["2.0 send"], runs
+    assert runs["1.0 overlap"] == runs["0 overlap"] == runs["2.0 overlap send"], runs
     assert not said["0"] and not said["2.0"] and not said["0 overlap"], said
     return runs, said
 
@@ -274,6 +278,8 @@ def test_rows_factor_runs_overflowed_steps_again_and_changes_no_bit(data_dir, tm
     same figures."""
     _, said = rows_factor_runs(data_dir, tmp_path)
     assert said["1.0"] and said["1.0 overlap"], said
+    # the send blocks at 1.0 (layouts at 2.0 never overflow): the fresh router's skew overflows them too
+    assert said["2.0 send"] and said["2.0 overlap send"], said
     # the backoff: the step after an overflow runs exact layouts at once (never tried capped, so never said)
     assert said["1.0"][0] == "1" and "2" not in said["1.0"] and "2" not in said["1.0 overlap"], said
 

@@ -96,7 +96,18 @@ def _sent(d):
     return (d.topk_idx >= 0).any(1)
 
 
-def _check_dispatch(rank, world, dev, T_r, E, K, case, mode, transport="collective"):
+def _fitting_rows(T_r, E, K, case, world, dev) -> int:
+    """The most tokens any rank sends to any one rank: compacted blocks of this many rows drop none."""
+    most = 0
+    for s in range(world):
+        idx = _tokens(T_r, E, K, case, s, dev)[1]
+        for r in range(world):
+            most = max(most, int(((idx >= r * (E // world)) & (idx < (r + 1) * (E // world))).any(1).sum()))
+    return most
+
+
+def _check_dispatch(rank, world, dev, T_r, E, K, case, mode, transport="collective", block_rows=None):
+    """block_rows: the capacity mode's compacted blocks of that many rows (they must hold every sent token)."""
     disp = _dispatcher(E, mode, T_r, transport=transport)
     x8, idx, w = _tokens(T_r, E, K, case, rank, dev)
     rows, local = _expected_recv(rank, world, T_r, E, K, case, dev)
@@ -109,15 +120,19 @@ def _check_dispatch(rank, world, dev, T_r, E, K, case, mode, transport="collecti
 
     results = []
     for _ in range(2):  # twice: identical
-        d = disp.dispatch(x8, idx, w)
+        d = disp.dispatch(x8, idx, w, rows=block_rows)
         sent = _sent(d)
         assert d.topk_idx.dtype == torch.int64 and int(sent.sum()) == len(rows)
+        capped = mode != "exact" and block_rows is not None and block_rows < disp.capacity  # else: full blocks
+        assert (d.overflow is None) == (not capped)
+        assert d.overflow is None or int(d.overflow) == 0
         if mode == "exact":
             assert d.x.data.shape == (len(rows), H)
             assert sum(d.handle.send_splits) == int(((idx >= 0)[:, :, None] & (
                 idx[:, :, None] // (E // world) == torch.arange(world, device=dev))).any(1).sum())  # once per rank
         else:  # R blocks of cap + 1 rows; the unsent ones carry no expert and weight 0
-            assert d.x.data.shape == (world * (disp.capacity + 1), H) == (d.handle.num_recv, H)
+            B = block_rows if capped else disp.capacity
+            assert d.x.data.shape == (world * (B + 1), H) == (d.handle.num_recv, H) and d.handle.cap == B
             assert torch.all(d.topk_idx[~sent] == -1) and torch.all(d.topk_w[~sent] == 0)
         assert torch.equal(d.x.data[sent].view(torch.uint8), pick(lambda s: s[0].data.view(torch.uint8)))
         assert torch.equal(d.x.scale[sent], pick(lambda s: s[0].scale))
@@ -188,10 +203,19 @@ CASES_4 = [((37, 0, 51, 9), 16, 3, "random"), ((11, 23, 0, 40), 8, 4, "unrouted"
 def _dispatch_cases(rank, world, dev):
     for T_r, E, K, case in (CASES_2 if world == 2 else CASES_4):
         d_exact, out_exact = _check_dispatch(rank, world, dev, T_r, E, K, case, "exact")
-        d_cap, out_cap = _check_dispatch(rank, world, dev, T_r, E, K, case, "capacity")
-        sent = _sent(d_cap)  # the same rows in the same order, the same combine, bit for bit
-        assert torch.equal(d_cap.x.data[sent].view(torch.uint8), d_exact.x.data.view(torch.uint8))
-        assert torch.equal(d_cap.topk_idx[sent], d_exact.topk_idx) and torch.equal(out_cap, out_exact)
+        fit = _fitting_rows(T_r, E, K, case, world, dev)
+        for rows in (None, fit, fit + 3):  # compacted blocks: just enough rows, a few to spare
+            d_cap, out_cap = _check_dispatch(rank, world, dev, T_r, E, K, case, "capacity", block_rows=rows)
+            sent = _sent(d_cap)  # the same rows in the same order, the same combine, bit for bit
+            assert torch.equal(d_cap.x.data[sent].view(torch.uint8), d_exact.x.data.view(torch.uint8))
+            assert torch.equal(d_cap.topk_idx[sent], d_exact.topk_idx) and torch.equal(out_cap, out_exact)
+        if fit:  # one row short: the ranks that send `fit` tokens to one rank flag it (and nothing hangs)
+            x8, idx, w = _tokens(T_r, E, K, case, rank, dev)
+            d = _dispatcher(E, "capacity", T_r).dispatch(x8, idx, w, rows=fit - 1)
+            El = E // world
+            mine = max(int(((idx >= r * El) & (idx < (r + 1) * El)).any(1).sum()) for r in range(world))
+            assert int(d.overflow) == int(mine > fit - 1) and d.x.data.shape[0] == world * fit
+            assert int(_sent(d).sum()) <= len(_expected_recv(rank, world, T_r, E, K, case, dev)[0])
     for mode in ("exact", "capacity"):
         _check_wire_formats(rank, world, dev, mode)
 
@@ -260,8 +284,9 @@ def unsent_rows_garbage(seed: int):
         return send
 
     def pack(x, topk_idx, topk_w, E, R, cap, nb, scales, **kw):
-        send, pos = pc(x, topk_idx, topk_w, E, R, cap, nb, scales, **kw)
-        return fill(send, pos, cap, 8 * topk_idx.shape[1]), pos  # the routing fields are written
+        send, pos, over = pc(x, topk_idx, topk_w, E, R, cap, nb, scales, **kw)
+        rows = kw.get("rows") if kw.get("rows") is not None else cap
+        return fill(send, pos, rows, 8 * topk_idx.shape[1]), pos, over  # the routing fields are written
 
     def pack_cached(x, pos_TR, cap, nb, scales, **kw):
         return fill(pcc(x, pos_TR, cap, nb, scales, **kw), pos_TR, cap, 0)

@@ -127,8 +127,9 @@ def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
         x = x.cuda() if payload == "bf16" else x._replace(data=x.data.cuda(), scale=x.scale.cuda())
         idx, w = idx.cuda(), w.cuda()
     nb, check = row_bytes(H, K, payload), scales == "ue8m0"
-    got, gpos = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl)
-    want, wpos = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales, check_scales=check)
+    got, gpos, gover = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl)
+    want, wpos, wover = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales, check_scales=check)
+    assert gover is None and wover is None
     assert got.shape == want.shape == (R * (cap + 1), nb) and torch.equal(gpos, wpos)
     used = 8 * K + (2 * H if payload == "bf16" else H + (H // 128) * (1 if scales == "ue8m0" else 4))
     assert torch.equal(got[:, :8 * K], want[:, :8 * K])  # every row: weights, local ids (-1 where unsent)
@@ -144,7 +145,7 @@ def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
     assert torch.equal(wpos[:n].long(), torch.where(on_r, rows, -1)) and torch.all(wpos[n:] == -1)
     # out=: the same bytes written into a given buffer (a transport's send slot), returned as is
     out = torch.full((R * (cap + 1), nb), 0xAB, dtype=torch.uint8, device=idx.device)
-    got2, gpos2 = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl, out=out)
+    got2, gpos2, _ = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl, out=out)
     assert got2.data_ptr() == out.data_ptr() and torch.equal(gpos2, wpos)
     assert torch.equal(got2[:, :8 * K], want[:, :8 * K]) and torch.equal(got2[sent, :used], want[sent, :used])
     with pytest.raises(ValueError, match=r"out must be a contiguous uint8 \[%d, %d\]" % (R * (cap + 1), nb)):
@@ -187,3 +188,66 @@ def test_capacity_ref_on_cpu():
                                                                     ("bf16", "none", 300, 512, 8, 256, 8)])
 def test_capacity_gpu_vs_ref(payload, scales, T, cap, K, E, R):
     check_capacity(payload, scales, T, cap, K, E, R, 7168 if T >= 300 else 384, "cuda", None)
+
+
+# Compacted blocks of fewer rows than the capacity (`pack_capacity(rows=B)`)
+CAPPED_CASES = [("fp8-pow2", "ue8m0", 40, 48, 3, 8, 2, 30), ("bf16", "none", 37, 37, 2, 8, 4, 12),
+                ("fp8-fp32", "fp32", 20, 24, 3, 12, 3, 6), ("fp8-pow2", "ue8m0", 0, 8, 2, 4, 2, 4),
+                ("fp8-pow2", "ue8m0", 50, 40, 2, 8, 2, 40), ("bf16", "none", 9, 16, 2, 8, 2, 12),
+                ("bf16", "none", 2100, 2100, 2, 8, 2, 1700)]  # the scan across its 1024-token blocks
+
+
+def check_capped(payload, scales, T, cap, K, E, R, B, H, device, impl):
+    """Block r holds the tokens that have an expert on r in token order, up to B of them, then unsent
+    rows (ids -1, weights 0); the header at row B; overflow set iff some block had more than B; the
+    kernel writes the reference's bytes where it writes; the cached pack of the same routes too."""
+    g = torch.Generator().manual_seed(T * K + R + B)
+    xb = torch.randn(T, H, generator=g)
+    x = xb.bfloat16() if payload == "bf16" else quant_rowwise_ref(xb, "fp32" if scales == "fp32" else "pow2")
+    idx = torch.randint(-1, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    if device == "cuda":
+        x = x.cuda() if payload == "bf16" else x._replace(data=x.data.cuda(), scale=x.scale.cuda())
+        idx, w = idx.cuda(), w.cuda()
+    nb = row_bytes(H, K, payload)
+    got, gpos, gover = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, impl=impl, rows=B)
+    want, wpos, wover = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales, rows=B)
+    assert got.shape == want.shape == (R * (B + 1), nb) and torch.equal(gpos, wpos) and torch.equal(gover, wover)
+    assert torch.equal(got[:, :8 * K], want[:, :8 * K])  # every row's routing fields, the unsent rows' included
+    used = 8 * K + (2 * H if payload == "bf16" else H + (H // 128) * (1 if scales == "ue8m0" else 4))
+    sent = wpos.reshape(-1).long()
+    sent = sent[sent >= 0]
+    assert torch.equal(got[sent, :used], want[sent, :used])
+    hdr = got.view(R, B + 1, nb)[:, B, 8 * K:8 * K + 8 * P.HDR_WORDS].contiguous().view(torch.int64)
+    assert hdr.tolist() == [[P.HDR_MAGIC, nb, B, T, 3 if T > cap else 0, T if T > cap else 0]] * R
+    # the reference itself, against the uncapped layout: the same tokens per rank, in order, the first B
+    n, El, r = min(T, cap), E // R, torch.arange(R, device=idx.device)
+    on_r = ((idx[:n, None, :] >= r[None, :, None] * El) & (idx[:n, None, :] < (r[None, :, None] + 1) * El)).any(-1)
+    for rr in range(R):
+        toks = on_r[:, rr].nonzero().flatten()
+        assert torch.equal(wpos[toks[:B], rr].long(), rr * (B + 1) + torch.arange(min(len(toks), B), device=idx.device))
+        assert torch.all(wpos[toks[B:], rr] == -1) and torch.all(wpos[:n][~on_r[:, rr], rr] == -1)
+        # the payload of block rr's j-th row is its j-th token's, as the uncapped pack writes it
+        full, _, _ = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales)
+        rows_full = (rr * (cap + 1) + toks[:B]).long()
+        assert torch.equal(want[rr * (B + 1) + torch.arange(len(rows_full), device=idx.device), :used],
+                           full[rows_full, :used])
+    assert int(wover) == int(on_r.sum(0).max() > B if n else 0)
+    nb0 = row_bytes(H, None, payload)
+    assert torch.equal(P.pack_capacity_cached(x, gpos, B, nb0, scales, impl=impl)[sent, :used - 8 * K],
+                       P.pack_capacity_cached_ref(x, gpos, B, nb0, scales)[sent, :used - 8 * K])
+    with pytest.raises(ValueError, match=r"rows=%d, expected an integer in \[0, capacity %d\]" % (cap + 1, cap)):
+        P.pack_capacity(x, idx, w, E, R, cap, nb, scales, impl=impl, rows=cap + 1)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("payload,scales,T,cap,K,E,R,B", CAPPED_CASES)
+def test_capped_capacity_interpreter_vs_ref(payload, scales, T, cap, K, E, R, B):
+    check_capped(payload, scales, T, cap, K, E, R, B, 256, "cpu", "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("payload,scales,T,cap,K,E,R,B", CAPPED_CASES + [("fp8-pow2", "ue8m0", 4096, 4096, 6, 64, 4, 3840),
+                                                                          ("bf16", "none", 4096, 4096, 6, 64, 8, 2560)])
+def test_capped_capacity_gpu_vs_ref(payload, scales, T, cap, K, E, R, B):
+    check_capped(payload, scales, T, cap, K, E, R, B, 2048 if T >= 300 else 384, "cuda", None)
