@@ -11,7 +11,9 @@ handle, as the backward does and as DeepEP tunes), combine BF16. Implementations
 payload; the figures of earlier runs), `all_to_all-capacity` (fixed blocks of capacity + 1 rows,
 capacity = --tokens, no count exchange, no host sync; one more row: the full FP8 dispatch
 followed by its error check, the one host sync of that mode, which in the MoE layer happens at
-the combine), `deepep` (the deepep backend, DeepEP's normal intranode kernels, when `deep_ep`
+the combine), `all_to_all-capped` (in `--modes`, default off: the capacity mode's blocks of
+--send-factor x p x capacity rows, compacted, as `dispatch.send_factor` trains: p the chance that a
+token has an expert on a given rank; a block too small exits with a message), `deepep` (the deepep backend, DeepEP's normal intranode kernels, when `deep_ep`
 imports). Time: per rank the median of CUDA-event timings over --iters iterations after
 --warmup, then the max over ranks. GB/s counted as DeepEP does, on the useful bytes, per rank:
 dispatch = bytes of the tokens this rank receives (BF16 2H per token; FP8 H + 4H/128, DeepEP's
@@ -28,6 +30,7 @@ Rank 0 prints the table and writes bench/results/dispatch-<device>-ep<N>.json (d
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -113,19 +116,22 @@ def allreduce_busbw(nbytes: int, warmup: int, iters: int, dev) -> tuple[float, f
     return (2 * (n - 1) / n * nbytes / t / 1e9 if n > 1 else float("nan")), t
 
 
-def _rows(disp, x, x8, idx, w, warmup, iters, dev, wire):
+def _rows(disp, x, x8, idx, w, warmup, iters, dev, wire, rows=None):
     """The five cases of one dispatcher -> [(case, seconds, DeepEP-counted bytes, wire bytes)]; wire(kind,
     d) gives the bytes the implementation moves for a dispatch result d ("fp8" | "bf16" | "fp8 cached" |
-    "bf16 cached" | "combine")."""
+    "bf16 cached" | "combine"). rows: the all_to_all capacity mode's compacted blocks (`dispatch(rows=)`)."""
     H = x.shape[1]
-    d16 = disp.dispatch(x, idx, w)
+    kw = {} if rows is None else {"rows": rows}
+    d16 = disp.dispatch(x, idx, w, **kw)
+    if d16.overflow is not None and int(d16.overflow.max()):
+        raise SystemExit(f"bench_dispatch: a block of {rows} rows was too small for this routing: raise --send-factor")
     n_recv = int((d16.topk_idx >= 0).any(1).sum())  # tokens received (capacity mode: its sent slots)
     b16, b8 = n_recv * 2 * H, n_recv * (H + 4 * H // 128)  # DeepEP's byte counts
     y = d16.x.contiguous()  # the rows a rank sends back in combine
     out = []
     for case, fn, nbytes, kind in (
-            ("dispatch fp8", lambda: disp.dispatch(x8, idx, w), b8, "fp8"),
-            ("dispatch bf16", lambda: disp.dispatch(x, idx, w), b16, "bf16"),
+            ("dispatch fp8", lambda: disp.dispatch(x8, idx, w, **kw), b8, "fp8"),
+            ("dispatch bf16", lambda: disp.dispatch(x, idx, w, **kw), b16, "bf16"),
             ("dispatch fp8, cached handle", lambda: disp.dispatch(x8, handle=d16.handle), b8, "fp8 cached"),
             ("dispatch bf16, cached handle", lambda: disp.dispatch(x, handle=d16.handle), b16, "bf16 cached"),
             ("combine bf16", lambda: disp.combine(y, d16.handle), b16, "combine")):
@@ -157,9 +163,11 @@ def expected_inter_rows(idx, E: int, n: int, G: int, hierarchical: bool) -> tupl
     return sum(map(len, rows)), max(map(len, rows), default=0)
 
 
-def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact", G=None, node_groups=None):
+def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact", G=None, node_groups=None,
+                     send_factor: float = 1.1):
     """-> list of (case, seconds, DeepEP-counted bytes, wire bytes) for this rank's traffic. G: ranks
-    per node (the combine sums per node); node_groups: the hierarchical mode's groups."""
+    per node (the combine sums per node); node_groups: the hierarchical mode's groups; mode "capped":
+    the capacity mode's compacted blocks of send_factor x p x capacity rows."""
     if node_groups is not None:
         disp = HierarchicalDispatcher(E, *node_groups)
         H, K = x.shape[1], idx.shape[1]
@@ -168,13 +176,18 @@ def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact", G=None,
         # the wire: the rows of both stages (stage A's include the ones a rank keeps in its node)
         return _rows(disp, x, x8, idx, w, warmup, iters, dev,
                      lambda kind, d: (d.handle.a.num_recv + d.handle.b.num_recv) * per_row[kind])
-    disp = AllToAllDispatcher(E, None, capacity=x.shape[0] if mode == "capacity" else None, mode=mode,
+    fixed = mode in ("capacity", "capped")
+    disp = AllToAllDispatcher(E, None, capacity=x.shape[0] if fixed else None, mode="capacity" if fixed else mode,
                               ranks_per_node=G)
     H, K = x.shape[1], idx.shape[1]
     per_row = {"fp8": row_bytes(H, K, "fp8-pow2"), "bf16": row_bytes(H, K, "bf16"), "combine": 2 * H,
                "fp8 cached": row_bytes(H, None, "fp8-pow2"), "bf16 cached": row_bytes(H, None, "bf16")}
-    # rows received: exact, the routed tokens; capacity, R blocks of capacity + 1 rows, whatever they hold
-    out = _rows(disp, x, x8, idx, w, warmup, iters, dev, lambda kind, d: d.handle.num_recv * per_row[kind])
+    rows = None
+    if mode == "capped":  # as RowCap.send_rows sizes them in training
+        cap, El = x.shape[0], E // dist.get_world_size()
+        rows = min(cap, math.ceil(send_factor * (1 - math.comb(E - El, K) / math.comb(E, K)) * cap))
+    # rows received: exact, the routed tokens; capacity, R blocks of capacity (capped: rows) + 1 rows
+    out = _rows(disp, x, x8, idx, w, warmup, iters, dev, lambda kind, d: d.handle.num_recv * per_row[kind], rows)
     if mode == "capacity":
         b8, wire8 = out[0][2], out[0][3]
         t = timed(lambda: disp.dispatch(x8, idx, w).handle.check(), warmup, iters, dev)
@@ -209,7 +222,10 @@ def main():
     p.add_argument("--allreduce-mb", type=int, default=256)
     p.add_argument("--backends", default="all_to_all,deepep",
                    help="comma list; deepep is skipped if it does not import")
-    p.add_argument("--modes", default="exact,capacity", help="all_to_all modes to run (comma list)")
+    p.add_argument("--modes", default="exact,capacity", help="all_to_all modes to run (comma list of exact, "
+                   "capacity, capped)")
+    p.add_argument("--send-factor", type=float, default=1.1, help="the capped mode's blocks: this x p x capacity "
+                   "rows (dispatch.send_factor)")
     p.add_argument("--ranks-per-node", type=int, default=0, help="pose as nodes of this many ranks (0: torchrun's "
                    "LOCAL_WORLD_SIZE): adds the hierarchical mode and rows per link class when the ranks span nodes")
     p.add_argument("--max-nodes", type=int, default=0, help="node-limited routing (with nodes): each token's "
@@ -250,11 +266,11 @@ def main():
     for backend in backends:
         if backend == "all_to_all":
             for mode in (m.strip() for m in a.modes.split(",") if m.strip()):
-                if mode not in ("exact", "capacity"):
-                    raise SystemExit(f"bench_dispatch: unknown all_to_all mode {mode!r} (exact, capacity)")
+                if mode not in ("exact", "capacity", "capped"):
+                    raise SystemExit(f"bench_dispatch: unknown all_to_all mode {mode!r} (exact, capacity, capped)")
                 impl = "all_to_all" if mode == "exact" else f"all_to_all-{mode}"
-                runs.append((impl, mode, lambda *args, mode=mode: bench_all_to_all(*args, mode=mode,
-                                                                                   G=G if nodes else None)))
+                runs.append((impl, mode, lambda *args, mode=mode: bench_all_to_all(
+                    *args, mode=mode, G=G if nodes else None, send_factor=a.send_factor)))
             if nodes:
                 runs.append(("all_to_all-hierarchical", "exact",
                              lambda *args: bench_all_to_all(*args, G=G, node_groups=groups)))

@@ -554,19 +554,24 @@ def test_bench_dispatch_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(repo / "tools/bench_dispatch.py"), "--smoke", "--backends", "all_to_all", "--out", str(out)]
+           str(repo / "tools/bench_dispatch.py"), "--smoke", "--backends", "all_to_all", "--modes", "exact,capacity,capped",
+           "--send-factor", "1.03", "--out", str(out)]  # blocks of 63 of 64 rows: the seeded routing needs 63
     if torch.cuda.is_available():
         pytest.skip("the smoke run is the CPU path; on GPUs run the tool itself")
     r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["tool"] == "bench_dispatch" and len(doc["rows"]) == 11  # exact 5, capacity 6 (+ its error check)
+    # exact 5, capacity 6 (+ its error check), capped 5
+    assert doc["tool"] == "bench_dispatch" and len(doc["rows"]) == 16
     assert {(r["impl"], r["mode"]) for r in doc["rows"]} == {("all_to_all", "exact"),
-                                                             ("all_to_all-capacity", "capacity")}
+                                                             ("all_to_all-capacity", "capacity"),
+                                                             ("all_to_all-capped", "capped")}
     by = {(r["impl"], r["case"].split(" T")[0]): r for r in doc["rows"]}  # the same useful bytes, more on the wire
     exact, cap = by["all_to_all", "dispatch fp8"], by["all_to_all-capacity", "dispatch fp8"]
     assert exact["bytes_per_rank"] == cap["bytes_per_rank"]
     assert cap["wire_bytes_per_rank"] >= exact["wire_bytes_per_rank"]
+    capped = by["all_to_all-capped", "dispatch fp8"]  # the same useful bytes in smaller blocks
+    assert capped["bytes_per_rank"] == exact["bytes_per_rank"] and capped["wire_bytes_per_rank"] < cap["wire_bytes_per_rank"]
     assert doc["wire_bytes_per_token"]["fp8"] <= 0.55 * doc["wire_bytes_per_token"]["bf16"]
 
 
