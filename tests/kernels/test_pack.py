@@ -115,10 +115,9 @@ CAP_CASES = [("fp8-pow2", "ue8m0", 7, 9, 3, 8, 2), ("bf16", "none", 5, 5, 2, 8, 
              ("fp8-pow2", "ue8m0", 0, 3, 2, 4, 2), ("fp8-pow2", "ue8m0", 6, 4, 2, 8, 2)]
 
 
-def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
-    """The kernel writes the same bytes as the reference where it writes (routing fields of every row,
-    payload of the sent rows, headers), the same positions; the cached variant likewise."""
-    g = torch.Generator().manual_seed(T * K + R)
+def _capacity_inputs(payload, scales, T, K, E, H, device, seed):
+    """Rows (bf16, or "1x128" FP8 with pow2 / fp32 scales), ids in [-1, E), weights: one rank's dispatch."""
+    g = torch.Generator().manual_seed(seed)
     xb = torch.randn(T, H, generator=g)
     x = xb.bfloat16() if payload == "bf16" else quant_rowwise_ref(xb, "fp32" if scales == "fp32" else "pow2")
     idx = torch.randint(-1, E, (T, K), generator=g)
@@ -126,6 +125,13 @@ def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
     if device == "cuda":
         x = x.cuda() if payload == "bf16" else x._replace(data=x.data.cuda(), scale=x.scale.cuda())
         idx, w = idx.cuda(), w.cuda()
+    return x, idx, w
+
+
+def check_capacity(payload, scales, T, cap, K, E, R, H, device, impl):
+    """The kernel writes the same bytes as the reference where it writes (routing fields of every row,
+    payload of the sent rows, headers), the same positions; the cached variant likewise."""
+    x, idx, w = _capacity_inputs(payload, scales, T, K, E, H, device, seed=T * K + R)
     nb, check = row_bytes(H, K, payload), scales == "ue8m0"
     got, gpos, gover = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, check_scales=check, impl=impl)
     want, wpos, wover = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales, check_scales=check)
@@ -201,14 +207,7 @@ def check_capped(payload, scales, T, cap, K, E, R, B, H, device, impl):
     """Block r holds the tokens that have an expert on r in token order, up to B of them, then unsent
     rows (ids -1, weights 0); the header at row B; overflow set iff some block had more than B; the
     kernel writes the reference's bytes where it writes; the cached pack of the same routes too."""
-    g = torch.Generator().manual_seed(T * K + R + B)
-    xb = torch.randn(T, H, generator=g)
-    x = xb.bfloat16() if payload == "bf16" else quant_rowwise_ref(xb, "fp32" if scales == "fp32" else "pow2")
-    idx = torch.randint(-1, E, (T, K), generator=g)
-    w = torch.rand(T, K, generator=g)
-    if device == "cuda":
-        x = x.cuda() if payload == "bf16" else x._replace(data=x.data.cuda(), scale=x.scale.cuda())
-        idx, w = idx.cuda(), w.cuda()
+    x, idx, w = _capacity_inputs(payload, scales, T, K, E, H, device, seed=T * K + R + B)
     nb = row_bytes(H, K, payload)
     got, gpos, gover = P.pack_capacity(x, idx, w, E, R, cap, nb, scales, impl=impl, rows=B)
     want, wpos, wover = P.pack_capacity_ref(x, idx, w, E, R, cap, nb, scales, rows=B)
