@@ -75,6 +75,7 @@ hidden size, top-k and (capacity mode) capacity: the exact mode checks this in i
 the capacity mode in the headers, after the fact (a transport that refuses mismatched sizes may
 fail first).
 """
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -307,6 +308,16 @@ class AllToAllDispatcher:
         if self.transport == "copy_engine":
             return "capacity"
         return "capacity" if self.capacity is not None and self.world <= K and cuda else "exact"
+
+    def compacted_rows(self, topk: int, factor: float) -> int | None:
+        """The rows of compacted send blocks (`dispatch(rows=)`) for top-k routing: factor x p x capacity,
+        p = 1 - C(E - E_l, K) / C(E, K) the chance that a token has an expert on a given rank under uniform
+        routing, at most the capacity; the same on every rank. None without a capacity."""
+        if not self.capacity:
+            return None
+        E, E_l = self.num_experts, self.num_local_experts
+        p = 1 - math.comb(E - E_l, topk) / math.comb(E, topk)
+        return min(self.capacity, math.ceil(factor * p * self.capacity))
 
     def packs_on_caller_stream(self, topk: int) -> bool:
         """The capacity mode packs on the caller's stream and exchanges and unpacks on

@@ -607,9 +607,7 @@ def pack_capacity_ref(x, topk_idx: Tensor, topk_w: Tensor, num_experts: int, wor
         pos[:n] = torch.where(hit.t(), (r[None, :] * (cap + 1) + torch.arange(n, device=dev)[:, None]).int(), -1)
         over = None
     else:  # token order within each block, up to B tokens
-        j = torch.cumsum(hit.int(), 1) - 1  # [R, n]
-        pos[:n] = torch.where(hit & (j < B), r[:, None] * (B + 1) + j, -1).t().int()
-        over = (hit.sum(1) > B).any().to(torch.int32).view(1)
+        pos, _, over = capped_positions_ref(topk_idx, num_experts, world, cap, B)
     out = torch.zeros(R * (B + 1), row_bytes, dtype=torch.uint8, device=dev)
     out[:, 4 * K:8 * K] = torch.full((K,), -1, dtype=torch.int32, device=dev).view(torch.uint8)  # unsent rows
     w = topk_w.float()[:n]

@@ -98,16 +98,13 @@ class RowCap:
         return rows_bound(math.ceil(self.factor * n_tokens * topk), n_experts)
 
     def send_rows(self, disp, topk: int) -> int | None:
-        """dispatch.send_factor: the rows of the capacity mode's compacted send blocks (`AllToAllDispatcher.
-        dispatch(rows=)`) for `disp` at top-k: send_factor x p x capacity, p the chance that a token has an
-        expert on a given rank under uniform routing; None: whole blocks (off, not `on`, or a dispatcher
-        without a capacity). The same on every rank (capacity, experts and group size are)."""
-        cap = getattr(disp, "capacity", None)
-        if not (self.send_factor and self.on and cap):
+        """dispatch.send_factor: the rows of the capacity mode's compacted send blocks for `disp` at top-k
+        (`AllToAllDispatcher.compacted_rows`); None: whole blocks (off, not `on`, or a dispatcher without
+        a capacity)."""
+        rows_for = getattr(disp, "compacted_rows", None)
+        if not (self.send_factor and self.on and rows_for):
             return None
-        E, E_l = disp.num_experts, disp.num_local_experts
-        p = 1 - math.comb(E - E_l, topk) / math.comb(E, topk)
-        return min(cap, math.ceil(self.send_factor * p * cap))
+        return rows_for(topk, self.send_factor)
 
     def note(self, overflow: Tensor) -> None:
         self._overflowed = overflow if self._overflowed is None else self._overflowed + overflow

@@ -30,7 +30,6 @@ Rank 0 prints the table and writes bench/results/dispatch-<device>-ep<N>.json (d
 """
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -182,10 +181,7 @@ def bench_all_to_all(x, x8, idx, w, E, warmup, iters, dev, mode="exact", G=None,
     H, K = x.shape[1], idx.shape[1]
     per_row = {"fp8": row_bytes(H, K, "fp8-pow2"), "bf16": row_bytes(H, K, "bf16"), "combine": 2 * H,
                "fp8 cached": row_bytes(H, None, "fp8-pow2"), "bf16 cached": row_bytes(H, None, "bf16")}
-    rows = None
-    if mode == "capped":  # as RowCap.send_rows sizes them in training
-        cap, El = x.shape[0], E // dist.get_world_size()
-        rows = min(cap, math.ceil(send_factor * (1 - math.comb(E - El, K) / math.comb(E, K)) * cap))
+    rows = disp.compacted_rows(K, send_factor) if mode == "capped" else None  # as training sizes them
     # rows received: exact, the routed tokens; capacity, R blocks of capacity (capped: rows) + 1 rows
     out = _rows(disp, x, x8, idx, w, warmup, iters, dev, lambda kind, d: d.handle.num_recv * per_row[kind], rows)
     if mode == "capacity":
