@@ -155,7 +155,7 @@ def _bf16x3_applies(x: Tensor, w: Tensor, dt) -> bool:
 def logits_bf16x3(x_TH: Tensor, w3: Tensor) -> Tensor:
     """x [T, H] bf16 · Wᵀ -> [T, E] fp32, W given as its parts w3 = bf16x3(W [E, H], 0) (one GEMM
     of N = 3E, then the parts' sum)."""
-    return _mm_f32(x_TH, w3.t()).view(x_TH.shape[0], 3, -1).sum(1)
+    return _mm_f32(x_TH, w3.t()).view(x_TH.shape[0], 3, w3.shape[0] // 3).sum(1)  # (E named: T may be 0)
 
 
 def logits_backward_bf16x3(g_TE: Tensor, x_TH: Tensor, w3: Tensor, want_dx: bool, want_dw: bool):

@@ -193,6 +193,16 @@ def test_logits_bf16x3_forward_and_backward_at_fp32_accuracy(T):
     assert _normalized_err((xd @ w1.t()).float(), xd @ wd.t(), xd.abs() @ wd.abs().t()) > 2**-20
 
 
+def test_logits_bf16x3_of_no_token():
+    """A rank that holds no token (T = 0, EP's zero-token case): logits [0, E], dx [0, H], dW zeros."""
+    from moefp8.router import bf16x3, logits_backward_bf16x3, logits_bf16x3
+    H, E = 256, 8
+    x, w3 = torch.zeros(0, H, dtype=torch.bfloat16), bf16x3(torch.randn(E, H), 0)
+    assert logits_bf16x3(x, w3).shape == (0, E)
+    dx, dw = logits_backward_bf16x3(torch.zeros(0, E), x, w3, True, True)
+    assert dx.shape == (0, H) and dw.shape == (E, H) and not dw.any()
+
+
 @pytest.mark.gpu
 def test_gpu_router_logits_on_bf16_tensor_cores_match_fp32():
     """On a GPU the router's GEMMs take the three-product path (torch.mm with an fp32 output): the
