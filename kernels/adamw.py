@@ -117,14 +117,6 @@ def _adamw_quant_multi_kernel(tab_ptr, gs_ptr, N, K, w1, beta2, w2, eps, decay, 
 
 
 @triton.jit
-def _spec_inv(s):
-    """A power-of-two scale s -> 1/s as `_scale_from_amax` makes it (from the exponent's bits); anything else
-    (0, Inf, NaN: a copy never written) gives a value that no new (scale, inverse) pair equals."""
-    e = ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return ((127 - e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _adamw_quant_block(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, pid_k, pid_n, pid_e, N, K,
                        w1, beta2, w2, eps, decay, step_size, bc2, SCALED: tl.constexpr, POW2: tl.constexpr,
                        TRANS: tl.constexpr, ROWS: tl.constexpr):
@@ -145,11 +137,6 @@ def _adamw_quant_block(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr,
         scale, inv = _scale_from_amax(tl.max(tl.max(_abs_nan0(p), axis=1), axis=0), POW2)
         tl.store(q_ptr + base + offs, _to_fp8(p, scale, inv, POW2), mask=mask)
     else:  # ROWS at a time, then the codes from the stored values (read back from L2)
-        Nb = N // 128
-        base_t = pid_e * N * K + pid_k.to(tl.int64) * 128 * N + pid_n * 128
-        if POW2:  # the copy's scale from the previous update: the codes with it as the rows go (`_spec_inv`)
-            s_old = tl.load(s_at)
-            inv_old = _spec_inv(s_old)
         amax = tl.zeros((ROWS, 128), tl.float32)
         for r0 in range(0, 128, ROWS):
             offs = (r0 + rows)[:, None] * K + cols[None, :]
@@ -157,31 +144,15 @@ def _adamw_quant_block(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, q_ptr, s_ptr, qt_ptr,
             p = _adam_rows(p_ptr, g_ptr, m_ptr, v_ptr, gs_ptr, base + offs, mask, w1, beta2, w2, eps, decay,
                            step_size, bc2, SCALED)
             amax = tl.maximum(amax, _abs_nan0(p))  # masked rows are 0: the amax is the block's
-            if POW2:
-                tl.store(q_ptr + base + offs, _to_fp8(p, s_old, inv_old, POW2), mask=mask)
-                if TRANS:
-                    tl.store(qt_ptr + base_t + cols[:, None] * N + (r0 + rows)[None, :],
-                             _to_fp8(tl.trans(p), s_old, inv_old, POW2))
         scale, inv = _scale_from_amax(tl.max(tl.max(amax, axis=1), axis=0), POW2)
-        redo = scale == scale  # (a true scalar)
-        if POW2:
-            redo = (scale != s_old) | (inv != inv_old)
-        if redo:  # the codes again with the new scale, from the values stored (read back from L2)
-            tl.debug_barrier()  # every thread's stores of the new block made visible to the reads below
-            for r0 in range(0, 128, ROWS):
-                offs = (r0 + rows)[:, None] * K + cols[None, :]
-                mask = (r0 + rows < n_left)[:, None]
-                p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
-                tl.store(q_ptr + base + offs, _to_fp8(p, scale, inv, POW2), mask=mask)
-            if TRANS:  # as the quantization kernel: the block read again as [k, n], the same scale
-                for r0 in range(0, 128, ROWS):
-                    pt = tl.load(p_ptr + base + (r0 + rows)[:, None] + cols[None, :] * K)
-                    tl.store(qt_ptr + base_t + (r0 + rows)[:, None] * N + cols[None, :],
-                             _to_fp8(pt, scale, inv, POW2))
-        if TRANS:
-            tl.store(st_ptr + pid_e * Kb * Nb + pid_k * Nb + pid_n, scale)
+        tl.debug_barrier()  # every thread's stores of the new block made visible to the reads below
+        for r0 in range(0, 128, ROWS):
+            offs = (r0 + rows)[:, None] * K + cols[None, :]
+            mask = (r0 + rows < n_left)[:, None]
+            p = tl.load(p_ptr + base + offs, mask=mask, other=0.0)
+            tl.store(q_ptr + base + offs, _to_fp8(p, scale, inv, POW2), mask=mask)
     tl.store(s_at, scale)
-    if TRANS and ROWS == 128:  # as the quantization kernel: the block read again as [k, n], the same scale
+    if TRANS:  # as the quantization kernel: the block read again as [k, n], the same scale
         tl.debug_barrier()  # (the stores of other threads)
         Nb = N // 128
         base_t = pid_e * N * K + pid_k.to(tl.int64) * 128 * N + pid_n * 128
