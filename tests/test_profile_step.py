@@ -3,6 +3,7 @@ kernel table per recipe, the JSON written; under torchrun a variant sweep over r
 medians and ratios."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -139,6 +140,35 @@ def test_measure_frees_its_model_before_the_next_one():
         assert len(built) == 1 and built[0]() is None
     finally:
         gc.enable()
+
+
+def test_a_step_with_non_finite_numerics_is_flagged(capsys):
+    """A measure whose step computes a NaN loss (here a NaN in the embedding) says so in its row and its report:
+    broken math can run faster (collapsed routing: an A/B once read such a run as a 6% gain), so its speed must
+    not pass for a measurement; a sound step's row holds its finite loss and gradient norm."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import profile_step
+    from argparse import Namespace
+
+    real = profile_step.build
+
+    def poisoned(*a, **k):
+        out = real(*a, **k)
+        next(out[0].parameters()).data.fill_(float("nan"))
+        return out
+
+    args = Namespace(warmup=1, steps=1, top=3, host_profile=False, memory=False, data=False)
+    over = ["model=tiny", "train.device=cpu", "train.micro_batch=1", "train.seq_len=16"]
+    good = profile_step.measure(over, "bf16", args, [], profile_steps=0)
+    assert good["numerics_ok"] and 0 < good["loss"] < 20 and good["grad_norm"] > 0
+    profile_step.build = poisoned
+    try:
+        bad = profile_step.measure(over, "bf16", args, [], profile_steps=0)
+    finally:
+        profile_step.build = real
+    assert not bad["numerics_ok"] and not math.isfinite(bad["loss"])
+    profile_step.report({**bad, "variant": "", "round": 0})
+    assert "NUMERICS BROKEN" in capsys.readouterr().out
 
 
 def test_data_gives_every_step_a_new_batch_the_same_for_both_recipes(data_dir):

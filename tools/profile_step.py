@@ -49,6 +49,7 @@ fell on whichever recipe ran first.
 import argparse
 import cProfile
 import gc
+import math
 import os
 import pstats
 import re
@@ -111,6 +112,7 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
         norm = reduced_grad_norm(grads, replicated, sharded, ep_group)
         if grads is not None:
             torch.distributed.all_reduce(load_LE)
+        step.last = (out.out.detach(), norm)  # (read after the timed steps: a speed of broken numerics is none)
         opt.step(cfg.optim.lr, grad_scale=clip_scale(norm, cfg.optim.grad_clip, mean))
         grads.zero_grad() if grads is not None else opt.zero_grad()
         for router, load_E in zip(model.routers(), load_LE):
@@ -350,6 +352,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
         host.append(time.perf_counter() - t0)  # the host's enqueue time (it blocks only at syncs inside the step)
         sync(device)
         times.append(time.perf_counter() - t0)
+    loss, grad_norm = (float(torch.as_tensor(v)) for v in step.last)  # the last timed step's
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -414,6 +417,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_tflops": peak / 1e12 if peak else None, "kernels_ms_per_step": sum(r["ms_per_step"] for r in rows),
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
+            "loss": loss, "grad_norm": grad_norm, "numerics_ok": math.isfinite(loss) and math.isfinite(grad_norm),
             "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": gpu_timeline, "scopes": scopes, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
@@ -431,6 +435,10 @@ def report(r: dict) -> None:
              f"would have run those steps again)" if r['routing'].get('rows_overflowed') else "")
           + (f"; {r['routing']['rows_overflowed_warmup']} in the warm-up" if r['routing'].get('rows_overflowed_warmup')
              else ""))
+    print(f"  last timed step: loss {r['loss']:.4f}, grad norm {r['grad_norm']:.4g}")
+    if not r["numerics_ok"]:
+        print("  NUMERICS BROKEN: a non-finite loss or gradient norm; this step's speed is not a measurement "
+              "(broken math can run faster: collapsed routing, skipped work)")
     if r.get("timeline"):
         t = r["timeline"]
         print(f"  GPU timeline, ms/step: span {t['span_ms']:.1f}, a kernel running {t['busy_ms']:.1f}, a kernel other "
@@ -581,6 +589,11 @@ def main() -> None:
         save(args.json, res, overrides, complete=True)
     if par_box:
         torch.distributed.destroy_process_group()
+    broken = [f"{r['recipe']}{r['variant'] and ' ' + r['variant']} round {r['round']}" for r in res
+              if not r["numerics_ok"]]
+    if broken:
+        raise SystemExit(f"profile_step: non-finite loss or gradient norm in {', '.join(broken)}: those timings "
+                         "measure broken numerics, not the step (fix the code; nothing to compare)")
 
 
 if __name__ == "__main__":
