@@ -33,7 +33,10 @@ untrained model is dominated by the attention's average over the context, which 
 (bench/notes/scale.md, session 43). At EP the rank holding those experts paces the step and may run
 out of memory. A trained router is near balance (max/mean 1.2-1.9 after ~500 steps): time that with
 `model.force_balanced_routing=true` (random router logits, the same compute; the benches of record).
-The last step's expert load, max over mean per layer, is printed and saved beside (`routing`). --host-profile: one more
+The last step's expert load, max over mean per layer, is printed and saved beside (`routing`), and its loss
+and gradient norm (`loss`, `grad_norm`, `numerics_ok`): a non-finite one is said under its round and the run
+exits 1 after writing its JSON (broken math can run faster: a run whose copies were wrong collapsed its routing and
+read +6%, bench/notes/scale.md session 63). --host-profile: one more
 step under cProfile, the host's time by function and by file, and how much of it the host spent
 waiting for the GPU at syncs (`sync_wait_ms`; the rest, `host_busy_ms`, is its own work: a host
 that paces the step is busy, not waiting). --vary KEY=V1,V2 --rounds N: an
