@@ -303,7 +303,6 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, cnt_pt
             prow = tl.load(pos_ptr + t * R + rr, mask=(rr < R) & (rr * 0 + t < n), other=-1).to(tl.int64)
         for r in range(R):  # the routing fields of the rows t takes, or of unsent rows, and where t went
             mine = (ids >= r * E_LOCAL) & (ids < (r + 1) * E_LOCAL)
-            hit = _sends_to(ids, r, E_LOCAL)
             if CAPPED:
                 if t < n:
                     p = tl.max(tl.where(rr == r, prow, -1), axis=0)
@@ -317,6 +316,7 @@ def _pack_capacity_kernel(idx_ptr, w_ptr, x_ptr, s_ptr, out_ptr, pos_ptr, cnt_pt
                         tl.store(row + k, tl.zeros((K_PAD,), dtype=tl.int32), mask=km)
                         tl.store(row + K + k, tl.full((K_PAD,), -1, dtype=tl.int32), mask=km)
             else:
+                hit = _sends_to(ids, r, E_LOCAL)
                 row = out_ptr + (r * (CAP + 1) + t) * ROW_WORDS  # int32 words
                 tl.store(row + k, tl.where(hit, w, 0.0).to(tl.int32, bitcast=True), mask=km)
                 tl.store(row + K + k, tl.where(mine, ids - r * E_LOCAL, -1).to(tl.int32), mask=km)
