@@ -181,6 +181,8 @@ def seq_aux_loss(scores_TE: Tensor, idx_TK: Tensor, n_experts: int, topk: int, s
     if T % seq_len:
         raise ValueError(f"seq_aux_loss: {T} tokens are not a whole number of sequences of {seq_len}")
     B = T // seq_len
+    if B == 0:  # no sequence (a rank that holds no token): nothing to balance, and no mean of nothing (NaN)
+        return scores_TE.sum() * 0.0
     s = scores_TE / scores_TE.sum(-1, keepdim=True)
     p = s.view(B, seq_len, n_experts).mean(1)  # [B, E]
     hits = torch.zeros(B, n_experts, dtype=scores_TE.dtype, device=scores_TE.device)

@@ -111,6 +111,17 @@ def test_seq_aux_loss_matches_formula_and_has_gradient():
         seq_aux_loss(scores, out.topk_idx_TK, E, k, 7)
 
 
+def test_router_of_no_token():
+    """A rank that holds no token (EP's zero-token case): empty routing, and the sequence-wise loss 0 with a
+    gradient of zeros (a mean over no sequence was NaN)."""
+    r = Router(32, 6, 2, score_func="softmax", seq_aux_alpha=0.1)
+    out = r(torch.zeros(0, 32), seq_len=10)
+    assert out.topk_idx_TK.shape == (0, 2) and out.topk_w_TK.shape == (0, 2)
+    assert float(out.aux_loss.detach()) == 0.0
+    out.aux_loss.backward()
+    assert r.weight.grad is None or not r.weight.grad.any()
+
+
 def test_routing_weight_gradient_float64():
     torch.manual_seed(3)
     r = Router(8, 6, 2, n_groups=3, topk_groups=2).double()
