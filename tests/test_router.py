@@ -111,11 +111,18 @@ def test_seq_aux_loss_matches_formula_and_has_gradient():
         seq_aux_loss(scores, out.topk_idx_TK, E, k, 7)
 
 
-def test_router_of_no_token():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kw", [dict(score_func="softmax", seq_aux_alpha=0.1),
+                                dict(score_func="sigmoid", seq_aux_alpha=0.1, n_groups=3, topk_groups=2)])
+def test_router_of_no_token(device, kw):
     """A rank that holds no token (EP's zero-token case): empty routing, and the sequence-wise loss 0 with a
-    gradient of zeros (a mean over no sequence was NaN)."""
-    r = Router(32, 6, 2, score_func="softmax", seq_aux_alpha=0.1)
-    out = r(torch.zeros(0, 32), seq_len=10)
+    gradient of zeros (a mean over no sequence was NaN). On a GPU: BF16 input, the bf16x3 logits and the
+    selection kernel on no row."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    r = Router(256, 6, 2, **kw).to(device)
+    out = r(torch.zeros(0, 256, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32),
+            seq_len=10)
     assert out.topk_idx_TK.shape == (0, 2) and out.topk_w_TK.shape == (0, 2)
     assert float(out.aux_loss.detach()) == 0.0
     out.aux_loss.backward()
