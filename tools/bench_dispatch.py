@@ -122,8 +122,12 @@ def _rows(disp, x, x8, idx, w, warmup, iters, dev, wire, rows=None):
     H = x.shape[1]
     kw = {} if rows is None else {"rows": rows}
     d16 = disp.dispatch(x, idx, w, **kw)
-    if d16.overflow is not None and int(d16.overflow.max()):
-        raise SystemExit(f"bench_dispatch: a block of {rows} rows was too small for this routing: raise --send-factor")
+    if d16.overflow is not None:  # a rank's own flag: every rank must agree to stop (or the others wait forever)
+        over = d16.overflow.clone()
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if int(over.max()):  # (said once, by rank 0)
+            raise SystemExit(1 if dist.get_rank() else f"bench_dispatch: blocks of {rows} rows were too small for this "
+                             f"routing on some rank: raise --send-factor")
     n_recv = int((d16.topk_idx >= 0).any(1).sum())  # tokens received (capacity mode: its sent slots)
     b16, b8 = n_recv * 2 * H, n_recv * (H + 4 * H // 128)  # DeepEP's byte counts
     y = d16.x.contiguous()  # the rows a rank sends back in combine

@@ -573,6 +573,12 @@ def test_bench_dispatch_smoke(tmp_path):
     capped = by["all_to_all-capped", "dispatch fp8"]  # the same useful bytes in smaller blocks
     assert capped["bytes_per_rank"] == exact["bytes_per_rank"] and capped["wire_bytes_per_rank"] < cap["wire_bytes_per_rank"]
     assert doc["wire_bytes_per_token"]["fp8"] <= 0.55 * doc["wire_bytes_per_token"]["bf16"]
+    # blocks too small for the routing (62 rows where it needs 63): every rank stops with the one line, none waits
+    small = subprocess.run(cmd[:cmd.index("--send-factor") + 1] + ["1.0", "--out", str(tmp_path / "small.json")],
+                           cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    said = small.stdout + small.stderr
+    assert small.returncode != 0 and said.count("too small for this routing") == 1
+    assert 'bench_dispatch.py", line' not in said  # no traceback from the tool (torchrun reports the exit codes)
 
 
 def test_capacity_checks_wait_only_for_the_first_of_each_kind():
