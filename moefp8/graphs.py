@@ -175,6 +175,13 @@ def release(model) -> None:
     gc.collect()
 
 
+def keeps_grads(model, grads, grad_accum: int) -> bool:
+    """Whether a step must call `prepare_grads` first: one process (no gradient buckets: `grads` None)
+    accumulating several micro-batches through graphed blocks, whose replays would otherwise hand the
+    same graph buffers to `.grad` twice (the module docstring)."""
+    return grads is None and grad_accum > 1 and any(b.graphed_attend or b.graphed_whole for b in model.layers)
+
+
 def prepare_grads(model) -> None:
     """Zero `.grad` for the graphed blocks' parameters that have none (see the module docstring: one
     process with gradient accumulation)."""

@@ -30,7 +30,7 @@ from moefp8.config import Config
 from moefp8.data import Loader
 from moefp8.diverge import skip_or_stop
 from moefp8.grad_sync import reduced_grad_norm
-from moefp8.graphs import prepare_grads, release
+from moefp8.graphs import keeps_grads, prepare_grads, release
 from moefp8.launch import peak_flops, setup_device
 from moefp8.memory import describe as describe_memory
 from moefp8.memory import fits, out_of_memory, plan
@@ -116,7 +116,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     auto = overlap_auto(cfg, par, model, console.print)  # dispatch.overlap=auto: times both schedules first
     # a replayed attention hands its graph's gradient buffers to a `.grad` that is None: with several
     # micro-batches on one process the gradients must exist before the first backward (moefp8.graphs)
-    keep_grads = grads is None and t.grad_accum > 1 and any(b.graphed_attend or b.graphed_whole for b in model.layers)
+    keep_grads = keeps_grads(model, grads, t.grad_accum)
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     mean = grads.grad_scale if grads else 1.0  # (the gradients hold sums over the ranks: this makes them the mean)

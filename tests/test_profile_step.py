@@ -202,6 +202,35 @@ def test_data_gives_every_step_a_new_batch_the_same_for_both_recipes(data_dir):
     assert not torch.equal(b[0][0], b[1][0])  # and another batch every step
 
 
+def test_a_step_runs_grad_accum_micro_batches_as_the_loop_does(data_dir):
+    """train.grad_accum=3: every step reads three batches (forward and backward each, as the training loop
+    runs them) before its one update, and its tokens/s counts the three."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import profile_step
+    from argparse import Namespace
+
+    seen = []
+    real = profile_step.open_data
+
+    def spy(cfg, par, say=print):
+        loader = real(cfg, par, say)
+        nxt = loader.next
+        loader.next = lambda: seen.append(nxt()) or seen[-1]
+        return loader
+
+    profile_step.open_data = spy
+    try:
+        args = Namespace(warmup=1, steps=2, top=3, host_profile=False, memory=False, data=True)
+        over = ["model=tiny", "train.device=cpu", "train.micro_batch=1", "train.seq_len=16", "train.grad_accum=3",
+                f"data.path={data_dir}", "data.prepare_from="]
+        row = profile_step.measure(over, "bf16", args, [], profile_steps=0)
+    finally:
+        profile_step.open_data = real
+    assert len(seen) == 3 * 3  # (warm-up + timed steps) x micro-batches
+    assert row["numerics_ok"] and 0 < row["loss"] < 20
+    assert math.isclose(row["tokens_per_s"] * row["step_ms"] / 1e3, 3 * 16, rel_tol=1e-6)
+
+
 def test_kernels_by_kind_from_their_names():
     """The per-kind breakdown (the JSON's `by_kind` and `kinds`): kernel names as torch.profiler
     reported them on 4 H200s (session 41's 16B tables) fall in their kind; every row is counted once."""

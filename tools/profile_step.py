@@ -68,6 +68,7 @@ from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, ope
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.grad_sync import reduced_grad_norm  # noqa: E402
+from moefp8.graphs import keeps_grads, prepare_grads  # noqa: E402
 from moefp8.optim import AdamW, clip_scale  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
 from moefp8.launch import peak_flops, resolve_device  # noqa: E402
@@ -87,26 +88,36 @@ def build(cfg, device: torch.device, par: Parallel | None, say=print):
 
 
 def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
-    """One training step as a function. loader: the data's (`--data`: a new batch of real tokens
-    every step, read as the training loop reads them); None: one batch of random tokens, the same
-    every step."""
+    """One training step as a function: train.grad_accum micro-batches forward and backward, as the
+    training loop runs them, then the update. loader: the data's (`--data`: a new batch of real tokens
+    every micro-batch, read as the training loop reads them); None: one batch of random tokens, the
+    same every micro-batch."""
     t = cfg.train
     gen = torch.Generator(device="cpu").manual_seed(t.seed + (par.rank if par else 0))  # every rank its own tokens
     replicated, sharded = norm_split(par, model, opt)
     ep_group = par.ep_group if par else None
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=gen).to(device)
     fixed = (x[:, :-1], x[:, 1:])
+    n = t.grad_accum
+    keep = keeps_grads(model, grads, n)  # graphed blocks on one process: the loop's zeroed .grad first
 
     def step() -> None:
         model.dispatcher.flush_checks()  # the previous step's deferred input checks (the loop's, after its sync)
-        if grads is not None:
-            grads.arm(last=True)
-        inp, tgt = fixed if loader is None else (t_.to(device, non_blocking=True) for t_ in loader.next())
+        if keep:
+            prepare_grads(model)
         model.row_cap.on = True  # dispatch.rows_factor: the loop's capped layouts (it checks their flags; see below)
-        out = model(inp, tgt)
-        (out.out + out.aux_loss).backward()
+        load_LE = None
+        for i in range(n):
+            if grads is not None:
+                grads.arm(last=i == n - 1)
+            inp, tgt = fixed if loader is None else (t_.to(device, non_blocking=True) for t_ in loader.next())
+            out = model(inp, tgt)
+            ((out.out + out.aux_loss) / n).backward()
+            load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
+            loss = out.out.detach()
+            del out  # (the loop's order: this micro-batch's autograd graph gone before the next forward)
         model.row_cap.on = False
-        load_LE = step.load_LE = out.load_LE  # (the last step's, summed over ranks: how even the routing was)
+        step.load_LE = load_LE  # (the last step's, summed over ranks: how even the routing was)
         over = model.row_cap.take()  # dispatch.rows_factor: capped layouts that were too small (the loop would redo)
         if over is not None:
             step.overflowed = over if step.overflowed is None else step.overflowed + over
@@ -115,7 +126,7 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
         norm = reduced_grad_norm(grads, replicated, sharded, ep_group)
         if grads is not None:
             torch.distributed.all_reduce(load_LE)
-        step.last = (out.out.detach(), norm)  # (read after the timed steps: a speed of broken numerics is none)
+        step.last = (loss, norm)  # (read after the timed steps: a speed of broken numerics is none)
         opt.step(cfg.optim.lr, grad_scale=clip_scale(norm, cfg.optim.grad_clip, mean))
         grads.zero_grad() if grads is not None else opt.zero_grad()
         for router, load_E in zip(model.routers(), load_LE):
@@ -400,7 +411,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
         t_ = torch.tensor([step_s], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(t_, op=torch.distributed.ReduceOp.MAX)
         step_s = t_.item()
-    tokens = cfg.train.micro_batch * cfg.train.seq_len  # per GPU
+    tokens = cfg.train.micro_batch * cfg.train.seq_len * cfg.train.grad_accum  # per GPU and step
     peak = peak_flops(cfg, device)
     tflops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens / step_s / 1e12  # per GPU
     if grads is not None:
