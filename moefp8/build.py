@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from moefp8.accum import arm
 from moefp8.config import Config
 from moefp8.data import DataError, Loader, ensure, folder_data_id
 from moefp8.dispatch import build_dispatcher
@@ -76,13 +77,15 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                                       slots=d.slots, ranks_per_node=par.ranks_per_node if par.spans_nodes else None,
                                       node_groups=par.node_groups)
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
-    return Transformer.build(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, device=device, seed=t.seed,
+    model = Transformer.build(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, device=device, seed=t.seed,
                              overlap=overlap_policy(cfg) if d.overlap is True else None,
                              gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
                              recompute=tuple(t.recompute), loss_chunk=t.loss_chunk,
                              rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0,
                              send_factor=d.send_factor if par is not None and par.ep_size > 1 else 0.0,
                              shared_overlap=d.shared_overlap and par is not None and par.ep_size > 1)
+    arm(model, t.grad_accum, par.world if par is not None else 1)  # micro-batches summed inside the expert GEMMs
+    return model
 
 
 def overlap_policy(cfg: Config) -> OverlapPolicy:

@@ -166,22 +166,25 @@ def bf16_grouped_mm(x: Tensor, w: Tensor, off: Tensor | None, transpose_w: bool 
     return out
 
 
-def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor | None) -> Tensor:
+def bf16_grouped_wgrad(dy: Tensor, x: Tensor, off: Tensor | None, out: Tensor | None = None) -> Tensor:
     """dW[e] = dy_eᵀ · x_e over each segment: dy [M, N], x [M, K] -> [E, N, K] fp32 (BF16-rounded on CUDA);
-    off None: dense, [N, K]."""
+    off None: dense, [N, K]. out: fp32 of that shape the product is added into (in the same pass as the
+    upcast; returned), as autograd would add the returned one."""
     if off is None:
-        return (dy.t() @ x).float() if dy.is_cuda else dy.float().t() @ x.float()
+        dw = dy.t() @ x if dy.is_cuda else dy.float().t() @ x.float()
+        return dw.float() if out is None else out.add_(dw)
     # torch 2.11's _grouped_mm has no fp32 output for BF16 inputs: BF16, then upcast. M == 0 (an EP
     # rank that received no token) takes the loop: _grouped_mm rejects a zero-length contraction
     # ("strides should be multiple of 16 bytes", pytorch PR #192497)
     if dy.is_cuda and dy.shape[0]:
-        return torch._grouped_mm(dy.t(), x, offs=off[1:].int()).float()
+        dw = torch._grouped_mm(dy.t(), x, offs=off[1:].int())
+        return dw.float() if out is None else out.add_(dw)
     h = off.tolist()
     E = len(h) - 1
-    out = torch.zeros(E, dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
+    dw = torch.zeros(E, dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
     for e in range(E):
-        out[e] = dy[h[e]:h[e + 1]].float().t() @ x[h[e]:h[e + 1]].float()
-    return out
+        dw[e] = dy[h[e]:h[e + 1]].float().t() @ x[h[e]:h[e + 1]].float()
+    return dw if out is None else out.add_(dw)
 
 
 def bf16_mlp_forward(x: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor):
@@ -194,14 +197,17 @@ def bf16_mlp_forward(x: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor):
         return bf16_grouped_mm(a, w2, off), h
 
 
-def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor, want_dx: bool = True):
-    """BF16 weights -> (dx [M, H] bf16 or None, dW1 fp32, dW2 fp32)."""
+def bf16_mlp_backward(dy: Tensor, x: Tensor, h: Tensor, off: Tensor | None, w1: Tensor, w2: Tensor, want_dx: bool = True,
+                      dw_into: tuple | None = None):
+    """BF16 weights -> (dx [M, H] bf16 or None, dW1 fp32, dW2 fp32). dw_into: fp32 (dW1, dW2) these are
+    added into (and returned), as in `fp8_mlp_backward`."""
+    into1, into2 = dw_into if dw_into is not None else (None, None)
     with scope("bwd_fc2"):
         da = bf16_grouped_mm(dy, w2, off, transpose_w=False)
-        dw2 = bf16_grouped_wgrad(dy, swiglu_bf16(h), off)
+        dw2 = bf16_grouped_wgrad(dy, swiglu_bf16(h), off, into2)
     with scope("bwd_swiglu"):
         dh = swiglu_backward_bf16(h, da)
     with scope("bwd_fc1"):
-        dw1 = bf16_grouped_wgrad(dh, x, off)
+        dw1 = bf16_grouped_wgrad(dh, x, off, into1)
         dx = bf16_grouped_mm(dh, w1, off, transpose_w=False) if want_dx else None
     return dx, dw1, dw2

@@ -43,6 +43,7 @@ import gc
 import torch
 from torch import Tensor, nn
 
+from moefp8.accum import armed
 from moefp8.kernels.rope import rope_tables
 
 
@@ -121,9 +122,12 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     collecting = gc.isenabled()
     gc.disable()
     try:
+        # weights whose gradient accumulates into their main_grad inside the graph (moefp8.accum) give
+        # autograd none: "unused" inputs of the captured backward
         graphed = torch.cuda.make_graphed_callables(tuple(_Whole(b) if w else _Attend(b)
                                                           for (b, _, _), w in zip(units, whole)),
-                                                    sample, num_warmup_iters=warmup)
+                                                    sample, num_warmup_iters=warmup,
+                                                    allow_unused_input=bool(armed(model)))
     finally:
         if collecting:
             gc.enable()
@@ -193,5 +197,5 @@ def prepare_grads(model) -> None:
         else:
             continue
         for p in params:
-            if p.grad is None:
+            if p.grad is None and getattr(p, "main_grad", None) is None:  # (moefp8.accum: summed in its own buffer)
                 p.grad = torch.zeros_like(p)

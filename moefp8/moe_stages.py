@@ -253,8 +253,8 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
                 dw_into: tuple | None = None, dx_add: Tensor | None = None):
     """dz (the dispatched gradient) -> (dx rows summed per received token [T_recv, H] or None,
     dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1.
-    dw_into: (dW1, dW2) of another micro-batch to add this one's into (FP8 recipe; returned as
-    dW1, dW2), else None. dx_add: a bf16 [T_recv, H] added to the dx rows' sum in its pass (the
+    dw_into: fp32 (dW1, dW2) to add this micro-batch's into (another micro-batch's, or the weights'
+    `main_grad`, moefp8.accum; returned as dW1, dW2), else None. dx_add: a bf16 [T_recv, H] added to the dx rows' sum in its pass (the
     shared experts' dx at EP=1)."""
     fp8, fmt, disp = layer.recipe.fp8, layer.recipe.scale_fmt, layer.dispatcher
     L, w_TK = s.layout, s.topk_w
@@ -282,7 +282,7 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
         with scope("bwd_permute"):
             xp = permute_rows(s.x[0], L)
         dxp, dw1, dw2 = bf16_mlp_backward(dy, xp, s.h[0], L.offsets, layer.cache.get(w1, "bf16"),
-                                          layer.cache.get(w2, "bf16"), want_dx=want_dx)
+                                          layer.cache.get(w2, "bf16"), want_dx=want_dx, dw_into=dw_into)
     dx_rows = None
     if dxp is not None:  # sum each token's rows (their weights are already in dy)
         with scope("bwd_unpermute"):
@@ -368,18 +368,26 @@ class RoutedExperts(torch.autograd.Function):
             sh = _shared_backward(ctx, layer, dout, rows, shared)
         if side is not None:
             _join(side, dz)
+        into = _main_grads(w1, w2)  # moefp8.accum: summed over micro-batches inside the wgrad GEMMs
         dx_rows, dw, dw1, dw2 = bwd_experts(layer, dz, dout, s, w1, w2, ctx.needs_input_grad[0], layer.gemm,
-                                            dx_add=sh[0] if local else None)
+                                            dw_into=into, dx_add=sh[0] if local else None)
         dx, dw = bwd_combine(layer, dx_rows, dw, s, dout.dtype)
+        dw1, dw2 = (None, None) if into is not None else (dw1.to(w1.dtype), dw2.to(w2.dtype))
         if not shared:
-            return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None
+            return dx, dw, dw1, dw2, None, None
         if sh is None:
             sh = _shared_backward(ctx, layer, dout, rows, shared)
         sdx, sdw1, sdw2 = sh
         if dx is not None and not local:
             dx = dx + sdx
         sw1, sw2 = shared[:2]
-        return dx, dw, dw1.to(w1.dtype), dw2.to(w2.dtype), None, None, sdw1.to(sw1.dtype), sdw2.to(sw2.dtype)
+        return dx, dw, dw1, dw2, None, None, sdw1.to(sw1.dtype), sdw2.to(sw2.dtype)
+
+
+def _main_grads(w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(w1.main_grad, w2.main_grad) where both weights carry one (moefp8.accum), else None."""
+    g1, g2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
+    return (g1, g2) if g1 is not None and g2 is not None else None
 
 
 def _shared_forward(layer, x_TH: Tensor, xin, sw1: Tensor, sw2: Tensor) -> tuple[Tensor, tuple]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from moefp8 import checkpoint, cli
+from moefp8 import accum, checkpoint, cli
 from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, open_data, overlap_auto
 from moefp8.config import Config
 from moefp8.data import Loader
@@ -117,6 +117,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
     # a replayed attention hands its graph's gradient buffers to a `.grad` that is None: with several
     # micro-batches on one process the gradients must exist before the first backward (moefp8.graphs)
     keep_grads = keeps_grads(model, grads, t.grad_accum)
+    main_grads = accum.armed(model)  # grad_accum > 1 on one process: the experts' sums inside their GEMMs
     began, last_saved, m, skipped = time.monotonic(), None, {}, 0  # skipped: in a row (nan_policy=skip)
     flags_host = torch.zeros(2, pin_memory=device.type == "cuda")  # [signalled, past the time limit]
     mean = grads.grad_scale if grads else 1.0  # (the gradients hold sums over the ranks: this makes them the mean)
@@ -132,6 +133,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
         model.scale_stats.on, model.row_cap.on = stats_on, capped
         if keep_grads:
             prepare_grads(model)
+        accum.zero(main_grads)
         for i, (x, y) in enumerate(batches):
             if grads:
                 grads.arm(last=i == t.grad_accum - 1)
@@ -143,6 +145,7 @@ def _loop(cfg, par, device, console, stop, log, watchdog, model, opt, loader, st
             # the loss's autograd graph, gone before the next forward: its nodes (the parameters' AccumulateGrad
             # among them) would live on into the next micro-batch's graph, made there on another stream
             del out
+        accum.to_grad(main_grads)
         # stop requests ride on the loss's all-reduce: a signal to any rank, any rank's clock past the limit
         flags_host[0] = float(stop.requested is not None)
         flags_host[1] = float(bool(t.time_limit_s) and time.monotonic() - began > t.time_limit_s)

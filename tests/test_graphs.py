@@ -160,15 +160,20 @@ def _steps(model, batches, accum=1, graphed=False, bias=False):
     routers' bias update after each step too (the training loop's, from the step's load)."""
     from moefp8.graphs import prepare_grads
 
-    opt, got = AdamW(model.named_parameters(), Config().optim), []
+    from moefp8 import accum as fused
+
+    opt, got, main = AdamW(model.named_parameters(), Config().optim), [], fused.armed(model)
     for step in batches:
         if graphed and accum > 1:
             prepare_grads(model)
+        fused.zero(main)  # (moefp8.accum's weights, where armed: the loop's order)
         losses = []
         for x in step[:accum]:
             out = model(x[:, :-1], x[:, 1:])
             ((out.out + out.aux_loss) / accum).backward()
             losses.append(out.out.detach())
+        assert all(p.grad is None for p in main)  # summed inside the experts' GEMMs, replayed or not
+        fused.to_grad(main)
         got.append((losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                     out.nonfinite.clone()))
         opt.step(1e-3)
@@ -204,17 +209,24 @@ def test_gpu_replayed_attention_equals_eager(recipe, accum):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe, accum", [("fp8", 1), ("bf16", 1), ("fp8", 2)])
-def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum):
+@pytest.mark.parametrize("recipe, accum, fused", [("fp8", 1, False), ("bf16", 1, False), ("fp8", 2, False),
+                                                  ("fp8", 3, True), ("bf16", 3, True)])
+def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum, fused):
     """train.cuda_graphs_mlp at EP = 1: every block, dense and MoE, replays one graph (attention, MLP or MoE
     layer: its rows at their static bound). Two optimizer steps with the routers' bias update between: the
     eager model's losses and gradients bit for bit, so the replays quantize the updated weights (the FP8
-    copies are made inside the captured forward) and read the updated bias; no eager block code runs."""
+    copies are made inside the captured forward) and read the updated bias; no eager block code runs.
+    fused: the replayed model's experts sum their micro-batches' gradients inside the captured GEMMs
+    (moefp8.accum, armed before the capture), the eager one's through autograd."""
+    from moefp8.accum import arm
+
     torch.backends.cuda.enable_flash_sdp(False)
     B, S = 2, 128
     batches = [[_tokens(B, S, 10 * s + i) for i in range(accum)] for s in range(2)]
     want = _steps(Transformer(CFG, Recipe(recipe), seed=0).cuda(), batches, accum, bias=True)
     m = Transformer(CFG, Recipe(recipe), seed=0).cuda()
+    if fused:
+        assert arm(m, accum, world=1) == 4  # the two MoE blocks' w1 and w2
     assert graph_attention(m, B, S, mlp=True) == CFG.n_layers
     assert all(b.graphed_whole is not None and b.graphed_attend is None for b in m.layers)
     for b in m.layers:  # a replay calls none of the block's eager code

@@ -68,6 +68,7 @@ from moefp8.build import build_model, cuda_graphs, grad_buckets, norm_split, ope
 from moefp8.hydra_config import compose_config  # noqa: E402
 from moefp8.model import flops_per_token, param_counts  # noqa: E402
 from moefp8.grad_sync import reduced_grad_norm  # noqa: E402
+from moefp8.accum import armed, to_grad, zero  # noqa: E402
 from moefp8.graphs import keeps_grads, prepare_grads  # noqa: E402
 from moefp8.optim import AdamW, clip_scale  # noqa: E402
 from moefp8.testing import save_results  # noqa: E402
@@ -100,11 +101,13 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
     fixed = (x[:, :-1], x[:, 1:])
     n = t.grad_accum
     keep = keeps_grads(model, grads, n)  # graphed blocks on one process: the loop's zeroed .grad first
+    main_grads = armed(model)  # the loop's: the experts' sums inside their GEMMs (moefp8.accum)
 
     def step() -> None:
         model.dispatcher.flush_checks()  # the previous step's deferred input checks (the loop's, after its sync)
         if keep:
             prepare_grads(model)
+        zero(main_grads)
         model.row_cap.on = True  # dispatch.rows_factor: the loop's capped layouts (it checks their flags; see below)
         load_LE = None
         for i in range(n):
@@ -116,6 +119,7 @@ def step_fn(cfg, model, opt, grads, device, par=None, loader=None):
             load_LE = out.load_LE if load_LE is None else load_LE + out.load_LE
             loss = out.out.detach()
             del out  # (the loop's order: this micro-batch's autograd graph gone before the next forward)
+        to_grad(main_grads)
         model.row_cap.on = False
         step.load_LE = load_LE  # (the last step's, summed over ranks: how even the routing was)
         over = model.row_cap.take()  # dispatch.rows_factor: capped layouts that were too small (the loop would redo)

@@ -1,0 +1,61 @@
+"""Gradient accumulation inside the routed experts' wgrad GEMMs (Megatron's gradient accumulation
+fusion), for train.grad_accum > 1 on one process.
+
+Without it, every micro-batch's expert gradient (fp32 [E, N, K], written by its wgrad GEMM) is added
+into `.grad` by autograd in a pass of its own: 12 bytes a weight (read both, write one), and under CUDA
+graphs the same for every parameter a graph hands back (moefp8.graphs.prepare_grads). On the 3B preset
+(one H200) those adds took ~10 ms of each ~295 ms micro-batch in both recipes (bench/notes/scale.md,
+session 64). With it, each routed expert weight carries a persistent fp32 `main_grad` (`arm`, at build,
+before any capture); the backward accumulates into it inside the GEMM (FP8: the k-grouped kernel adds
+the tile it made to the one it reads; BF16: `_grouped_mm`'s product added into it in one pass) and
+gives autograd no gradient for the weight (`linear.Fp8Linear` takes `main_grad` the same way). The
+loop zeroes the buffers before a step's first micro-batch (`zero`) and hands them to `.grad` after its
+last (`to_grad`), for the gradient norm and the optimizer. The same bits as autograd's accumulation
+from zeros: each micro-batch's dW is made as before and added once in fp32.
+
+Where: one process only (the data-parallel buckets take their gradients through autograd's hooks), the
+routed experts of the plain schedule (`moe_stages.RoutedExperts`; the two micro-batch overlap and
+megablocks' experts hand theirs to autograd): ~85% of the 3B preset's weights.
+"""
+
+import torch
+from torch import Tensor
+
+
+def armed(model) -> list[Tensor]:
+    """The parameters that carry a `main_grad` (`arm`)."""
+    return [p for p in model.parameters() if getattr(p, "main_grad", None) is not None]
+
+
+def arm(model, grad_accum: int, world: int) -> int:
+    """Gives the routed experts' weights of the plain schedule their fp32 `main_grad` (zeros) where the
+    fusion applies (module docstring): grad_accum > 1 on one process. -> how many weights got one.
+    Before `graphs.cuda_graphs`: a capture records the accumulation into these buffers."""
+    if grad_accum <= 1 or world != 1:
+        return 0
+    n = 0
+    for b in model.layers:
+        moe = b.mlp if b.is_moe else None
+        if moe is None or moe.overlap is not None or moe.megablocks is not None:
+            continue
+        for w in (moe.w1, moe.w2):
+            if w.requires_grad and getattr(w, "main_grad", None) is None:
+                w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+                n += 1
+    return n
+
+
+def zero(params: list[Tensor]) -> None:
+    """Before a step's first micro-batch: the buffers hold the last step's sums (or a capture's warm-up)."""
+    if params:
+        torch._foreach_zero_([p.main_grad for p in params])
+
+
+def to_grad(params: list[Tensor]) -> None:
+    """After a step's last micro-batch: each buffer becomes its weight's `.grad` (the optimizer's
+    `zero_grad` lets go of it again). A gradient autograd gave the weight anyway (a path that does not
+    take `main_grad`) is added in rather than lost."""
+    for p in params:
+        if p.grad is not None and p.grad is not p.main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = p.main_grad
