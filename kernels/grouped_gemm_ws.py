@@ -245,9 +245,10 @@ if HAVE_GLUON:
                 i += 1
 
     @gluon.jit
-    def _kg_consumer(c_desc, a_s, b_s, c_s, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
+    def _kg_consumer(c_desc, a_s, b_s, c_s, ready, empty, cbar, ast_ptr, bst_ptr, off_ptr, N, K, E,
                      SUB: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-        """4 warps: rows [SUB, SUB + 64) of every dW tile."""
+        """4 warps: rows [SUB, SUB + 64) of every dW tile. ACCUMULATE: the tile's previous values come
+        into c_s by TMA (barrier cbar) while its K loop runs, and are added to it in the epilogue."""
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, 128, 32])
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
@@ -260,6 +261,10 @@ if HAVE_GLUON:
         i = 0
         for t in range(gl.program_id(0), E * num_r * num_c, gl.num_programs(0)):
             e, r0, c0, t0, k_tiles = _kg_tile(t, num_r, num_c, off_ptr, GROUP_M)
+            if ACCUMULATE:  # every tile's (cbar's phase: the tile's parity), stored back where the expert has tokens
+                tma.store_wait(pendings=0)  # the previous tile's store has left c_s
+                mbarrier.expect(cbar, c_desc.block_type.nbytes)
+                _tma_load(c_desc, [e * N + r0 + SUB, c0], cbar, c_s)
             as_ptrs = ast_ptr + (t0 // 128).to(gl.int64) * N + r0 + SUB + rows  # ast [T/128, N]
             # bst [T/128, K]: loaded one column per thread, then spread to the accumulator's column
             # layout (32 values per thread there: 32 pointers would cost 64 registers)
@@ -282,39 +287,46 @@ if HAVE_GLUON:
             i += k_tiles
             row = e * N + r0 + SUB  # dW viewed [E*N, K]
             if ACCUMULATE:
-                if k_tiles > 0:  # an expert with no tokens leaves its dW alone
-                    ccols = gl.arange(0, 128, layout=col_layout)
-                    prev = c_ptr + (row + rows).to(gl.int64)[:, None] * K + (c0 + ccols)[None, :]
-                    _store_tile(c_desc, c_s, acc + gl.load(prev), row, c0)
+                mbarrier.wait(cbar, ((t - gl.program_id(0)) // gl.num_programs(0)) & 1)
+                if k_tiles > 0:  # (an expert with no tokens leaves its dW alone)
+                    acc = acc + c_s.load(mma_layout)  # (each thread reads, then overwrites, its own elements)
+                    c_s.store(acc)
+                    fence_async_shared()
+                    _tma_store(c_desc, [row, c0], c_s)
             else:
                 _store_tile(c_desc, c_s, acc, row, c0)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E,
+    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, ast_ptr, bst_ptr, off_ptr, N, K, E,
                             ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """a [N, M] and b [K, M] FP8 (TMA, 128 x 128 boxes), ast [T/128, N] and bst [T/128, K] fp32,
-        c [E*N, K] fp32 (TMA, 64-row boxes; read directly when ACCUMULATE). N, K multiples of 128."""
+        c [E*N, K] fp32 (TMA, 64-row boxes, read by TMA too when ACCUMULATE). N, K multiples of 128."""
         a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout)
         b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout)
         c_s0 = gl.allocate_shared_memory(c_desc.dtype, [64, 128], c_desc.layout)
         c_s1 = gl.allocate_shared_memory(c_desc.dtype, [64, 128], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        cbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a consumer's c_s load
         for q in gl.static_range(STAGES):
             mbarrier.init(ready.index(q), count=1)
             mbarrier.init(empty.index(q), count=2)
+        for q in gl.static_range(2):
+            mbarrier.init(cbar.index(q), count=1)
         gl.warp_specialize([
-            (_kg_consumer, (c_desc, a_s, b_s, c_s0, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E, 0,
-                            ACCUMULATE, GROUP_M, 4)),
-            (_kg_consumer, (c_desc, a_s, b_s, c_s1, ready, empty, ast_ptr, bst_ptr, c_ptr, off_ptr, N, K, E, 64,
-                            ACCUMULATE, GROUP_M, 4)),
+            (_kg_consumer, (c_desc, a_s, b_s, c_s0, ready, empty, cbar.index(0), ast_ptr, bst_ptr, off_ptr, N, K,
+                            E, 0, ACCUMULATE, GROUP_M, 4)),
+            (_kg_consumer, (c_desc, a_s, b_s, c_s1, ready, empty, cbar.index(1), ast_ptr, bst_ptr, off_ptr, N, K,
+                            E, 64, ACCUMULATE, GROUP_M, 4)),
             (_kg_producer, (a_desc, b_desc, a_s, b_s, ready, empty, off_ptr, N, K, E, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         for q in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(q))
             mbarrier.invalidate(empty.index(q))
+        for q in gl.static_range(2):
+            mbarrier.invalidate(cbar.index(q))
 
     # The shared-memory layouts of the descriptors' blocks, made once (made per launch they were
     # ~20 ms of Python per step of the 16B preset, bench/notes/scale.md)
@@ -420,7 +432,7 @@ def launch_kgrouped_ws(dy: Fp8Tensor, x: Fp8Tensor, off: torch.Tensor, out: torc
     ast, bst = dy.scale.t().contiguous(), x.scale.t().contiguous()  # [ceil(M/128), N | K]
     a_d, b_d, c_d = kg_descriptors(a, b, out)
     grid = (max(1, min(_grid_sms(out.device, reserved_sms), E * (N // 128) * (K // 128))),)
-    _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, out, off, N, K, E, ACCUMULATE=accumulate, GROUP_M=GROUP_M,
+    _kgrouped_ws_kernel[grid](a_d, b_d, c_d, ast, bst, off, N, K, E, ACCUMULATE=accumulate, GROUP_M=GROUP_M,
                               STAGES=stages,
                               CONSUMER_REGS=KG_CONSUMER_REGS, PRODUCER_REGS=KG_PRODUCER_REGS, num_warps=4,
                               maxnreg=MAXNREG)

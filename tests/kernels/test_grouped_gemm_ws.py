@@ -44,7 +44,7 @@ def _compile_sm90(which: str):
         E, M, N, K = 8, 4096, 4096, 7168
         descs = ws.kg_descriptors(torch.empty(N, M, dtype=f8), torch.empty(K, M, dtype=f8),
                                   torch.empty(E, N, K, dtype=torch.float32))
-        fn, ptrs = ws._kgrouped_ws_kernel, ["ast_ptr", "bst_ptr", "c_ptr", "off_ptr"]
+        fn, ptrs = ws._kgrouped_ws_kernel, ["ast_ptr", "bst_ptr", "off_ptr"]
         scalars = ["N", "K", "E"]
         consts = dict(ACCUMULATE=True, GROUP_M=ws.GROUP_M, STAGES=ws.KG_STAGES,
                       CONSUMER_REGS=ws.KG_CONSUMER_REGS,
