@@ -1,5 +1,5 @@
 """Gradient accumulation inside the routed experts' wgrad GEMMs (Megatron's gradient accumulation
-fusion), for train.grad_accum > 1 on one process.
+fusion), for train.grad_accum > 1 where no other rank sums the experts' gradients.
 
 Without it, every micro-batch's expert gradient (fp32 [E, N, K], written by its wgrad GEMM) is added
 into `.grad` by autograd in a pass of its own: 12 bytes a weight (read both, write one), and under CUDA
@@ -13,9 +13,11 @@ loop zeroes the buffers before a step's first micro-batch (`zero`) and hands the
 last (`to_grad`), for the gradient norm and the optimizer. The same bits as autograd's accumulation
 from zeros: each micro-batch's dW is made as before and added once in fp32.
 
-Where: one process only (the data-parallel buckets take their gradients through autograd's hooks), the
-routed experts of the plain schedule (`moe_stages.RoutedExperts`; the two micro-batch overlap and
-megablocks' experts hand theirs to autograd): ~85% of the 3B preset's weights.
+Where: the routed experts of the plain schedule (`moe_stages.RoutedExperts`; the two micro-batch overlap
+and megablocks' experts hand theirs to autograd) where no rank shares their gradient: one process, or
+expert parallelism over every rank (dispatch.ep_size = world: `grad_sync.GradBuckets` keeps them out of
+its buckets, whose reductions autograd's hooks start). ~85% of the 3B preset's weights, ~73% of a 16B EP4
+rank's.
 """
 
 import torch
@@ -27,11 +29,12 @@ def armed(model) -> list[Tensor]:
     return [p for p in model.parameters() if getattr(p, "main_grad", None) is not None]
 
 
-def arm(model, grad_accum: int, world: int) -> int:
+def arm(model, grad_accum: int, experts_alone: bool) -> int:
     """Gives the routed experts' weights of the plain schedule their fp32 `main_grad` (zeros) where the
-    fusion applies (module docstring): grad_accum > 1 on one process. -> how many weights got one.
-    Before `graphs.cuda_graphs`: a capture records the accumulation into these buffers."""
-    if grad_accum <= 1 or world != 1:
+    fusion applies (module docstring): grad_accum > 1, and experts_alone (no other rank sums their
+    gradient: one process, or dispatch.ep_size = world). -> how many weights got one. Before
+    `graphs.cuda_graphs`: a capture records the accumulation into these buffers."""
+    if grad_accum <= 1 or not experts_alone:
         return 0
     n = 0
     for b in model.layers:
@@ -52,8 +55,8 @@ def zero(params: list[Tensor]) -> None:
 
 
 def to_grad(params: list[Tensor]) -> None:
-    """After a step's last micro-batch: each buffer becomes its weight's `.grad` (the optimizer's
-    `zero_grad` lets go of it again). A gradient autograd gave the weight anyway (a path that does not
+    """After a step's last micro-batch, before the gradient buckets finish: each buffer becomes its
+    weight's `.grad` (the optimizer's `zero_grad` lets go of it again). A gradient autograd gave the weight anyway (a path that does not
     take `main_grad`) is added in rather than lost."""
     for p in params:
         if p.grad is not None and p.grad is not p.main_grad:

@@ -84,7 +84,11 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
                              rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0,
                              send_factor=d.send_factor if par is not None and par.ep_size > 1 else 0.0,
                              shared_overlap=d.shared_overlap and par is not None and par.ep_size > 1)
-    arm(model, t.grad_accum, par.world if par is not None else 1)  # micro-batches summed inside the expert GEMMs
+    # micro-batches summed inside the expert GEMMs where no other rank sums their gradients (moefp8.accum)
+    if t.grad_accum_fusion and (n := arm(model, t.grad_accum, experts_alone=par is None or par.world == 1
+                                             or par.ep_size == par.world)):
+        say(f"train.grad_accum={t.grad_accum}: {n} routed expert weights sum their micro-batches' gradients inside "
+            f"their wgrad GEMMs (moefp8.accum)")
     return model
 
 

@@ -185,6 +185,9 @@ class TrainConfig:
     steps: int = 150  # optimizer steps in all (the tiny default trains ~70 s on 2 CPU cores)
     micro_batch: int = 8  # sequences per micro-batch per data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step
+    # with grad_accum > 1, the routed experts' gradients summed inside their wgrad GEMMs where no other rank
+    # sums them (moefp8.accum: the same bits as autograd's sums, without its add per micro-batch)
+    grad_accum_fusion: bool = True
     seq_len: int = 256  # tokens per sequence (windows of seq_len + 1 tokens: inputs, shifted targets)
     log_every: int = 10  # a console line every N steps (metrics.jsonl gets every step)
     fp8_stats_every: int = 100  # FP8 recipe: tile-scale statistics (fp8/* metrics) of one step in N; 0: off

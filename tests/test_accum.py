@@ -2,6 +2,9 @@
 autograd's sums bit for bit, in both recipes; where the fusion applies; the training loop with it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from moefp8.overlap import OverlapPolicy
 from moefp8.recipe import Recipe
 
 CFG = ModelConfig()  # the tiny preset: 3 blocks, the first dense, then MoE
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _grads(model, batches):
@@ -38,7 +42,7 @@ def test_summed_in_the_gemms_equals_autograds_sums(recipe):
     is autograd's bit for bit; the expert weights' `.grad` is their main_grad, and autograd gave them none."""
     want = Transformer(CFG, Recipe(recipe), seed=0)
     got = Transformer(CFG, Recipe(recipe), seed=0)
-    assert accum.arm(got, grad_accum=3, world=1) == 2 * (CFG.n_layers - CFG.n_dense_layers)
+    assert accum.arm(got, grad_accum=3, experts_alone=True) == 2 * (CFG.n_layers - CFG.n_dense_layers)
     for step in range(2):
         batches = [_tokens(10 * step + i) for i in range(3)]
         w, g = _grads(want, batches), _grads(got, batches)
@@ -53,12 +57,13 @@ def test_summed_in_the_gemms_equals_autograds_sums(recipe):
 
 
 def test_where_it_applies():
-    """grad_accum > 1 on one process, the plain schedule's routed experts only."""
-    assert accum.arm(Transformer(CFG, Recipe("fp8"), seed=0), grad_accum=1, world=1) == 0
-    assert accum.arm(Transformer(CFG, Recipe("fp8"), seed=0), grad_accum=2, world=2) == 0
-    assert accum.arm(Transformer(CFG, Recipe("fp8"), seed=0, overlap=OverlapPolicy()), grad_accum=2, world=1) == 0
+    """grad_accum > 1 where no other rank sums the experts' gradients, the plain schedule's routed experts only."""
+    assert accum.arm(Transformer(CFG, Recipe("fp8"), seed=0), grad_accum=1, experts_alone=True) == 0
+    assert accum.arm(Transformer(CFG, Recipe("fp8"), seed=0), grad_accum=2, experts_alone=False) == 0
+    m = Transformer(CFG, Recipe("fp8"), seed=0, overlap=OverlapPolicy())
+    assert accum.arm(m, grad_accum=2, experts_alone=True) == 0
     m = Transformer(CFG, Recipe("bf16"), seed=0)
-    assert accum.arm(m, grad_accum=2, world=1) == 4 and accum.arm(m, grad_accum=2, world=1) == 0  # once
+    assert accum.arm(m, grad_accum=2, experts_alone=True) == 4 and accum.arm(m, 2, experts_alone=True) == 0  # once
     assert {id(p) for p in accum.armed(m)} == {id(w) for b in m.layers if b.is_moe for w in (b.mlp.w1, b.mlp.w2)}
     assert all(p.main_grad.dtype == torch.float32 and p.main_grad.shape == p.shape for p in accum.armed(m))
 
@@ -71,22 +76,43 @@ def test_a_gradient_autograd_gave_anyway_is_added_not_lost():
     assert p.grad is p.main_grad and torch.equal(p.grad, torch.full((3,), 3.0))
 
 
-def test_training_loop_with_it_is_the_loop_without_it(data_dir, tmp_path, monkeypatch):
-    """train.grad_accum=2 on one process through the training loop: the same losses and gradient norms, step
-    for step, as with the fusion switched off (autograd summing the experts' gradients)."""
-    from moefp8 import build
+def _run_args(data_dir, out, *extra) -> list:
+    return ["model=tiny", "train.device=cpu", "train.seq_len=32", "train.grad_accum=2", "train.steps=3",
+            "train.log_every=1", "train.ckpt_every=0", "train.eval_every=0", "train.progress=false",
+            "logger.mode=disabled", "optim.lr=1e-3", f"data.path={data_dir}", "data.prepare_from=",
+            f"train.out_dir={out}", *extra]
+
+
+def _metrics(out) -> list:
+    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_training_loop_with_it_is_the_loop_without_it(data_dir, tmp_path):
+    """train.grad_accum=2 on one process through the training loop: said at start, and the same losses and
+    gradient norms, step for step, as with train.grad_accum_fusion=false (autograd summing the experts' gradients)."""
     from moefp8.train import train
 
-    def run(out):
-        cfg = compose_config(["model=tiny", "train.device=cpu", "train.micro_batch=2", "train.seq_len=32",
-                              "train.grad_accum=2", "train.steps=3", "train.log_every=1", "train.ckpt_every=0",
-                              "train.eval_every=0", "train.progress=false", "logger.mode=disabled",
-                              f"data.path={data_dir}", "data.prepare_from=", f"train.out_dir={out}"])
-        train(cfg)
-        return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    def run(out, fused):
+        train(compose_config(_run_args(data_dir, out, "train.micro_batch=2", f"train.grad_accum_fusion={fused}")))
+        return _metrics(out)
 
-    fused = run(tmp_path / "fused")
-    monkeypatch.setattr(build, "arm", lambda *a, **k: 0)
-    plain = run(tmp_path / "plain")
+    fused, plain = run(tmp_path / "fused", "true"), run(tmp_path / "plain", "false")
     assert len(fused) == 3 and fused == plain
     assert Config().train.grad_accum == 1  # (the presets' default: nothing armed)
+
+
+def test_expert_parallel_over_every_rank_takes_it_too(data_dir, tmp_path):
+    """2 gloo processes, EP2 (= world: no rank shares an expert's gradient), micro-batch 1 each, 2 micro-batches a
+    step: said at start, and the same losses and gradient norms, bit for bit, as with train.grad_accum_fusion=false."""
+    runs = {}
+    for fused in ("true", "false"):
+        out = tmp_path / fused
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2",
+                            *_run_args(data_dir, out, "train.micro_batch=1", f"train.grad_accum_fusion={fused}")],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        said = "train.grad_accum=2: 4 routed expert weights sum their micro-batches' gradients inside their wgrad GEMMs"
+        assert (said in r.stdout) == (fused == "true"), r.stdout[-2000:]
+        runs[fused] = _metrics(out)
+    assert len(runs["true"]) == 3 and runs["true"] == runs["false"], runs

@@ -226,7 +226,7 @@ def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum, fused):
     want = _steps(Transformer(CFG, Recipe(recipe), seed=0).cuda(), batches, accum, bias=True)
     m = Transformer(CFG, Recipe(recipe), seed=0).cuda()
     if fused:
-        assert arm(m, accum, world=1) == 4  # the two MoE blocks' w1 and w2
+        assert arm(m, accum, experts_alone=True) == 4  # the two MoE blocks' w1 and w2
     assert graph_attention(m, B, S, mlp=True) == CFG.n_layers
     assert all(b.graphed_whole is not None and b.graphed_attend is None for b in m.layers)
     for b in m.layers:  # a replay calls none of the block's eager code
