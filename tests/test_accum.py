@@ -88,7 +88,7 @@ def _metrics(out) -> list:
 
 
 def test_training_loop_with_it_is_the_loop_without_it(data_dir, tmp_path):
-    """train.grad_accum=2 on one process through the training loop: said at start, and the same losses and
+    """train.grad_accum=2 on one process through the training loop: the same losses and
     gradient norms, step for step, as with train.grad_accum_fusion=false (autograd summing the experts' gradients)."""
     from moefp8.train import train
 
