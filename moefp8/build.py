@@ -157,13 +157,15 @@ def cuda_graphs(cfg: Config, model: Transformer, device: torch.device, say=print
     sizes = tuple(p.stop - p.start for p in halves(B)) if split else None
     n = graph_attention(model, B, cfg.train.seq_len, halves=sizes, overlap_only=ov is True,
                         mlp=cfg.train.cuda_graphs_mlp)
-    whole = sum(b.graphed_whole is not None for b in model.layers)
+    whole = len(model.layers) if model.graphed_stack is not None else sum(b.graphed_whole is not None
+                                                                           for b in model.layers)
     # MoE blocks under EP whole only with fixed-size exchanges and capped layouts (moefp8.graphs.whole_capturable)
     ep_eager = (cfg.train.cuda_graphs_mlp and model.dispatcher.communicates
                 and any(b.is_moe and b.graphed_whole is None for b in model.layers))
     say(f"train.cuda_graphs: the attention of {n} of {len(model.layers)} blocks replays CUDA graphs"
         + (" (the others recompute it: train.recompute)" if n < len(model.layers) else "")
         + (f"; {whole} of them whole, with their MLP (train.cuda_graphs_mlp)" if cfg.train.cuda_graphs_mlp else "")
+        + (", as one graph" if model.graphed_stack is not None else "")
         + ("; the MoE blocks under EP whole only with dispatch.rows_factor > 0, dispatch.overlap=false and the "
            "all_to_all capacity mode over NCCL (dispatch.transport=collective)" if ep_eager else "")
         + (f"; the MoE blocks' for the overlap's halves of {sizes[0]} and {sizes[1]} sequences" if split else ""))

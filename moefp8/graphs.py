@@ -89,6 +89,31 @@ class _Attend(nn.Module):
         return self._block[0].attend_checked(x, cos, sin)
 
 
+class _Stack(nn.Module):
+    """Every block whole, in order, as one callable for `make_graphed_callables`: x -> (the last block's
+    output, then each block's `whole_checked` flags and extras in order). One graph each way for the
+    whole stack: no block's input or output gradient copied into the next graph's buffers, two launches."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        extra = []
+        for b in self.blocks:
+            x, *rest = b.whole_checked(x, cos, sin)
+            extra += rest
+        return (x, *extra)
+
+
+def stackable(model, halves: tuple[int, int] | None) -> bool:
+    """Whether train.cuda_graphs_mlp captures the blocks as one graph (`_Stack`, `Transformer.graphed_stack`):
+    every block whole-capturable and none recomputing its attention, no overlap halves, and no exchanges
+    (under EP the capped layouts' overflow flags go block by block to `RowCap`)."""
+    return (halves is None and not model.dispatcher.communicates
+            and all(not b.recompute_attention and whole_capturable(b) for b in model.layers))
+
+
 def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tuple[int, int] | None = None,
                     overlap_only: bool = False, mlp: bool = False) -> int:
     """Captures the attention of every block of `model` (a `moefp8.model.Transformer` on a CUDA device)
@@ -98,7 +123,8 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     one graph per half (`Block.graphed_halves`, which `OverlappedBlock` replays: a graph's outputs
     live in its own buffers, and A's must outlive B's replay). overlap_only: the MoE blocks always
     run overlapped (dispatch.overlap=true), so they get the halves' graphs only. mlp (train.cuda_graphs_mlp):
-    the blocks where `whole_capturable` holds are captured whole instead (`Block.graphed_whole`). All in one
+    the blocks where `whole_capturable` holds are captured whole instead (`Block.graphed_whole`), and where
+    every block is (`stackable`) the stack of them as one graph (`Transformer.graphed_stack`). All in one
     `make_graphed_callables` call (one memory pool): its order, the forwards as listed and the
     backwards reversed, is the step's, whole or split (A then B forward, B then A backward). Call it
     after the weights have their final storage (build, checkpoint restore) and before the first
@@ -108,8 +134,9 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
         return 0
     dev = next(model.parameters()).device
     cos, sin = rope_tables(seq_len, model.cfg.head_dim, model.cfg.rope_theta, dev)
-    units = capture_plan(blocks, batch, halves, overlap_only)
-    whole = [mlp and which is None and whole_capturable(b) for b, which, _ in units]
+    stack = mlp and stackable(model, halves)
+    units = [(_Stack(model.layers), None, batch)] if stack else capture_plan(blocks, batch, halves, overlap_only)
+    whole = [mlp and which is None and (stack or whole_capturable(b)) for b, which, _ in units]
     sample = tuple((torch.randn(n, seq_len, model.cfg.hidden, device=dev, dtype=torch.bfloat16,
                                 requires_grad=True), cos, sin) for _, _, n in units)
     # whole MoE blocks under EP are captured with their layouts capped (the steps that replay them); the
@@ -124,7 +151,7 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
     try:
         # weights whose gradient accumulates into their main_grad inside the graph (moefp8.accum) give
         # autograd none: "unused" inputs of the captured backward
-        graphed = torch.cuda.make_graphed_callables(tuple(_Whole(b) if w else _Attend(b)
+        graphed = torch.cuda.make_graphed_callables(tuple(b if stack else _Whole(b) if w else _Attend(b)
                                                           for (b, _, _), w in zip(units, whole)),
                                                     sample, num_warmup_iters=warmup,
                                                     allow_unused_input=bool(armed(model)))
@@ -135,7 +162,9 @@ def graph_attention(model, batch: int, seq_len: int, warmup: int = 2, halves: tu
         model.row_cap.take()
     for (b, which, n), g, w in zip(units, graphed, whole):
         entry = (g, (n, seq_len, model.cfg.hidden))
-        if w:
+        if stack:
+            model.graphed_stack = entry
+        elif w:
             b.graphed_whole = entry
         elif which is None:
             b.graphed_attend = entry
@@ -169,10 +198,18 @@ def replays(block, x: Tensor, half: int | None = None, whole: bool = False) -> b
             and x.requires_grad and not block.stats.on)
 
 
+def replays_stack(model, x: Tensor) -> bool:
+    """Whether the model runs its blocks as the captured stack (`stackable`) for input x: `replays`' rules."""
+    g = model.graphed_stack
+    return (g is not None and torch.is_grad_enabled() and tuple(x.shape) == g[1] and x.dtype == torch.bfloat16
+            and x.requires_grad and not model.scale_stats.on)
+
+
 def release(model) -> None:
     """Frees the model's CUDA graphs (their blocks hold them in reference cycles, which only a collection
     frees). Before the process group ends: a graph that holds NCCL collectives (whole MoE blocks under EP)
     must go before its communicator, or destroying the group waits forever (the EP2 runs of session 49)."""
+    model.graphed_stack = None
     for b in model.layers:
         b.graphed_attend = b.graphed_whole = None
         b.graphed_halves = (None, None)
@@ -183,14 +220,15 @@ def keeps_grads(model, grads, grad_accum: int) -> bool:
     """Whether a step must call `prepare_grads` first: one process (no gradient buckets: `grads` None)
     accumulating several micro-batches through graphed blocks, whose replays would otherwise hand the
     same graph buffers to `.grad` twice (the module docstring)."""
-    return grads is None and grad_accum > 1 and any(b.graphed_attend or b.graphed_whole for b in model.layers)
+    return grads is None and grad_accum > 1 and (model.graphed_stack is not None
+                                                 or any(b.graphed_attend or b.graphed_whole for b in model.layers))
 
 
 def prepare_grads(model) -> None:
     """Zero `.grad` for the graphed blocks' parameters that have none (see the module docstring: one
     process with gradient accumulation)."""
     for b in model.layers:
-        if b.graphed_whole is not None:
+        if b.graphed_whole is not None or model.graphed_stack is not None:
             params = b.parameters()
         elif b.graphed_attend is not None:  # (the halves' gradients come back through OverlappedBlock: summed)
             params = (*b.attn_norm.parameters(), *b.attn.parameters(), *b.mlp_norm.parameters())

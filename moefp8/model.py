@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from moefp8.config import ModelConfig
 from moefp8.dispatch import Dispatcher, build_dispatcher
 from moefp8.fp8 import TILE, ScaleStats
-from moefp8.graphs import replays
+from moefp8.graphs import replays, replays_stack
 from moefp8.kernels.grouped_gemm import GemmPolicy
 from moefp8.kernels.norm import add_rms_norm, rms_norm, rms_norm_split
 from moefp8.kernels.rope import rope_qkv, rope_tables
@@ -268,6 +268,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.fused_norm)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.expert_offset = ep_rank * dispatcher.num_local_experts
+        self.graphed_stack = None  # (every block as one captured graph, its input shape): moefp8.graphs
         if not self.head.weight.is_meta:  # on the meta device (`Transformer.build`): drawn once allocated
             self.reset_parameters(seed)
 
@@ -331,12 +332,23 @@ class Transformer(nn.Module):
         aux = torch.zeros((), device=idx_BS.device)
         loads = []
         handoff = Handoff()  # an overlapped block's output half B may finish behind the next block's attention
-        for layer in self.layers:
-            x, a, load = layer(x, cos, sin, flags, handoff)
-            if a is not None:
-                aux = aux + a
-            if load is not None:
-                loads.append(load)
+        if replays_stack(self, x):  # train.cuda_graphs_mlp, every block whole: one graph (moefp8.graphs)
+            x, *rest = self.graphed_stack[0](x, cos, sin)
+            got = iter(rest)
+            for layer in self.layers:
+                flags += [next(got), next(got)]  # (its attention's, its MLP's)
+                extra = {k: next(got) for k in layer.whole_outputs}
+                if "aux" in extra:
+                    aux = aux + extra["aux"]
+                if "load" in extra:
+                    loads.append(extra["load"])
+        else:
+            for layer in self.layers:
+                x, a, load = layer(x, cos, sin, flags, handoff)
+                if a is not None:
+                    aux = aux + a
+                if load is not None:
+                    loads.append(load)
         handoff.wait()
         load_LE = torch.stack(loads) if loads else torch.zeros(0, self.cfg.n_experts, dtype=torch.int64,
                                                                device=idx_BS.device)

@@ -64,6 +64,20 @@ def test_capture_plan_and_the_halves_replay_check():
     assert replays(e2, xa, whole=True) and not replays(e2, xa) and not replays(e1, xa, whole=True)
 
 
+def test_stackable_where_every_block_is_whole_capturable():
+    """train.cuda_graphs_mlp captures the blocks as one graph at EP = 1 with every block whole-capturable; not
+    with the overlap's halves, a block that recomputes its attention, or a MoE layer that is not capturable."""
+    from moefp8.graphs import stackable
+    from moefp8.overlap import OverlapPolicy
+
+    assert stackable(Transformer(CFG, Recipe("fp8"), seed=0), None)
+    assert not stackable(Transformer(CFG, Recipe("fp8"), seed=0), (1, 1))
+    assert not stackable(Transformer(CFG, Recipe("fp8"), seed=0, overlap=OverlapPolicy()), None)
+    assert not stackable(Transformer(CFG, Recipe("fp8"), seed=0, recompute=("attention",)), None)
+    m = Transformer(CFG, Recipe("fp8"), seed=0)
+    assert m.graphed_stack is None
+
+
 def test_whole_capturable_blocks():
     """train.cuda_graphs_mlp captures a block whole where its MLP's shapes are static: dense MLPs, and MoE
     layers in the plain schedule with moefp8's experts that exchange no rows, or whose exchanges have fixed
@@ -209,15 +223,19 @@ def test_gpu_replayed_attention_equals_eager(recipe, accum):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe, accum, fused", [("fp8", 1, False), ("bf16", 1, False), ("fp8", 2, False),
-                                                  ("fp8", 3, True), ("bf16", 3, True)])
-def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum, fused):
-    """train.cuda_graphs_mlp at EP = 1: every block, dense and MoE, replays one graph (attention, MLP or MoE
-    layer: its rows at their static bound). Two optimizer steps with the routers' bias update between: the
-    eager model's losses and gradients bit for bit, so the replays quantize the updated weights (the FP8
-    copies are made inside the captured forward) and read the updated bias; no eager block code runs.
-    fused: the replayed model's experts sum their micro-batches' gradients inside the captured GEMMs
-    (moefp8.accum, armed before the capture), the eager one's through autograd."""
+@pytest.mark.parametrize("recipe, accum, fused, stack", [("fp8", 1, False, True), ("bf16", 1, False, True),
+                                                         ("fp8", 2, False, True), ("fp8", 3, True, True),
+                                                         ("bf16", 3, True, True), ("fp8", 1, False, False),
+                                                         ("fp8", 3, True, False)])
+def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum, fused, stack, monkeypatch):
+    """train.cuda_graphs_mlp at EP = 1: every block, dense and MoE, replays whole (attention, MLP or MoE
+    layer: its rows at their static bound), the stack of them as one graph (stack; else one graph a block).
+    Two optimizer steps with the routers' bias update between: the eager model's losses and gradients bit for
+    bit, so the replays quantize the updated weights (the FP8 copies are made inside the captured forward)
+    and read the updated bias; no eager block code runs. fused: the replayed model's experts sum their
+    micro-batches' gradients inside the captured GEMMs (moefp8.accum, armed before the capture), the eager
+    one's through autograd."""
+    from moefp8 import graphs
     from moefp8.accum import arm
 
     torch.backends.cuda.enable_flash_sdp(False)
@@ -227,8 +245,11 @@ def test_gpu_replayed_whole_blocks_equal_eager(recipe, accum, fused):
     m = Transformer(CFG, Recipe(recipe), seed=0).cuda()
     if fused:
         assert arm(m, accum, experts_alone=True) == 4  # the two MoE blocks' w1 and w2
+    if not stack:
+        monkeypatch.setattr(graphs, "stackable", lambda *a: False)
     assert graph_attention(m, B, S, mlp=True) == CFG.n_layers
-    assert all(b.graphed_whole is not None and b.graphed_attend is None for b in m.layers)
+    assert (m.graphed_stack is not None) == stack
+    assert all((b.graphed_whole is None) == stack and b.graphed_attend is None for b in m.layers)
     for b in m.layers:  # a replay calls none of the block's eager code
         b.attend = b.whole_checked = None
     got = _steps(m, batches, accum, graphed=True, bias=True)
@@ -322,7 +343,7 @@ def test_gpu_training_with_cuda_graphs_repeats_the_eager_losses(data_dir, tmp_pa
         stdout, runs[graphs] = _hydra_run(launch, data_dir, tmp_path / graphs, f"train.cuda_graphs={graphs != 'false'}",
                                           f"train.cuda_graphs_mlp={graphs == 'mlp'}")
         said = "train.cuda_graphs: the attention of 3 of 3 blocks replays CUDA graphs" + {
-            "mlp": "; 3 of them whole, with their MLP (train.cuda_graphs_mlp)\n",
+            "mlp": "; 3 of them whole, with their MLP (train.cuda_graphs_mlp), as one graph\n",
             "true": "; the MoE blocks' for the overlap's halves of 2 and 2 sequences" if overlap == "true" else "\n",
             "false": "\n"}[graphs]
         assert (said in stdout) == (graphs != "false"), stdout[-2000:]
