@@ -56,8 +56,8 @@ def zero(params: list[Tensor]) -> None:
 
 def to_grad(params: list[Tensor]) -> None:
     """After a step's last micro-batch, before the gradient buckets finish: each buffer becomes its
-    weight's `.grad` (the optimizer's `zero_grad` lets go of it again). A gradient autograd gave the weight anyway (a path that does not
-    take `main_grad`) is added in rather than lost."""
+    weight's `.grad` (the optimizer's `zero_grad` lets go of it again). A gradient autograd gave the
+    weight anyway (a path that does not take `main_grad`) is added in rather than lost."""
     for p in params:
         if p.grad is not None and p.grad is not p.main_grad:
             p.main_grad.add_(p.grad)
