@@ -254,8 +254,8 @@ def bwd_experts(layer, dz, dout: Tensor, s: Saved, w1: Tensor, w2: Tensor, want_
     """dz (the dispatched gradient) -> (dx rows summed per received token [T_recv, H] or None,
     dw [T_recv, K] fp32 or None, dW1, dW2 fp32). dout: this rank's gradient, used for dw at EP=1.
     dw_into: fp32 (dW1, dW2) to add this micro-batch's into (another micro-batch's, or the weights'
-    `main_grad`, moefp8.accum; returned as dW1, dW2), else None. dx_add: a bf16 [T_recv, H] added to the dx rows' sum in its pass (the
-    shared experts' dx at EP=1)."""
+    `main_grad`, moefp8.accum; returned as dW1, dW2), else None. dx_add: a bf16 [T_recv, H] added to
+    the dx rows' sum in its pass (the shared experts' dx at EP=1)."""
     fp8, fmt, disp = layer.recipe.fp8, layer.recipe.scale_fmt, layer.dispatcher
     L, w_TK = s.layout, s.topk_w
     dw = None
