@@ -220,7 +220,8 @@ def rope_qkv_backward_quant_ref(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor,
         return torch.stack((a * cos + c * sin, c * cos - a * sin), dim=-1).flatten(-2).transpose(1, 2)
 
     dqkv = torch.stack((back(dq), back(dk), dv.float()), dim=2)  # [B, S, 3, nh, hd]
-    return quant_rowwise_ref(dqkv.reshape(dqkv.shape[0] * dqkv.shape[1], -1), scale_fmt, colmajor_scale=True)
+    B, S, _, nh, hd = dqkv.shape  # (the width named: a -1 is ambiguous for a batch of no tokens)
+    return quant_rowwise_ref(dqkv.reshape(B * S, 3 * nh * hd), scale_fmt, colmajor_scale=True)
 
 
 def rope_ref(x_BSnd: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

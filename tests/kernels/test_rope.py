@@ -124,6 +124,15 @@ def test_backward_quant_ref_is_the_quantized_gradient():
     assert torch.all((got.dequantize() - want).abs() <= torch.maximum(want.abs() * 2**-4, s * 2**-10) + 1e-6 * s)
 
 
+def test_backward_quant_ref_of_no_token():
+    """A batch of no tokens (no sequence, or sequences of none): an empty [0, 3 nh hd] FP8 gradient, not an error."""
+    for B, S in ((0, 8), (2, 0)):
+        cos, sin = R.rope_tables(S, 128, 10000.0)
+        dq, dk = (torch.zeros(B, S, 3, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        got = R.rope_qkv_backward_quant_ref(dq, dk, torch.zeros(B, S, 3, 128, dtype=torch.bfloat16), cos, sin)
+        assert got.data.shape == (0, 3 * 3 * 128) and got.scale.shape == (0, 9)
+
+
 def check_backward_quant(device, exact):
     B, S, nh = 2, 70, 3  # S not a multiple of the kernel's 32-position block
     cos, sin = R.rope_tables(S, 128, 10000.0, device)
