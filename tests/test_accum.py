@@ -76,11 +76,11 @@ def test_a_gradient_autograd_gave_anyway_is_added_not_lost():
     assert p.grad is p.main_grad and torch.equal(p.grad, torch.full((3,), 3.0))
 
 
-def _run_args(data_dir, out, *extra) -> list:
-    return ["model=tiny", "train.device=cpu", "train.seq_len=32", "train.grad_accum=2", "train.steps=3",
-            "train.log_every=1", "train.ckpt_every=0", "train.eval_every=0", "train.progress=false",
-            "logger.mode=disabled", "optim.lr=1e-3", f"data.path={data_dir}", "data.prepare_from=",
-            f"train.out_dir={out}", *extra]
+def _run_args(data_dir, out, *extra, device: str = "cpu", micro_batch: int = 2, seq_len: int = 32) -> list:
+    return ["model=tiny", f"train.device={device}", f"train.micro_batch={micro_batch}", f"train.seq_len={seq_len}",
+            "train.grad_accum=2", "train.steps=3", "train.log_every=1", "train.ckpt_every=0", "train.eval_every=0",
+            "train.progress=false", "logger.mode=disabled", "optim.lr=1e-3", f"data.path={data_dir}",
+            "data.prepare_from=", f"train.out_dir={out}", *extra]
 
 
 def _metrics(out) -> list:
@@ -93,7 +93,7 @@ def test_training_loop_with_it_is_the_loop_without_it(data_dir, tmp_path):
     from moefp8.train import train
 
     def run(out, fused):
-        train(compose_config(_run_args(data_dir, out, "train.micro_batch=2", f"train.grad_accum_fusion={fused}")))
+        train(compose_config(_run_args(data_dir, out, f"train.grad_accum_fusion={fused}")))
         return _metrics(out)
 
     fused, plain = run(tmp_path / "fused", "true"), run(tmp_path / "plain", "false")
@@ -101,18 +101,35 @@ def test_training_loop_with_it_is_the_loop_without_it(data_dir, tmp_path):
     assert Config().train.grad_accum == 1  # (the presets' default: nothing armed)
 
 
-def test_expert_parallel_over_every_rank_takes_it_too(data_dir, tmp_path):
-    """2 gloo processes, EP2 (= world: no rank shares an expert's gradient), micro-batch 1 each, 2 micro-batches a
-    step: said at start, and the same losses and gradient norms, bit for bit, as with train.grad_accum_fusion=false."""
+def _ep_runs(data_dir, tmp_path, *extra, **size) -> dict:
+    """EP2 over 2 processes, micro-batch 1 each, 2 micro-batches a step, fused and not -> {fused: metrics}."""
     runs = {}
     for fused in ("true", "false"):
         out = tmp_path / fused
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                             "-m", "moefp8.train", "dispatch=all_to_all", "dispatch.ep_size=2",
-                            *_run_args(data_dir, out, "train.micro_batch=1", f"train.grad_accum_fusion={fused}")],
+                            *_run_args(data_dir, out, f"train.grad_accum_fusion={fused}", *extra, **size)],
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         said = "train.grad_accum=2: 4 routed expert weights sum their micro-batches' gradients inside their wgrad GEMMs"
         assert (said in r.stdout) == (fused == "true"), r.stdout[-2000:]
         runs[fused] = _metrics(out)
+    return runs
+
+
+def test_expert_parallel_over_every_rank_takes_it_too(data_dir, tmp_path):
+    """2 gloo processes, EP2 (= world: no rank shares an expert's gradient), micro-batch 1 each, 2 micro-batches a
+    step: said at start, and the same losses and gradient norms, bit for bit, as with train.grad_accum_fusion=false."""
+    runs = _ep_runs(data_dir, tmp_path, micro_batch=1)
     assert len(runs["true"]) == 3 and runs["true"] == runs["false"], runs
+
+
+@pytest.mark.gpu
+def test_gpu_expert_parallel_over_nccl_takes_it_too(data_dir, tmp_path):
+    """The same on 2 GPUs (NCCL, the k-grouped kernel's TMA-fed accumulation, FP8 and BF16), deterministic kernels."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for recipe in ("fp8", "bf16"):
+        runs = _ep_runs(data_dir, tmp_path / recipe, f"recipe={recipe}", "train.deterministic=true", device="cuda",
+                        seq_len=128)
+        assert len(runs["true"]) == 3 and runs["true"] == runs["false"], (recipe, runs)
