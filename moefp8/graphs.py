@@ -28,7 +28,10 @@ it eagerly. Its replays return the layouts' overflow flags as an output, which t
 dispatch/all_to_all.py: the eager steps do). Its GEMMs read the weights' persistent FP8 copies
 (moefp8.weight_copy: made before the capture, in the warm-up, and written by the optimizer after each
 step), so every replay reads the weights as they are then. The
-router's bias is updated in place outside the graph, which reads it where it lives.
+router's bias is updated in place outside the graph, which reads it where it lives. Where every block is
+captured whole at EP = 1 (`stackable`), the stack of blocks is one callable (`_Stack`) and the model replays one
+graph each way (`Transformer.graphed_stack`, `replays_stack`): a graph per block copied each block's input, and
+backward its output gradient, into the next graph's static buffers (~2 ms and 6.5 GiB of the 3B step).
 
 Gradients: a replayed backward writes the weights' gradients into the graph's own buffers, which
 autograd then hands to `.grad` as they are (no copy) where `.grad` is None. They stay valid until the
