@@ -1,6 +1,7 @@
 """Where a training step's time goes, FP8 vs BF16 recipe: builds the model of a Hydra config
 (random tokens, no data needed; --data: the config's data, real tokens), times whole steps
-(forward + backward + gradient reduction + optimizer, the training loop's order) and prints, per
+(train.grad_accum micro-batches forward + backward, gradient reduction, optimizer: the training loop's
+order; tokens/s counts every micro-batch) and prints, per
 recipe, the kernels that took the most device time per step, grouped by name. On one process: EP=1, `local` dispatch. Under torchrun:
 the config's dispatch (its backend and dispatch.ep_size), the data-parallel gradient buckets of
 the training loop (moefp8.grad_sync), every rank its own tokens; figures per GPU and for all,
