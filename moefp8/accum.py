@@ -24,9 +24,16 @@ import torch
 from torch import Tensor
 
 
+def main_grad(weight: Tensor) -> Tensor | None:
+    """The fp32 buffer a weight's wgrad GEMM accumulates into (Megatron's `main_grad`: `arm`, or the caller's
+    own), else None: autograd takes the weight's gradient."""
+    mg = getattr(weight, "main_grad", None)
+    return mg if isinstance(mg, Tensor) and mg.dtype == torch.float32 else None
+
+
 def armed(model) -> list[Tensor]:
     """The parameters that carry a `main_grad` (`arm`)."""
-    return [p for p in model.parameters() if getattr(p, "main_grad", None) is not None]
+    return [p for p in model.parameters() if main_grad(p) is not None]
 
 
 def arm(model, grad_accum: int, experts_alone: bool) -> int:
@@ -42,7 +49,7 @@ def arm(model, grad_accum: int, experts_alone: bool) -> int:
         if moe is None or moe.overlap is not None or moe.megablocks is not None:
             continue
         for w in (moe.w1, moe.w2):
-            if w.requires_grad and getattr(w, "main_grad", None) is None:
+            if w.requires_grad and main_grad(w) is None:
                 w.main_grad = torch.zeros_like(w, dtype=torch.float32)
                 n += 1
     return n

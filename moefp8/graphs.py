@@ -46,7 +46,7 @@ import gc
 import torch
 from torch import Tensor, nn
 
-from moefp8.accum import armed
+from moefp8.accum import armed, main_grad
 from moefp8.kernels.rope import rope_tables
 
 
@@ -238,5 +238,5 @@ def prepare_grads(model) -> None:
         else:
             continue
         for p in params:
-            if p.grad is None and getattr(p, "main_grad", None) is None:  # (moefp8.accum: summed in its own buffer)
+            if p.grad is None and main_grad(p) is None:  # (moefp8.accum: summed in its own buffer)
                 p.grad = torch.zeros_like(p)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moefp8.accum import main_grad
 from moefp8.fp8 import TILE, Fp8Tensor, ScaleStats
 from moefp8.kernels.gemm import fp8_gemm
 from moefp8.kernels.grouped_gemm import GemmPolicy
@@ -35,11 +36,6 @@ HAS_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8
 def _check_dims(name: str, N: int, K: int) -> None:
     if K % TILE or N % TILE:
         raise ValueError(f"{name}: in_features={K} and out_features={N} must both be divisible by {TILE}")
-
-
-def _wgrad_target(weight: Tensor) -> Tensor | None:
-    mg = getattr(weight, "main_grad", None)
-    return mg if isinstance(mg, Tensor) and mg.dtype == torch.float32 else None
 
 
 def quant_operand(x2: Tensor, scale_fmt: str, colwise: bool, kind: str,
@@ -76,7 +72,7 @@ def _fp8_linear_forward(ctx, x: Tensor, weight: Tensor, scale_fmt: str, stats: S
     wt = (w8t.data, w8t.scale) if w8t is not None else (None, None)
     ctx.scale_fmt, ctx.stats, ctx.gemm = scale_fmt, stats, gemm
     ctx.x_shape = x.shape
-    ctx.w_dtype, ctx.main_grad = weight.dtype, _wgrad_target(weight)
+    ctx.w_dtype, ctx.main_grad = weight.dtype, main_grad(weight)
     return y.reshape(*x.shape[:-1], N), (*((xc.data, xc.scale) if weight.requires_grad else (None, None)), *wt)
 
 

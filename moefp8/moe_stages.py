@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from moefp8.accum import main_grad
 from moefp8.dispatch import Dispatcher
 from moefp8.experts import bf16_mlp_backward, bf16_mlp_forward, fp8_mlp_backward, fp8_mlp_forward
 from moefp8.fp8 import Fp8Tensor, record_stream
@@ -386,7 +387,7 @@ class RoutedExperts(torch.autograd.Function):
 
 def _main_grads(w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor] | None:
     """(w1.main_grad, w2.main_grad) where both weights carry one (moefp8.accum), else None."""
-    g1, g2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
+    g1, g2 = main_grad(w1), main_grad(w2)
     return (g1, g2) if g1 is not None and g2 is not None else None
 
 
