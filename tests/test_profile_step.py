@@ -353,3 +353,34 @@ def test_kernels_by_scope_name_the_range_the_autograd_node_and_the_op_that_launc
         ("bwd_fc1", "aten::contiguous > aten::copy_", "elementwise + copies", 0.25, 0.5),
         ("fc1", "aten::mul", "elementwise + copies", 0.201, 1.5),  # the memset is a copy too: one row
         ("-", "aten::add_", "elementwise + copies", 0.02, 0.5)]
+
+
+def test_the_gpus_clocks_and_power_over_the_timed_steps_are_in_the_row(tmp_path, monkeypatch, capsys):
+    """The row holds what nvidia-smi sampled while the timed steps ran (SM clock, power, clock reasons: a recipe at
+    the power cap runs its tensor work at a lower clock) and the report says it; a fake nvidia-smi on PATH here.
+    Without nvidia-smi the row holds {} and the report no GPU line."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import shutil
+
+    import profile_step
+    from argparse import Namespace
+
+    args = Namespace(warmup=1, steps=2, top=3, host_profile=False, memory=False, data=False)
+    over = ["model=tiny", "train.device=cpu", "train.micro_batch=1", "train.seq_len=16"]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\ncase "$*" in *--loop-ms=*) while true; do echo "0, 1755, 3201, 699, 64, 0x4"; '
+                    'sleep 0.01; done;; esac\necho "0, 1980, 3201, 650, 60, 0x0"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    row = profile_step.measure(over, "bf16", args, [], profile_steps=0)
+    g = row["gpu_state"][0]
+    assert g["samples"] >= 1 and g["sm_mhz_median"] == 1755 and g["power_w_max"] == 699
+    assert g["clock_reasons"] == ["sw power cap"]
+    profile_step.report({**row, "variant": "", "round": 0})
+    out = capsys.readouterr().out
+    assert "GPU 0 over the timed steps: SM clock 1755 MHz median" in out and "sw power cap" in out
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    row = profile_step.measure(over, "bf16", args, [], profile_steps=0)
+    assert row["gpu_state"] == {}
+    profile_step.report({**row, "variant": "", "round": 0})
+    assert "over the timed steps" not in capsys.readouterr().out

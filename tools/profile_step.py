@@ -25,7 +25,9 @@ The ATen-launched kernels (ATen's, cuBLAS, cuDNN, NCCL) are also summed by where
 (`scopes`: the record_function range, the autograd node, the op): what "elementwise + copies" is.
 The profiled steps' GPU timeline (`timeline`: span, where any kernel runs, where any kernel other
 than communication runs, idle) puts a number on it: idle ms are the GPU waiting for the host.
-Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
+The GPUs' SM clock, power and clock reasons over the timed steps (`gpu_state`, sampled with
+nvidia-smi): a step at the power cap runs its tensor work at a lower clock, which kernel times alone
+do not say. Speed-of-light beside it: the model's training FLOPs per token x tokens/s against the device's
 dense BF16 / FP8 peak (moefp8.launch.peak_flops). Memory: the CUDA peak of the timed steps
 beside moefp8.memory's plan for the config. Writes a JSON (rows per recipe, the top kernels)
 with --json. Routing: a fresh router sends nearly every token to the same few experts, random tokens
@@ -51,6 +53,7 @@ fell on whichever recipe ran first.
 """
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import math
@@ -72,7 +75,7 @@ from moefp8.grad_sync import reduced_grad_norm  # noqa: E402
 from moefp8.accum import armed, to_grad, zero  # noqa: E402
 from moefp8.graphs import keeps_grads, prepare_grads  # noqa: E402
 from moefp8.optim import AdamW, clip_scale  # noqa: E402
-from moefp8.testing import save_results  # noqa: E402
+from moefp8.testing import GpuSampler, save_results  # noqa: E402
 from moefp8.launch import peak_flops, resolve_device  # noqa: E402
 from moefp8.memory import plan  # noqa: E402
 from moefp8.parallel import Parallel  # noqa: E402
@@ -365,12 +368,18 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        host.append(time.perf_counter() - t0)  # the host's enqueue time (it blocks only at syncs inside the step)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    # the GPUs' clocks, power and clock reasons over the timed steps (rank 0 samples every GPU): a recipe that runs at
+    # the power cap runs its tensor work at a lower SM clock, which the kernels' times alone do not say
+    # (where nvidia-smi is missing, e.g. on CPU, the sampler reads nothing: {})
+    sampler = GpuSampler() if par is None or par.rank == 0 else contextlib.nullcontext()
+    with sampler:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t0)  # the host's enqueue time (it blocks only at syncs inside the step)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    gpu_state = getattr(sampler, "summary", {})
     loss, grad_norm = (float(torch.as_tensor(v)) for v in step.last)  # the last timed step's
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -437,7 +446,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
             "peak_mem_gib": peak_mem / 2**30 if peak_mem is not None else None, "plan_gib": pl["total"] / 2**30,
             "plan": {k: v / 2**30 for k, v in pl.items()},
             "loss": loss, "grad_norm": grad_norm, "numerics_ok": math.isfinite(loss) and math.isfinite(grad_norm),
-            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": gpu_timeline, "scopes": scopes, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
+            "gemm_lib": gemm_lib, "overlap_auto": auto_row, "gpu_state": gpu_state, "tokens": "data" if args.data else "random", "routing": balance, "by_kind": by_kind(rows), "timeline": gpu_timeline, "scopes": scopes, "top": rows[:args.top], "host_top": host_top, "memory": memory, "device": str(device), "params": param_counts(cfg.model)}
 
 
 def report(r: dict) -> None:
@@ -455,6 +464,10 @@ def report(r: dict) -> None:
           + (f"; {r['routing']['rows_overflowed_warmup']} in the warm-up" if r['routing'].get('rows_overflowed_warmup')
              else ""))
     print(f"  last timed step: loss {r['loss']:.4f}, grad norm {r['grad_norm']:.4g}")
+    for gpu, g in (r.get("gpu_state") or {}).items():
+        print(f"  GPU {gpu} over the timed steps: SM clock {g['sm_mhz_median']:.0f} MHz median (min {g['sm_mhz_min']:.0f}), "
+              f"power {g['power_w_median']:.0f} W median (max {g['power_w_max']:.0f}), {g['temp_c_max']:.0f} C max, "
+              f"clock reasons: {', '.join(g['clock_reasons']) or 'none'} ({g['samples']} samples)")
     if not r["numerics_ok"]:
         print("  NUMERICS BROKEN: a non-finite loss or gradient norm; this step's speed is not a measurement "
               "(broken math can run faster: collapsed routing, skipped work)")
