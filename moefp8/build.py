@@ -45,16 +45,16 @@ def open_data(cfg: Config, par: Parallel, say=print) -> Loader:
 def gemm_policy(cfg: Config, device: torch.device, ep_size: int = 1, say=print) -> GemmPolicy:
     """The GEMMs' policy: recipe.gemm's library, or for `auto` the one `choose_mgrouped_lib` finds
     on this device for the model's experts (fc1 [2I, H] and fc2 [H, I], each local expert with its
-    balanced share of the routed rows); the choice said in one line."""
+    balanced share of the routed rows); the choice said in one line (none for a recipe without FP8
+    GEMMs: auto is the default)."""
     lib = cfg.recipe.gemm
+    if lib == "auto" and cfg.recipe.recipe != "fp8":
+        lib = "moefp8"
     if lib == "auto":
         m, t = cfg.model, cfg.train
-        if cfg.recipe.recipe != "fp8":
-            lib, why = "moefp8", {"why": f"recipe={cfg.recipe.recipe}: no FP8 GEMMs"}
-        else:
-            rows = t.micro_batch * t.seq_len * ep_size * m.topk // m.n_experts
-            lib, why = choose_mgrouped_lib(m.n_experts // ep_size, max(rows, 1), [(2 * m.moe_inter, m.hidden),
-                                                                                (m.hidden, m.moe_inter)], device)
+        rows = t.micro_batch * t.seq_len * ep_size * m.topk // m.n_experts
+        lib, why = choose_mgrouped_lib(m.n_experts // ep_size, max(rows, 1), [(2 * m.moe_inter, m.hidden),
+                                                                            (m.hidden, m.moe_inter)], device)
         if "why" in why:
             say(f"recipe.gemm=auto: {lib} ({why['why']})")
         else:

@@ -90,9 +90,10 @@ class RecipeConfig:
     # from session 11 to 54: bench/notes/convergence.md, session 54).
     bf16_linears: list[str] = field(default_factory=list)
     # FP8 recipe: the experts' m-grouped GEMMs (fprop, dgrad) by moefp8's kernels or, where DeepGEMM is
-    # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); auto: DeepGEMM where it imports, is
-    # bit-identical and faster on the model's expert shapes (timed at start), else moefp8. The wgrad stays moefp8's
-    gemm: str = "moefp8"
+    # built, by DeepGEMM's (kernels/deepgemm.py; the same numerics); auto (the default): DeepGEMM where it
+    # imports, is bit-identical and faster on the model's expert shapes (timed at start), else moefp8
+    # (3B on one H200: +1.1-1.5% a whole step with DeepGEMM; bench/notes/scale.md, session 65). The wgrad stays moefp8's
+    gemm: str = "auto"
     # the routed experts: moefp8's pipeline, or megablocks' dropless MoE (dMoE; moefp8.megablocks_experts)
     # on moefp8's router and weights: the BF16 baseline a user would pick instead (recipe=bf16, EP=1)
     moe_impl: str = "moefp8"

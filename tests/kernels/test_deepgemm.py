@@ -196,16 +196,31 @@ def test_auto_picks_deepgemm_only_when_bit_identical_and_faster(identical, deepg
 
 
 def test_auto_without_deep_gemm_or_a_gpu_is_moefp8_and_says_why():
+    """auto is the default (the config's and the recipe preset's); without a GPU it is moefp8, said in one line;
+    a recipe with no FP8 GEMMs says nothing."""
     from moefp8.build import gemm_policy
     from moefp8.config import Config
+    from moefp8.hydra_config import compose_config
 
     c, said = Config(), []
-    c.recipe.gemm = "auto"
+    assert c.recipe.gemm == "auto" and compose_config(["recipe=fp8"]).recipe.gemm == "auto"
     assert gemm_policy(c, torch.device("cpu"), say=said.append).mgrouped_lib == "moefp8"
     c.recipe.recipe = "bf16"
     assert gemm_policy(c, torch.device("cpu"), say=said.append).mgrouped_lib == "moefp8"
-    assert said == ["recipe.gemm=auto: moefp8 (not a CUDA device (cpu))",
-                    "recipe.gemm=auto: moefp8 (recipe=bf16: no FP8 GEMMs)"]
+    assert said == ["recipe.gemm=auto: moefp8 (not a CUDA device (cpu))"]
+
+
+def test_auto_keeps_moefp8_where_deep_gemm_fails_on_the_trial():
+    """A DeepGEMM build that raises on the trial (its JIT failing, a shape it refuses) leaves moefp8's kernels and
+    says what failed, instead of stopping the run at start."""
+    from moefp8.kernels.grouped_gemm import choose_mgrouped_lib
+
+    def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
+        raise RuntimeError("NVRTC compilation failed\n(the rest of the log)")
+    dg = types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous)
+    lib, why = choose_mgrouped_lib(3, 130, [(256, 128)], torch.device("cpu"), dg=dg, timer=lambda fn: 1.0)
+    assert lib == "moefp8"
+    assert why["why"] == "DeepGEMM failed on [768, 128] x [3, 256, 128]: RuntimeError: NVRTC compilation failed"
 
 @pytest.mark.gpu
 def test_gpu_model_with_deep_gemm_equals_moefp8_bit_for_bit():
