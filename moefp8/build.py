@@ -42,11 +42,13 @@ def open_data(cfg: Config, par: Parallel, say=print) -> Loader:
         raise DataError(f"data.path={d.path}: {e}") from None
 
 
-def gemm_policy(cfg: Config, device: torch.device, ep_size: int = 1, say=print) -> GemmPolicy:
+def gemm_policy(cfg: Config, device: torch.device, ep_size: int = 1, say=print, par: Parallel | None = None) -> GemmPolicy:
     """The GEMMs' policy: recipe.gemm's library, or for `auto` the one `choose_mgrouped_lib` finds
     on this device for the model's experts (fc1 [2I, H] and fc2 [H, I], each local expert with its
     balanced share of the routed rows); the choice said in one line (none for a recipe without FP8
-    GEMMs: auto is the default)."""
+    GEMMs: auto is the default). Under torchrun (par, world > 1) the ranks agree: DeepGEMM only where
+    every rank chose it (a node without it, or one whose trial read it slower, keeps the job on moefp8's
+    kernels; the outputs are the same bits either way, so this is for one library a job, said once)."""
     lib = cfg.recipe.gemm
     if lib == "auto" and cfg.recipe.recipe != "fp8":
         lib = "moefp8"
@@ -56,11 +58,21 @@ def gemm_policy(cfg: Config, device: torch.device, ep_size: int = 1, say=print) 
         lib, why = choose_mgrouped_lib(m.n_experts // ep_size, max(rows, 1), [(2 * m.moe_inter, m.hidden),
                                                                             (m.hidden, m.moe_inter)], device)
         if "why" in why:
-            say(f"recipe.gemm=auto: {lib} ({why['why']})")
+            line = f"recipe.gemm=auto: {lib} ({why['why']})"
         else:
             ms = why["ms"]
-            say(f"recipe.gemm=auto: {lib} (the experts' m-grouped GEMMs, fprop + dgrad: moefp8 {ms['moefp8']:.2f} ms, "
-                f"DeepGEMM {ms['deepgemm']:.2f} ms, outputs {'bit-identical' if why['identical'] else 'DIFFERENT'})")
+            line = (f"recipe.gemm=auto: {lib} (the experts' m-grouped GEMMs, fprop + dgrad: moefp8 {ms['moefp8']:.2f} ms, "
+                    f"DeepGEMM {ms['deepgemm']:.2f} ms, outputs {'bit-identical' if why['identical'] else 'DIFFERENT'})")
+        if par is not None and par.world > 1:
+            chose = torch.tensor([float(lib == "deepgemm")], device=par.device)
+            torch.distributed.all_reduce(chose)  # every rank runs this branch: the same config
+            n = int(chose.item())
+            if 0 < n < par.world:
+                lib = "moefp8"
+                line += f"; moefp8 on every rank: DeepGEMM was chosen on {n} of {par.world}"
+            elif n == par.world:
+                line += f"; on all {par.world} ranks"
+        say(line)
     return GemmPolicy(mgrouped_lib=lib)
 
 
@@ -79,7 +91,7 @@ def build_model(cfg: Config, par: Parallel | None, device: torch.device, say=pri
         ep_rank, model_cfg = par.ep_rank, routing_config(cfg, par.world)
     model = Transformer.build(model_cfg, Recipe.from_config(cfg.recipe), dispatcher, ep_rank, device=device, seed=t.seed,
                              overlap=overlap_policy(cfg) if d.overlap is True else None,
-                             gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say),
+                             gemm=gemm_policy(cfg, device, par.ep_size if par else 1, say, par),
                              recompute=tuple(t.recompute), loss_chunk=t.loss_chunk,
                              rows_factor=d.rows_factor if par is not None and par.ep_size > 1 else 0.0,
                              send_factor=d.send_factor if par is not None and par.ep_size > 1 else 0.0,

@@ -243,3 +243,30 @@ def test_gpu_model_with_deep_gemm_equals_moefp8_bit_for_bit():
         got.append([out.out.detach()] + [p.grad for p in m.parameters()])
     for a, b in zip(*got):
         assert torch.equal(a, b)
+
+
+def _agree_case(rank, world, device, picks):
+    """One rank of the agreement test: its own trial says picks[rank]; what the job runs is said once."""
+    import moefp8.build as build
+    from moefp8.config import Config
+
+    ms = {"moefp8": 3.3, "deepgemm": 3.0 if picks[rank] == "deepgemm" else 3.6}
+    build.choose_mgrouped_lib = lambda *a, **k: (picks[rank], {"ms": ms, "identical": True})
+    said = []
+    lib = build.gemm_policy(Config(), torch.device(device), 2, said.append,
+                            types.SimpleNamespace(world=world, device=torch.device(device))).mgrouped_lib
+    want = "deepgemm" if all(p == "deepgemm" for p in picks) else "moefp8"
+    assert lib == want, (rank, lib, picks)
+    n = sum(p == "deepgemm" for p in picks)
+    tail = {0: "", 1: "; moefp8 on every rank: DeepGEMM was chosen on 1 of 2", 2: "; on all 2 ranks"}[n]
+    assert len(said) == 1 and said[0].startswith(f"recipe.gemm=auto: {picks[rank]} (") and said[0].endswith(tail), said
+
+
+@pytest.mark.parametrize("picks", [("deepgemm", "moefp8"), ("moefp8", "deepgemm"), ("deepgemm", "deepgemm"),
+                                   ("moefp8", "moefp8")])
+def test_auto_under_torchrun_runs_one_library_on_every_rank(picks):
+    """2 gloo ranks whose trials disagree (a node without DeepGEMM, or a trial that read it slower) run moefp8's
+    kernels on both; DeepGEMM only where every rank chose it."""
+    from moefp8.testing import spawn_group
+
+    spawn_group(_agree_case, 2, picks, timeout_s=120)
