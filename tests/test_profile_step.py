@@ -379,8 +379,13 @@ def test_the_gpus_clocks_and_power_over_the_timed_steps_are_in_the_row(tmp_path,
     profile_step.report({**row, "variant": "", "round": 0})
     out = capsys.readouterr().out
     assert "GPU 0 over the timed steps: SM clock 1755 MHz median" in out and "sw power cap" in out
+    two = [{**row, "variant": "", "round": 0}, {**row, "variant": "", "round": 1, "gpu_state": {
+        0: {**g, "sm_mhz_median": 1600.0, "power_w_median": 650.0}}}, {**row, "variant": "", "round": 2}]
+    (summary,) = profile_step.summarize(two)  # the medians over the rounds beside the tokens/s
+    assert summary["sm_mhz"] == 1755 and summary["power_w"] == 699 and summary["rounds"] == 3
     monkeypatch.setattr(shutil, "which", lambda name: None)
     row = profile_step.measure(over, "bf16", args, [], profile_steps=0)
     assert row["gpu_state"] == {}
+    assert "sm_mhz" not in profile_step.summarize([{**row, "variant": "", "round": 0}])[0]
     profile_step.report({**row, "variant": "", "round": 0})
     assert "over the timed steps" not in capsys.readouterr().out

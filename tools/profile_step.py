@@ -507,13 +507,19 @@ def report(r: dict) -> None:
 
 def summarize(res: list[dict]) -> list[dict]:
     """Per (recipe, variant): the median over rounds; the ratios FP8/BF16 per variant and each
-    variant over the first per recipe."""
+    variant over the first per recipe; where the GPUs were sampled, the median over rounds of the
+    rows' SM clock and power (each row's mean over its GPUs): a variant that runs cooler reads faster."""
     keys = list(dict.fromkeys((r["recipe"], r["variant"]) for r in res))
     med = {k: statistics.median(r["tokens_per_s"] for r in res if (r["recipe"], r["variant"]) == k) for k in keys}
     out = []
     for (recipe, variant), tps in med.items():
         row = {"recipe": recipe, "variant": variant, "rounds": sum((r["recipe"], r["variant"]) == (recipe, variant)
                                                                     for r in res), "median_tokens_per_s": tps}
+        gpus = [list(r["gpu_state"].values()) for r in res
+                if (r["recipe"], r["variant"]) == (recipe, variant) and r.get("gpu_state")]
+        if gpus:
+            row["sm_mhz"] = statistics.median(statistics.mean(g["sm_mhz_median"] for g in gs) for gs in gpus)
+            row["power_w"] = statistics.median(statistics.mean(g["power_w_median"] for g in gs) for gs in gpus)
         if recipe != "bf16" and ("bf16", variant) in med:
             row["over_bf16"] = tps / med[("bf16", variant)]
         first = next(v for r_, v in keys if r_ == recipe)
@@ -615,8 +621,9 @@ def main() -> None:
     print()
     for row in summarize(res):
         ratios = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("over_"))
+        gpu = f"; SM {row['sm_mhz']:.0f} MHz, {row['power_w']:.0f} W" if "sm_mhz" in row else ""
         print(f"{row['recipe']}{row['variant'] and ' ' + row['variant']}: {row['median_tokens_per_s']:,.0f} tokens/s "
-              f"per GPU (median of {row['rounds']}){ratios and '; ' + ratios}")
+              f"per GPU (median of {row['rounds']}){ratios and '; ' + ratios}{gpu}")
     if args.json:
         save(args.json, res, overrides, complete=True)
     if par_box:
