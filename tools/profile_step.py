@@ -368,7 +368,7 @@ def measure(overrides: list[str], recipe: str, args, par_box: list, profile_step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
-    # the GPUs' clocks, power and clock reasons over the timed steps (rank 0 samples every GPU): a recipe that runs at
+    # the GPUs' clocks, power and clock reasons over the timed steps (rank 0 samples its node's GPUs): a recipe that runs at
     # the power cap runs its tensor work at a lower SM clock, which the kernels' times alone do not say
     # (where nvidia-smi is missing, e.g. on CPU, the sampler reads nothing: {})
     sampler = GpuSampler() if par is None or par.rank == 0 else contextlib.nullcontext()
