@@ -663,7 +663,7 @@ def choose_mgrouped_lib(n_experts: int, rows_per_expert: int, shapes_NK: list[tu
         return "moefp8", {"why": f"not a CUDA device ({device.type})"}
     dg = dg if dg is not None else deepgemm.load()
     if dg is None:
-        return "moefp8", {"why": "deep_gemm does not import"}
+        return "moefp8", {"why": "deep_gemm does not import: optional, the README says how to build it"}
     if timer is None:
         from triton.testing import do_bench
 

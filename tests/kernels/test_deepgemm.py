@@ -270,3 +270,12 @@ def test_auto_under_torchrun_runs_one_library_on_every_rank(picks):
     from moefp8.testing import spawn_group
 
     spawn_group(_agree_case, 2, picks, timeout_s=120)
+
+
+def test_auto_on_a_gpu_without_deep_gemm_says_it_is_optional(monkeypatch):
+    """Where `deep_gemm` does not import, auto's line says so and where to read how to build it."""
+    from moefp8.kernels.grouped_gemm import choose_mgrouped_lib
+
+    monkeypatch.setattr(deepgemm, "load", lambda: None)
+    lib, why = choose_mgrouped_lib(3, 130, [(256, 128)], torch.device("cuda"))
+    assert lib == "moefp8" and why == {"why": "deep_gemm does not import: optional, the README says how to build it"}
