@@ -58,21 +58,21 @@ def gemm_policy(cfg: Config, device: torch.device, ep_size: int = 1, say=print, 
         lib, why = choose_mgrouped_lib(m.n_experts // ep_size, max(rows, 1), [(2 * m.moe_inter, m.hidden),
                                                                             (m.hidden, m.moe_inter)], device)
         if "why" in why:
-            line = f"recipe.gemm=auto: {lib} ({why['why']})"
+            reason = why["why"]
         else:
             ms = why["ms"]
-            line = (f"recipe.gemm=auto: {lib} (the experts' m-grouped GEMMs, fprop + dgrad: moefp8 {ms['moefp8']:.2f} ms, "
-                    f"DeepGEMM {ms['deepgemm']:.2f} ms, outputs {'bit-identical' if why['identical'] else 'DIFFERENT'})")
+            reason = (f"the experts' m-grouped GEMMs, fprop + dgrad: moefp8 {ms['moefp8']:.2f} ms, DeepGEMM "
+                      f"{ms['deepgemm']:.2f} ms, outputs {'bit-identical' if why['identical'] else 'DIFFERENT'}")
         if par is not None and par.world > 1:
             chose = torch.tensor([float(lib == "deepgemm")], device=par.device)
             torch.distributed.all_reduce(chose)  # every rank runs this branch: the same config
             n = int(chose.item())
             if 0 < n < par.world:
                 lib = "moefp8"
-                line += f"; moefp8 on every rank: DeepGEMM was chosen on {n} of {par.world}"
+                reason += f"; DeepGEMM chosen on {n} of {par.world} ranks only: moefp8 on every rank"
             elif n == par.world:
-                line += f"; on all {par.world} ranks"
-        say(line)
+                reason += f"; on all {par.world} ranks"
+        say(f"recipe.gemm=auto: {lib} ({reason})")
     return GemmPolicy(mgrouped_lib=lib)
 
 

@@ -258,8 +258,8 @@ def _agree_case(rank, world, device, picks):
     want = "deepgemm" if all(p == "deepgemm" for p in picks) else "moefp8"
     assert lib == want, (rank, lib, picks)
     n = sum(p == "deepgemm" for p in picks)
-    tail = {0: "", 1: "; moefp8 on every rank: DeepGEMM was chosen on 1 of 2", 2: "; on all 2 ranks"}[n]
-    assert len(said) == 1 and said[0].startswith(f"recipe.gemm=auto: {picks[rank]} (") and said[0].endswith(tail), said
+    tail = {0: ")", 1: "; DeepGEMM chosen on 1 of 2 ranks only: moefp8 on every rank)", 2: "; on all 2 ranks)"}[n]
+    assert len(said) == 1 and said[0].startswith(f"recipe.gemm=auto: {want} (") and said[0].endswith(tail), said
 
 
 @pytest.mark.parametrize("picks", [("deepgemm", "moefp8"), ("moefp8", "deepgemm"), ("deepgemm", "deepgemm"),
