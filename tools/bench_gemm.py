@@ -382,8 +382,9 @@ def main():
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--inter", type=int, default=2048, help="expert intermediate size (fc1 N = 2*inter)")
     p.add_argument("--experts", default="8,32", help="local expert counts")
-    p.add_argument("--tokens", type=int, default=4096, help="mean tokens per expert (balanced cases)")
-    p.add_argument("--dense", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=4096, help="mean tokens per expert of the balanced cases at "
+                   "E <= 8; at E > 8, tokens * 8 / E (the same rows in all, at least 512)")
+    p.add_argument("--dense", type=int, default=8192, help="size of the dense M = N = K case (0: none)")
     p.add_argument("--variants", default="ws,tma", help="kernel variants to time (ws, tma, ptr)")
     p.add_argument("--quick", action="store_true", help="fc1 E8 balanced, fc2 E8 skewed, dense")
     p.add_argument("--probe", action="store_true", help="only probe cuBLAS blockwise scale layouts")
@@ -420,7 +421,8 @@ def main():
     for name, K, N, counts in cases:
         expert_case(rows, name, K, N, counts, variants)
         print(f"done {name} {counts}", flush=True)
-    dense_case(rows, args.dense, variants)
+    if args.dense:
+        dense_case(rows, args.dense, variants)
     for name, k in [("m-grouped tma", gg._mgrouped_tma_tuned), ("k-grouped tma", gg._kgrouped_tma_tuned),
                     ("m-grouped ptr", gg._mgrouped_tuned)]:
         for key, cfg in getattr(k, "cache", {}).items():
